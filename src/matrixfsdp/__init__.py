@@ -1,0 +1,26 @@
+"""MatrixFSDP: fully sharded data parallelism that keeps every Muon matrix whole on one
+owner rank, so the optimizer step runs exact Muon with no communication."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .checkpoint import full_state_dict, load_full_state_dict
+from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
+from .plan import Plan, format_report, make_plan
+from .runtime import fully_shard, get_root, plan_of
+
+__all__ = ["Muon", "Plan", "comm_stats", "fully_shard", "full_state_dict",
+           "load_full_state_dict", "make_plan", "muon_param_groups", "plan_of", "plan_report",
+           "zeropower_via_newtonschulz"]
+__version__ = "0.1.0"
+
+
+def plan_report(model: nn.Module, max_rows: int = 32) -> str:
+    """Who owns what: per rank, matrices owned, bytes held, NS cost, and the balance."""
+    return format_report(plan_of(model), max_rows=max_rows)
+
+
+def comm_stats(model: nn.Module):
+    """The :class:`~matrixfsdp.comm.CommStats` counting this model's collectives."""
+    return get_root(model).stats

@@ -1,0 +1,71 @@
+"""Flat-buffer layout of one communication unit. Pure data and index arithmetic.
+
+A unit's unsharded parameters live in one flat buffer, **rank-major**: rank 0's segment,
+then rank 1's, and so on. Rank r's segment holds, in the unit's parameter order, the
+rows of each parameter that r holds (whole Muon matrices on their owner, a row slice of
+every even parameter). So:
+
+* a gather-v writes each rank's segment straight into its place (no padding, no copy-in);
+* a whole Muon matrix is one contiguous run of the buffer, so its unsharded tensor is a
+  view (no copy-out);
+* an even parameter is P row slices spread over the segments, copied out into a tensor
+  of its own (these are the small ones: norms, biases; and the root's embeddings/head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .plan import Placement, Plan
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[row_start, row_stop)`` of one parameter, at ``offset`` in the flat buffer."""
+
+    rank: int
+    offset: int
+    numel: int
+    row_start: int
+    row_stop: int
+
+
+@dataclass
+class UnitLayout:
+    """Segments of one unit: ``seg_sizes[r]`` elements of rank r at ``seg_offsets[r]``."""
+
+    names: list[str]
+    placements: list[Placement]
+    seg_sizes: list[int]
+    seg_offsets: list[int]
+    pieces: list[list[Piece]]  # per parameter, the non-empty pieces in rank order
+
+    @property
+    def numel(self) -> int:
+        return sum(self.seg_sizes)
+
+    def whole_on_one_rank(self, i: int) -> bool:
+        return len(self.pieces[i]) == 1 and self.pieces[i][0].numel == self.placements[i].spec.numel
+
+    def local_pieces(self, rank: int) -> list[tuple[int, Piece]]:
+        """(parameter index, piece) for the pieces rank holds, in segment order."""
+        return [(i, p) for i, ps in enumerate(self.pieces) for p in ps if p.rank == rank]
+
+
+def unit_layout(plan: Plan, unit: int) -> UnitLayout:
+    placements = plan.unit_params(unit)
+    P = plan.world_size
+    pieces: list[list[Piece]] = [[] for _ in placements]
+    seg_sizes, seg_offsets = [], []
+    offset = 0
+    for r in range(P):
+        seg_offsets.append(offset)
+        for i, pl in enumerate(placements):
+            start, stop = pl.row_ranges[r]
+            n = (stop - start) * pl.spec.row_numel
+            if n:
+                pieces[i].append(Piece(r, offset, n, start, stop))
+                offset += n
+        seg_sizes.append(offset - seg_offsets[r])
+    return UnitLayout([pl.spec.name for pl in placements], placements, seg_sizes,
+                      seg_offsets, pieces)

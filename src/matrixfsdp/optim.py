@@ -1,0 +1,239 @@
+"""Muon on whole owned matrices and AdamW on even shards, in one ``torch.optim.Optimizer``.
+
+Every Muon matrix lives whole on its owner, whose gradient is already the full average
+over ranks, so ``step()`` is local: no collective of any kind. On other ranks the matrix
+is an empty placeholder without a gradient, which the step skips; momentum therefore
+lives only on the owner. AdamW is element-wise, so it runs unchanged on row shards.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.optim.adam import adam as _adam
+
+from .runtime import get_root, plan_params
+
+MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                     ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
+                     adjust_lr_fn=None, ns_dtype=torch.bfloat16)
+ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
+
+
+def zeropower_via_newtonschulz(g: torch.Tensor, coefficients: tuple[float, float, float],
+                               steps: int, eps: float,
+                               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximately orthogonalise the ``m x n`` matrix ``g`` (``torch.optim.Muon``'s NS).
+
+    Runs in ``dtype`` on the wide orientation: Frobenius-normalise, then ``steps`` quintic
+    iterations ``X <- aX + (bA + cA^2) X`` with ``A = X X^T``. Returns an ``m x n`` tensor
+    in ``dtype``; ``g`` is not modified.
+    """
+    a, b, c = coefficients
+    x = g.to(dtype, copy=True)
+    wide = g.size(0) <= g.size(1)
+    if not wide:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, poly, x, beta=a)
+    return x if wide else x.T
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-matrix lr: "original" ``lr*sqrt(max(1, m/n))``, "match_rms_adamw"
+    ``0.2*lr*sqrt(max(m, n))``. Needs the whole matrix's shape, never a shard's."""
+    m, n = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, m / n))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(m, n))
+    raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
+
+
+def _name(p: torch.Tensor) -> str:
+    pl = getattr(p, "_mf_placement", None)
+    return f"'{pl.spec.name}'" if pl is not None else f"of shape {tuple(p.shape)}"
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the ``use_muon=True`` groups, AdamW for the ``use_muon=False`` ones.
+
+    Muon groups take ``torch.optim.Muon``'s options and defaults (lr, weight_decay,
+    momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) plus ``ns_dtype``
+    (bf16 like torch; float32 for tight checks). AdamW groups take ``torch.optim.AdamW``'s
+    (lr, betas, eps, weight_decay); constructor defaults for them are the ``adamw_``
+    keywords. A group's own values win, as in every torch optimizer.
+    """
+
+    def __init__(self, params: Iterable[dict], *, lr: float = 1e-3, weight_decay: float = 0.1,
+                 momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 ns_dtype: torch.dtype = torch.bfloat16, adamw_lr: float = 1e-3,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float = 1e-2):
+        self._kind_defaults = {
+            True: dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                       ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                       adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype),
+            False: dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                        weight_decay=adamw_weight_decay),
+        }
+        groups = list(params)
+        if not groups or not all(isinstance(g, dict) for g in groups):
+            raise ValueError("matrixfsdp.Muon takes parameter groups (dicts) with a 'use_muon' "
+                             "flag; build them with matrixfsdp.muon_param_groups(model)")
+        _check_planned_together([p for g in groups for p in _as_list(g["params"])])
+        super().__init__(groups, {})
+        self.defaults = {**self._kind_defaults[True],
+                         **{f"adamw_{k}": v for k, v in self._kind_defaults[False].items()}}
+
+    def add_param_group(self, param_group: dict) -> None:
+        if "use_muon" not in param_group:
+            raise ValueError("every matrixfsdp.Muon parameter group needs 'use_muon': True "
+                             "(Muon) or False (AdamW)")
+        group = dict(param_group)
+        group["params"] = plan_params(_as_list(group["params"]))
+        use_muon = bool(group["use_muon"])
+        for k, v in self._kind_defaults[use_muon].items():
+            group.setdefault(k, v)
+        if use_muon:
+            _validate_muon_group(group)
+        elif group["lr"] < 0 or group["eps"] < 0 or not all(0 <= b < 1 for b in group["betas"]):
+            raise ValueError(f"invalid AdamW hyperparameters: lr={group['lr']}, "
+                             f"eps={group['eps']}, betas={group['betas']}")
+        super().add_param_group(group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if getattr(p, "_mf_replaced", None) is not None:
+                    raise RuntimeError(
+                        f"parameter {_name(p._mf_replaced)} was replaced by its shard when "
+                        "matrixfsdp planned the model, after this optimizer took it")
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        lr = float(group["lr"])
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if grad.is_sparse or torch.is_complex(p):
+                raise RuntimeError(f"Muon does not support sparse or complex parameter {_name(p)}")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - group["momentum"])
+            update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            update = zeropower_via_newtonschulz(update, group["ns_coefficients"],
+                                                group["ns_steps"], group["eps"],
+                                                group["ns_dtype"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+
+    def _adamw_step(self, group: dict) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"AdamW does not support sparse gradients ({_name(p)})")
+            state = self.state[p]
+            if not state:
+                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+                state["step"] = torch.tensor(0.0, dtype=scalar)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, capturable=False,
+            differentiable=False, fused=None, grad_scale=None, found_inf=None,
+            has_complex=any(torch.is_complex(p) for p in params), decoupled_weight_decay=True,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def _as_list(params) -> list[torch.Tensor]:
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+
+def _check_planned_together(params: list[torch.Tensor]) -> None:
+    """Catch an optimizer built before the root ``fully_shard``: some parameters sharded
+    (or waiting to be), others outside every unit."""
+    managed = [p for p in params if getattr(p, "_mf_placement", None) is not None
+               or getattr(p, "_mf_pending", None) is not None]
+    plain = [p for p in params if getattr(p, "_mf_placement", None) is None
+             and getattr(p, "_mf_pending", None) is None]
+    if managed and plain:
+        unit = getattr(managed[0], "_mf_pending", None) or managed[0]._mf_unit
+        where = unit.module
+        raise ValueError(
+            f"optimizer built before the root fully_shard: a parameter of shape "
+            f"{tuple(plain[0].shape)} is outside every fully_shard unit while another "
+            f"(in {type(where).__name__}) is sharded. Call "
+            "matrixfsdp.fully_shard on every block and then on the root module, then build "
+            "the optimizer from matrixfsdp.muon_param_groups(model)")
+
+
+def _validate_muon_group(group: dict) -> None:
+    if group["lr"] < 0 or group["momentum"] < 0 or group["weight_decay"] < 0:
+        raise ValueError(f"invalid Muon hyperparameters: lr={group['lr']}, "
+                         f"momentum={group['momentum']}, weight_decay={group['weight_decay']}")
+    if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+        raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
+    if group["ns_steps"] >= 100 or len(group["ns_coefficients"]) != 3:
+        raise ValueError("ns_steps must be < 100 and ns_coefficients three floats")
+    for p in group["params"]:
+        pl = getattr(p, "_mf_placement", None)
+        if pl is not None and not pl.spec.muon:
+            raise ValueError(
+                f"parameter '{pl.spec.name}' (shape {pl.spec.shape}) is in a use_muon=True "
+                "group, but the plan shards it by rows over all ranks, so no rank holds the "
+                "whole matrix and Muon cannot run on it exactly. Select it as a Muon matrix "
+                "with fully_shard(root, muon_filter=...) or move it to the AdamW group")
+        if pl is None and p.dim() != 2:
+            raise ValueError(f"Muon only supports 2-D parameters, got shape {tuple(p.shape)}")
+
+
+def muon_param_groups(model: nn.Module, *, lr: float = 1e-3, adamw_lr: float = 1e-3,
+                      **options) -> list[dict]:
+    """The two parameter groups of a planned model: Muon matrices and everything else.
+
+    ``options`` starting with ``adamw_`` (``adamw_betas``, ``adamw_eps``,
+    ``adamw_weight_decay``) go to the AdamW group without the prefix; the rest
+    (``weight_decay``, ``momentum``, ``ns_dtype``, ...) to the Muon group. Every rank gets
+    the same groups (non-owners hold empty placeholders), so ``state_dict`` lines up.
+    """
+    root = get_root(model)
+    muon, other = [], []
+    for unit in root.units:
+        for p in unit.sharded:
+            (muon if p._mf_placement.spec.muon else other).append(p)
+    muon_opts = {k: v for k, v in options.items() if not k.startswith("adamw_")}
+    adamw_opts = {k[len("adamw_"):]: v for k, v in options.items() if k.startswith("adamw_")}
+    return [dict(params=muon, use_muon=True, lr=lr, **muon_opts),
+            dict(params=other, use_muon=False, lr=adamw_lr, **adamw_opts)]

@@ -1,0 +1,289 @@
+"""Where every parameter lives: the Plan.
+
+Pure Python over shapes. Nothing here touches tensor data or ``torch.distributed``, so a
+model built on the meta device plans in seconds for any world size.
+
+Two kinds of parameter:
+
+* **Muon matrices** live whole on one owner rank. The owner is chosen over all units at
+  once so that the largest per-rank Newton-Schulz cost is as small as possible.
+* **Even parameters** (everything else: embeddings, head, norms, biases) are split by
+  rows (dim 0) over all ranks, FSDP2's ``Shard(0)`` without padding. Each rank holds
+  ``rows // P`` or one more; which ranks get the extra row rotates from one parameter to
+  the next so that no rank collects all the remainders.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the planner needs to know about one parameter.
+
+    ``name`` is the fully qualified name under the root module, ``unit`` the index of the
+    communication unit (one ``fully_shard`` call) that holds it.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    itemsize: int
+    unit: int
+    muon: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def rows(self) -> int:
+        """Length of dim 0 (a 0-d parameter counts as one row)."""
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[1:]) if self.shape else 1
+
+
+def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
+    """FLOPs of ``ns_steps`` quintic Newton-Schulz iterations on an ``m x n`` matrix.
+
+    NS works on the wide orientation (``a = min(m, n)`` rows, ``b = max(m, n)`` columns).
+    Per iteration: ``X X^T`` (2a²b), ``B = bA + cA²`` (2a³), ``aX + B X`` (2a²b).
+    """
+    m, n = shape
+    a, b = min(m, n), max(m, n)
+    return ns_steps * (4 * a * a * b + 2 * a**3)
+
+
+@dataclass
+class Placement:
+    """Where one parameter lives.
+
+    Muon matrices: ``owner`` is the rank holding it whole; ``row_ranges[r]`` is the whole
+    range on the owner and empty elsewhere. Even parameters: ``owner`` is None and
+    ``row_ranges[r] = (start, stop)`` is rank r's slice of dim 0.
+    """
+
+    spec: ParamSpec
+    owner: int | None
+    row_ranges: list[tuple[int, int]]
+
+    def local_rows(self, rank: int) -> int:
+        start, stop = self.row_ranges[rank]
+        return stop - start
+
+    def local_numel(self, rank: int) -> int:
+        return self.local_rows(rank) * self.spec.row_numel
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """Shape of rank's local tensor: the full shape on the owner, ``(0, *rest)``
+        where a rank holds no rows, and ``(rows, *rest)`` for an even shard."""
+        if not self.spec.shape:  # 0-d: the one "row" lives on a single rank
+            return () if self.local_rows(rank) else (0,)
+        return (self.local_rows(rank), *self.spec.shape[1:])
+
+
+@dataclass
+class Plan:
+    """The single source of truth on where parameters live, for one world size."""
+
+    world_size: int
+    unit_names: list[str]
+    placements: dict[str, Placement]  # in unit order, then module order
+    ns_steps: int = 5
+    rank_cost: list[int] = field(default_factory=list)
+    rank_bytes: list[int] = field(default_factory=list)
+
+    def unit_params(self, unit: int) -> list[Placement]:
+        return [pl for pl in self.placements.values() if pl.spec.unit == unit]
+
+    @property
+    def muon_costs(self) -> list[int]:
+        return [ns_flops(pl.spec.shape, self.ns_steps) for pl in self.placements.values()
+                if pl.spec.muon]
+
+    @property
+    def lower_bound(self) -> float:
+        """No assignment of whole matrices can beat ``max(largest matrix, total / P)``."""
+        costs = self.muon_costs
+        if not costs:
+            return 0.0
+        return max(max(costs), sum(costs) / self.world_size)
+
+    @property
+    def imbalance(self) -> float:
+        """Largest per-rank NS cost over the mean (1.0 is perfect)."""
+        total = sum(self.rank_cost)
+        return max(self.rank_cost) * self.world_size / total if total else 1.0
+
+    @property
+    def imbalance_bound(self) -> float:
+        """The best imbalance any whole-matrix assignment could reach."""
+        total = sum(self.rank_cost)
+        return self.lower_bound * self.world_size / total if total else 1.0
+
+
+def _even_ranges(rows: int, world_size: int, first_extra: int) -> list[tuple[int, int]]:
+    base, extra = divmod(rows, world_size)
+    gets_extra = {(first_extra + i) % world_size for i in range(extra)}
+    ranges, start = [], 0
+    for r in range(world_size):
+        n = base + (r in gets_extra)
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+def _assign(costs: list[int], sizes: list[int], world_size: int,
+            base_bytes: list[int]) -> list[int]:
+    """Owners for items, minimising the largest per-rank cost (ties: fewer bytes).
+
+    Longest-processing-time first, then a bounded local search that moves or swaps items
+    off the most loaded rank while that lowers the maximum.
+    """
+    owner = [0] * len(costs)
+    load = [0] * world_size
+    mem = list(base_bytes)
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], -sizes[i], i))
+    heap = [(0, mem[r], r) for r in range(world_size)]
+    heapq.heapify(heap)
+    for i in order:
+        _, _, r = heapq.heappop(heap)
+        owner[i] = r
+        load[r] += costs[i]
+        mem[r] += sizes[i]
+        heapq.heappush(heap, (load[r], mem[r], r))
+
+    items: list[list[int]] = [[] for _ in range(world_size)]
+    for i, r in enumerate(owner):
+        items[r].append(i)
+    for _ in range(4 * len(costs) + 16):
+        hi = max(range(world_size), key=lambda r: (load[r], mem[r]))
+        best = None  # (new max of the pair, move)
+        for lo in sorted(range(world_size), key=lambda r: load[r])[:8]:
+            if lo == hi:
+                continue
+            for a in items[hi]:
+                pair = max(load[hi] - costs[a], load[lo] + costs[a])
+                if pair < load[hi] and (best is None or pair < best[0]):
+                    best = (pair, a, None, lo)
+                for b in items[lo]:
+                    d = costs[a] - costs[b]
+                    if d <= 0:
+                        continue
+                    pair = max(load[hi] - d, load[lo] + d)
+                    if pair < load[hi] and (best is None or pair < best[0]):
+                        best = (pair, a, b, lo)
+        if best is None:
+            break
+        _, a, b, lo = best
+        for i, src, dst in ((a, hi, lo), (b, lo, hi)):
+            if i is None:
+                continue
+            items[src].remove(i)
+            items[dst].append(i)
+            owner[i] = dst
+            load[src] -= costs[i]
+            load[dst] += costs[i]
+            mem[src] -= sizes[i]
+            mem[dst] += sizes[i]
+    return owner
+
+
+def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[str],
+              ns_steps: int = 5) -> Plan:
+    """Place every parameter: even ones by rows, Muon matrices whole on balanced owners."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for s in specs:
+        if s.muon and len(s.shape) != 2:
+            raise ValueError(f"parameter '{s.name}' is marked as a Muon matrix but has "
+                             f"shape {tuple(s.shape)}; Muon needs 2-D parameters")
+    placements: dict[str, Placement] = {}
+    base_bytes = [0] * world_size
+    rotate = 0
+    for s in specs:
+        if s.muon:
+            continue
+        ranges = _even_ranges(s.rows, world_size, rotate)
+        rotate = (rotate + s.rows % world_size) % world_size
+        placements[s.name] = Placement(s, None, ranges)
+        for r, (a, b) in enumerate(ranges):
+            base_bytes[r] += (b - a) * s.row_numel * s.itemsize
+
+    muon = [s for s in specs if s.muon]
+    costs = [ns_flops(s.shape, ns_steps) for s in muon]
+    owners = _assign(costs, [s.nbytes for s in muon], world_size, base_bytes)
+    rank_cost = [0] * world_size
+    rank_bytes = list(base_bytes)
+    for s, c, r in zip(muon, costs, owners):
+        ranges = [(0, 0)] * world_size
+        ranges[r] = (0, s.rows)
+        placements[s.name] = Placement(s, r, ranges)
+        rank_cost[r] += c
+        rank_bytes[r] += s.nbytes
+    ordered = {s.name: placements[s.name] for s in specs}
+    return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_report(plan: Plan, max_rows: int = 32) -> str:
+    """A readable table: per rank, the matrices owned, bytes held, NS cost, balance."""
+    P = plan.world_size
+    owned = [0] * P
+    muon_bytes = [0] * P
+    for pl in plan.placements.values():
+        if pl.owner is not None:
+            owned[pl.owner] += 1
+            muon_bytes[pl.owner] += pl.spec.nbytes
+    total_cost = sum(plan.rank_cost)
+    mean_cost = total_cost / P
+    n_muon = sum(owned)
+    n_even = len(plan.placements) - n_muon
+    lines = [
+        f"MatrixFSDP plan: {P} ranks, {len(plan.unit_names)} units, "
+        f"{n_muon} Muon matrices (whole on one owner), {n_even} even-sharded parameters",
+        "",
+        "| rank | matrices | Muon bytes | even bytes | bytes held | NS GFLOP | NS cost / mean |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    ranks = list(range(P))
+    if P > max_rows:  # show the heaviest ranks, the summary covers the rest
+        ranks = sorted(sorted(ranks, key=lambda r: -plan.rank_cost[r])[:max_rows])
+    for r in ranks:
+        share = plan.rank_cost[r] / mean_cost if mean_cost else 0.0
+        lines.append(
+            f"| {r} | {owned[r]} | {_fmt_bytes(muon_bytes[r])} | "
+            f"{_fmt_bytes(plan.rank_bytes[r] - muon_bytes[r])} | "
+            f"{_fmt_bytes(plan.rank_bytes[r])} | {plan.rank_cost[r] / 1e9:.2f} | {share:.3f} |")
+    if len(ranks) < P:
+        lines.append(f"| ... | ({P - len(ranks)} lighter ranks not shown) | | | | | |")
+    idle = sum(1 for c in plan.rank_cost if c == 0)
+    mean_bytes = sum(plan.rank_bytes) / P
+    lines += [
+        "",
+        f"NS cost imbalance (max/mean): {plan.imbalance:.3f}; lower bound "
+        f"max(largest matrix, total/P)/mean: {plan.imbalance_bound:.3f}; "
+        f"gap to the bound: {plan.imbalance / plan.imbalance_bound - 1:+.1%}",
+        f"Bytes held per rank: max {_fmt_bytes(max(plan.rank_bytes))}, "
+        f"mean {_fmt_bytes(mean_bytes)} (max/mean "
+        f"{max(plan.rank_bytes) / mean_bytes if mean_bytes else 1.0:.3f})",
+        f"Ranks owning no Muon matrix: {idle}",
+    ]
+    return "\n".join(lines)

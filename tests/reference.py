@@ -1,0 +1,74 @@
+"""Single-process reference training with torch's own optimizers."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.optim._muon as torch_muon
+
+from matrixfsdp.models import GPT, GPTConfig
+
+
+def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
+    """torch.optim.Muon's Newton-Schulz, with float32 in place of bfloat16 (test only)."""
+    a, b, c = ns_coefficients
+    x = grad.float().clone()
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        upd = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, upd, x, beta=a)
+    if grad.size(0) > grad.size(1):
+        x = x.T
+    return x
+
+
+@contextlib.contextmanager
+def reference_ns_fp32():
+    original = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = _ns_fp32
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = original
+
+
+def is_muon_name(name: str, p: torch.Tensor) -> bool:
+    """The default MatrixFSDP rule, written independently: 2-D weights inside blocks."""
+    return name.startswith("layers.") and p.dim() == 2
+
+
+def batches(steps: int, world_size: int, per_rank: int, seq: int, seed: int = 1):
+    """Global batches; rank r reads rows [r*per_rank, (r+1)*per_rank)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (world_size * per_rank, seq + 1), generator=g)
+            for _ in range(steps)]
+
+
+def rank_slice(x: torch.Tensor, rank: int, per_rank: int, same_data: bool) -> torch.Tensor:
+    return x[:per_rank] if same_data else x[rank * per_rank:(rank + 1) * per_rank]
+
+
+def train_reference(cfg: GPTConfig, data, *, muon_kw: dict, adamw_kw: dict, ns_fp32: bool,
+                    schedule=None, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    named = list(model.named_parameters())
+    muon = torch.optim.Muon([p for n, p in named if is_muon_name(n, p)], **muon_kw)
+    adamw = torch.optim.AdamW([p for n, p in named if not is_muon_name(n, p)], **adamw_kw)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (muon, adamw)] \
+        if schedule else []
+    ctx = reference_ns_fp32() if ns_fp32 else contextlib.nullcontext()
+    with ctx:
+        for x in data:
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            muon.step()
+            adamw.step()
+            muon.zero_grad()
+            adamw.zero_grad()
+            for s in scheds:
+                s.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
