@@ -5,9 +5,57 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 import torch.optim._muon as torch_muon
+from torch import nn
 
 from matrixfsdp.models import GPT, GPTConfig
+
+
+class MHABlock(nn.Module):
+    """A block built on torch's own nn.MultiheadAttention (reads in_proj_weight directly)."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        # No in_proj_bias: softmax ignores a constant added to the keys, so the key bias's
+        # true gradient is 0 and its computed one pure rounding noise, which Adam turns
+        # into +-lr steps that no two summation orders agree on.
+        self.attn = nn.MultiheadAttention(d, heads, bias=False, batch_first=True)
+        self.fc = nn.Linear(d, 2 * d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + F.gelu(self.fc(x))[..., : x.shape[-1]]
+
+
+class MHAModel(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(MHABlock(cfg.d_model, cfg.n_heads) for _ in range(cfg.n_layers))
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
+
+    def loss(self, idx, targets):
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(kind: str, cfg: GPTConfig, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return GPT(cfg) if kind == "gpt" else MHAModel(cfg)
+
+
+def linear_decay(step: int) -> float:
+    return 1.0 - step / 20
 
 
 def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
@@ -53,9 +101,9 @@ def rank_slice(x: torch.Tensor, rank: int, per_rank: int, same_data: bool) -> to
 
 
 def train_reference(cfg: GPTConfig, data, *, muon_kw: dict, adamw_kw: dict, ns_fp32: bool,
-                    schedule=None, seed: int = 0) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    model = GPT(cfg)
+                    schedule=None, kind: str = "gpt") -> dict[str, torch.Tensor]:
+    """torch.optim.Muon + torch.optim.AdamW on one process, over the global batches."""
+    model = build_model(kind, cfg)
     named = list(model.named_parameters())
     muon = torch.optim.Muon([p for n, p in named if is_muon_name(n, p)], **muon_kw)
     adamw = torch.optim.AdamW([p for n, p in named if not is_muon_name(n, p)], **adamw_kw)

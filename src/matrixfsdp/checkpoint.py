@@ -29,9 +29,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for pc in pieces:
                 rows[pc.row_start:pc.row_stop].view(-1).copy_(flat[pc.offset:pc.offset + pc.numel])
             out[spec.name] = full.view(spec.shape)
+    ordered = {name: out[name] for name, _ in model.named_parameters()}  # the module's order
     for name, buf in model.named_buffers():
-        out[name] = buf.detach().clone()
-    return out
+        ordered[name] = buf.detach().clone()
+    return ordered
 
 
 @torch.no_grad()
