@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from torch import nn
+
+MuonFilter = Callable[[str, nn.Parameter], bool]
 
 
 @dataclass(frozen=True)
@@ -287,3 +291,43 @@ def format_report(plan: Plan, max_rows: int = 32) -> str:
         f"Ranks owning no Muon matrix: {idle}",
     ]
     return "\n".join(lines)
+
+
+def unit_members(module: nn.Module, prefix: str, is_unit: Callable[[nn.Module], bool]
+                 ) -> list[tuple[nn.Module, str, str]]:
+    """(owning module, attribute, FQN) of the parameters of unit ``module`` that no child
+    unit holds, in ``named_parameters`` order."""
+    out = [(module, attr, f"{prefix}{attr}") for attr, p in module._parameters.items()
+           if p is not None]
+    for name, child in module._modules.items():
+        if child is not None and not is_unit(child):
+            out += unit_members(child, f"{prefix}{name}.", is_unit)
+    return out
+
+
+def is_muon_matrix(fqn: str, param: nn.Parameter, owner: nn.Module, in_root_unit: bool,
+                   muon_filter: MuonFilter | None = None) -> bool:
+    """Default rule: trainable 2-D weights inside the blocks (non-root units), embeddings
+    excepted. Everything else (embeddings, head, norms, biases) goes to AdamW."""
+    if muon_filter is not None:
+        return bool(muon_filter(fqn, param))
+    return (param.dim() == 2 and not in_root_unit and param.requires_grad
+            and not isinstance(owner, nn.Embedding))
+
+
+def plan_module(root: nn.Module, units: Sequence[nn.Module], world_size: int,
+                muon_filter: MuonFilter | None = None, ns_steps: int = 5) -> Plan:
+    """Plan a model from its shapes alone (it may live on the meta device).
+
+    ``units`` are the modules ``fully_shard`` would be called on, the root included.
+    """
+    unit_set = {id(m) for m in units} | {id(root)}
+    named = [(n, m) for n, m in root.named_modules() if id(m) in unit_set]
+    specs = []
+    for ui, (uname, umod) in enumerate(named):
+        prefix = f"{uname}." if uname else ""
+        for owner, attr, fqn in unit_members(umod, prefix, lambda m: id(m) in unit_set):
+            p = owner._parameters[attr]
+            muon = is_muon_matrix(fqn, p, owner, ui == 0, muon_filter)
+            specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, muon))
+    return make_plan(specs, world_size, [n or "<root>" for n, _ in named], ns_steps)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,9 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import CommStats, gather_v, reduce_v
 from .layout import UnitLayout, unit_layout
-from .plan import ParamSpec, Plan, make_plan
-
-MuonFilter = Callable[[str, nn.Parameter], bool]
+from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
 
 _PENDING: list[weakref.ref] = []  # units created by fully_shard and not planned yet
 
@@ -265,16 +262,12 @@ class Unit:
                 p.grad.add_(view)
 
 
+def _is_unit(m: nn.Module) -> bool:
+    return getattr(m, "_mf_unit", None) is not None
+
+
 def _owned_params(module: nn.Module, prefix: str) -> list[tuple[nn.Module, str, str]]:
-    """(module, attribute, FQN) of the parameters of ``module`` outside child units."""
-    out = []
-    for attr, p in module._parameters.items():
-        if p is not None:
-            out.append((module, attr, f"{prefix}{attr}"))
-    for name, child in module._modules.items():
-        if child is not None and getattr(child, "_mf_unit", None) is None:
-            out += _owned_params(child, f"{prefix}{name}.")
-    return out
+    return unit_members(module, prefix, _is_unit)
 
 
 def _outermost_pending(unit: Unit) -> Unit:
@@ -334,9 +327,6 @@ def _materialize(root_unit: Unit) -> Root:
             if not p.is_floating_point():
                 raise ValueError(f"matrixfsdp: parameter '{fqn}' has dtype {p.dtype}; only "
                                  "floating-point parameters can be sharded")
-            if p.device.type == "meta":
-                raise NotImplementedError(f"matrixfsdp: parameter '{fqn}' is on the meta device; "
-                                          "materialize the model before fully_shard")
             if first is None:
                 first = (fqn, p)
             elif p.dtype != first[1].dtype or p.device != first[1].device:
@@ -344,11 +334,10 @@ def _materialize(root_unit: Unit) -> Root:
                     f"matrixfsdp: unit '{u.name}' mixes parameters '{first[0]}' "
                     f"({first[1].dtype}, {first[1].device}) and '{fqn}' ({p.dtype}, {p.device}); "
                     "all parameters of one unit need the same dtype and device")
-            if muon_filter is not None:
-                is_muon = bool(muon_filter(fqn, p))
-            else:
-                is_muon = (p.dim() == 2 and ui > 0 and p.requires_grad
-                           and not isinstance(mod, nn.Embedding))
+            if p.device.type == "meta":
+                raise NotImplementedError(f"matrixfsdp: parameter '{fqn}' is on the meta device; "
+                                          "materialize the model before fully_shard")
+            is_muon = is_muon_matrix(fqn, p, mod, ui == 0, muon_filter)
             if is_muon and p.dim() != 2:
                 raise ValueError(f"matrixfsdp: muon_filter selected parameter '{fqn}' of shape "
                                  f"{tuple(p.shape)}; Muon needs 2-D parameters")

@@ -1,0 +1,35 @@
+# Two commands on a fresh clone: `make demo` and `make test`. Both build .venv first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+# The CPU build of torch lies on this machine's disk; a bare `torch` would pull CUDA.
+TORCH   ?= torch==2.13.0
+PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 muon-fsdp2==0.3.0
+
+.PHONY: demo test lint bench plan clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[test,bench]"
+	$(BIN)/pip install -q --no-deps $(PEERS)
+	touch $@
+
+demo: $(BIN)/.installed
+	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp train --ranks 4 --steps 60 --out runs/demo
+
+test: $(BIN)/.installed lint
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check src tests
+
+bench: $(BIN)/.installed
+	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp bench --out runs/bench
+
+plan: $(BIN)/.installed
+	$(BIN)/matrixfsdp plan --model paper --world-size 8
+
+clean:
+	rm -rf $(VENV) runs

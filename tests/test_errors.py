@@ -1,0 +1,112 @@
+"""Bad input gets a clear error naming the culprit, never a hang or a silent divergence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import matrixfsdp as mf
+from matrixfsdp.models import GPT, GPTConfig
+
+CFG = GPTConfig(d_model=16, n_heads=2, n_layers=2, d_mlp=24, seq_len=8)
+
+
+def _mesh():
+    return init_device_mesh("cpu", (1,))
+
+
+def _shard(model, **root_kw):
+    mesh = _mesh()
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    return mf.fully_shard(model, mesh=mesh, **root_kw)
+
+
+def test_mixed_dtypes_in_a_unit(world1):
+    model = GPT(CFG)
+    model.layers[0].mlp.fc.double()
+    _shard(model)
+    with pytest.raises(ValueError, match=r"unit 'layers.0' mixes .*'layers.0.mlp.fc.weight'"):
+        mf.muon_param_groups(model)
+
+
+def test_mixed_devices_in_a_unit(world1):
+    model = GPT(CFG)
+    model.layers[1].attn.q.to("meta")
+    _shard(model)
+    with pytest.raises(ValueError, match=r"'layers.1.attn.q.weight' \(torch.float32, meta\)"):
+        mf.muon_param_groups(model)
+
+
+def test_tied_parameters(world1):
+    model = GPT(GPTConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=24, seq_len=8))
+    model.head.weight = model.embed.weight
+    _shard(model)
+    with pytest.raises(NotImplementedError, match=r"'head.weight' is the same tensor as 'embed.weight'"):
+        mf.muon_param_groups(model)
+
+
+def test_optimizer_built_before_root_fully_shard(world1):
+    model = GPT(CFG)
+    mesh = _mesh()
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    with pytest.raises(ValueError, match="optimizer built before the root fully_shard"):
+        mf.Muon([dict(params=list(model.parameters()), use_muon=False)])
+
+
+def test_torch_optimizer_params_replaced_after_it_was_built(world1):
+    model = GPT(CFG)
+    params = list(model.parameters())
+    _shard(model)
+    mf.muon_param_groups(model)  # plans: the originals are replaced by their shards
+    opt = mf.Muon([dict(params=[model.layers[0].attn.q.weight], use_muon=True)])
+    opt.param_groups[0]["params"] = [p for p in params if p.dim() == 2][:1]
+    with pytest.raises(RuntimeError, match="was replaced by its shard"):
+        opt.step()
+
+
+def test_two_dimensional_mesh(world1):
+    mesh = init_device_mesh("cpu", (1, 1))
+    with pytest.raises(NotImplementedError, match=r"1-D mesh, got a 2-D mesh of shape \(1, 1\)"):
+        mf.fully_shard(nn.Linear(4, 4), mesh=mesh)
+
+
+def test_non_floating_parameter(world1):
+    model = GPT(CFG)
+    model.layers[0].register_parameter("steps", nn.Parameter(torch.zeros(3, dtype=torch.long),
+                                                              requires_grad=False))
+    _shard(model)
+    with pytest.raises(ValueError, match=r"'layers.0.steps' has dtype torch.int64"):
+        mf.muon_param_groups(model)
+
+
+def test_muon_group_with_a_row_sharded_parameter(world1):
+    model = _shard(GPT(CFG))
+    groups = mf.muon_param_groups(model)
+    groups[0]["params"] = groups[0]["params"] + [model.head.weight]
+    with pytest.raises(ValueError, match=r"'head.weight' .* is in a use_muon=True group"):
+        mf.Muon(groups)
+
+
+def test_fully_shard_twice_and_after_planning(world1):
+    model = _shard(GPT(CFG))
+    with pytest.raises(ValueError, match="already called"):
+        mf.fully_shard(model.layers[0], mesh=_mesh())
+    mf.muon_param_groups(model)
+    wrapper = nn.Sequential(model)
+    with pytest.raises(ValueError, match=r"after submodule '0' was already planned"):
+        mf.fully_shard(wrapper, mesh=_mesh())
+
+
+def test_muon_filter_must_pick_matrices(world1):
+    model = _shard(GPT(CFG), muon_filter=lambda name, p: name.endswith("norm.weight"))
+    with pytest.raises(ValueError, match=r"muon_filter selected parameter 'norm.weight' of shape \(16,\)"):
+        mf.muon_param_groups(model)
+
+
+def test_groups_need_use_muon(world1):
+    with pytest.raises(ValueError, match="use_muon"):
+        mf.Muon([dict(params=[nn.Parameter(torch.zeros(2, 2))])])

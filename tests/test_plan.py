@@ -1,0 +1,98 @@
+"""The planner: classification, whole-matrix owners, balance against the lower bound."""
+
+from __future__ import annotations
+
+import torch
+
+from matrixfsdp.layout import unit_layout
+from matrixfsdp.models import GPT, PRESETS, GPTConfig
+from matrixfsdp.plan import ParamSpec, format_report, make_plan, ns_flops, plan_module
+
+
+def _meta_plan(cfg, world_size, **kw):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return plan_module(model, list(model.layers), world_size, **kw)
+
+
+def test_ns_flops_counts_the_wide_orientation():
+    # 5 steps x (X X^T: 2*a*a*b, B = bA + cA^2: 2*a^3, B X: 2*a*a*b), a = min, b = max
+    assert ns_flops((64, 256)) == ns_flops((256, 64)) == 5 * (4 * 64 * 64 * 256 + 2 * 64**3)
+
+
+def test_default_classification():
+    plan = _meta_plan(GPTConfig(d_model=32, n_heads=2, n_layers=2, d_mlp=64, seq_len=8), 4)
+    muon = {n for n, pl in plan.placements.items() if pl.spec.muon}
+    assert muon == {f"layers.{i}.{m}.weight" for i in range(2)
+                    for m in ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.fc", "mlp.proj")}
+    for name in ("embed.weight", "pos.weight", "head.weight", "norm.weight", "layers.0.norm1.bias"):
+        assert plan.placements[name].owner is None  # AdamW, even rows over all ranks
+
+
+def test_muon_filter_overrides():
+    plan = _meta_plan(GPTConfig(d_model=32, n_heads=2, n_layers=1, d_mlp=64, seq_len=8), 2,
+                      muon_filter=lambda n, p: n == "head.weight")
+    assert [n for n, pl in plan.placements.items() if pl.spec.muon] == ["head.weight"]
+
+
+def test_bench_config_is_perfectly_balanced():
+    # 8 blocks x (4 attention 384x384 + 2 MLP 384x1536) over 4 ranks: total/P is reachable.
+    plan = _meta_plan(GPTConfig(), 4)
+    assert plan.imbalance == plan.imbalance_bound == 1.0
+
+
+def test_global_planning_leaves_no_rank_idle_at_8_ranks():
+    # 7 matrices per block (Llama: q, k, v, o, w1, w2, w3) and 8 ranks: per-block planning
+    # would leave a rank idle in every block; planned together, every rank owns matrices.
+    cfg = GPTConfig(d_model=256, n_heads=4, n_kv_heads=2, n_layers=8, d_mlp=704, gated_mlp=True)
+    plan = _meta_plan(cfg, 8)
+    assert all(c > 0 for c in plan.rank_cost)
+    assert plan.imbalance <= 1.10
+    assert plan.imbalance <= plan.imbalance_bound * 1.05
+
+
+def test_fewer_matrices_than_ranks_hits_the_bound():
+    specs = [ParamSpec(f"m{i}", (64 * (i + 1), 64), 4, 0, True) for i in range(5)]
+    plan = make_plan(specs, 8, ["u"])
+    assert plan.imbalance == plan.imbalance_bound  # the largest matrix alone sets the max
+    assert len({pl.owner for pl in plan.placements.values()}) == 5  # one matrix per rank
+
+
+def test_imbalance_never_beats_the_lower_bound_and_stays_close():
+    g = torch.Generator().manual_seed(0)
+    for world in (2, 3, 5, 8, 16):
+        shapes = torch.randint(16, 512, (40, 2), generator=g).tolist()
+        specs = [ParamSpec(f"m{i}", tuple(s), 4, i % 4, True) for i, s in enumerate(shapes)]
+        plan = make_plan(specs, world, ["a", "b", "c", "d"])
+        assert plan.imbalance >= plan.imbalance_bound - 1e-12
+        assert plan.imbalance <= plan.imbalance_bound * 1.05, (world, plan.imbalance)
+
+
+def test_even_rows_rotate_so_no_rank_collects_remainders():
+    specs = [ParamSpec(f"b{i}", (5,), 4, 0, False) for i in range(8)]
+    plan = make_plan(specs, 4, ["u"])
+    per_rank = [sum(pl.local_rows(r) for pl in plan.placements.values()) for r in range(4)]
+    assert per_rank == [10, 10, 10, 10]  # 8 params x 5 rows: 1 extra row each, rotated
+
+
+def test_layout_segments_are_exact_and_whole_matrices_contiguous():
+    specs = [ParamSpec("w", (6, 5), 4, 0, True), ParamSpec("b", (7,), 4, 0, False),
+             ParamSpec("v", (3, 4), 4, 0, True)]
+    plan = make_plan(specs, 3, ["u"])
+    lay = unit_layout(plan, 0)
+    assert sum(lay.seg_sizes) == 30 + 7 + 12  # no padding
+    assert lay.whole_on_one_rank(0) and lay.whole_on_one_rank(2)
+    assert [pc.row_stop - pc.row_start for pc in lay.pieces[1]] == [3, 2, 2]
+
+
+def test_report_is_readable():
+    plan = _meta_plan(GPTConfig(d_model=32, n_heads=2, n_layers=2, d_mlp=64, seq_len=8), 3)
+    text = format_report(plan)
+    assert "| rank | matrices |" in text and "lower bound" in text
+    assert text.count("\n| ") >= 4  # header plus one row per rank
+
+
+def test_llama3_405b_plans_on_meta_at_4096_ranks():
+    plan = _meta_plan(PRESETS["llama3-405b"], 4096)
+    assert sum(pl.spec.muon for pl in plan.placements.values()) == 126 * 7
+    assert plan.imbalance <= plan.imbalance_bound * 1.0001  # fewer matrices than ranks
