@@ -117,8 +117,8 @@ def _train(args) -> None:
     if rank == 0:
         print(mf.plan_report(model))
         print(f"\ncorpus: {len(corpus) / 1e6:.1f} MB of the Python standard library's sources; "
-              f"{world} ranks on {device.type}, {sum(p.numel() for p in model.parameters()) * world / 1e6:.2f}M "
-              f"params held in total\n")
+              f"{world} ranks on {device.type}; model of "
+              f"{sum(pl.spec.numel for pl in plan.placements.values()) / 1e6:.2f}M parameters\n")
 
     from tqdm import tqdm
     bar = tqdm(range(args.steps), disable=rank != 0, unit="step", file=sys.stdout)
