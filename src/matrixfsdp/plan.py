@@ -173,7 +173,7 @@ def _assign(costs: list[int], sizes: list[int], world_size: int,
     for _ in range(4 * len(costs) + 16):
         hi = max(range(world_size), key=lambda r: (load[r], mem[r]))
         best = None  # (new max of the pair, move)
-        for lo in sorted(range(world_size), key=lambda r: load[r])[:8]:
+        for lo in sorted(range(world_size), key=lambda r: load[r])[:64]:
             if lo == hi:
                 continue
             for a in items[hi]:
