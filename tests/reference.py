@@ -89,6 +89,11 @@ def is_muon_name(name: str, p: torch.Tensor) -> bool:
     return name.startswith("layers.") and p.dim() == 2
 
 
+def muon_with_head(name: str, p: torch.Tensor) -> bool:
+    """A custom rule (passed as muon_filter): the output head is a Muon matrix too."""
+    return is_muon_name(name, p) or name == "head.weight"
+
+
 def batches(steps: int, world_size: int, per_rank: int, seq: int, seed: int = 1):
     """Global batches; rank r reads rows [r*per_rank, (r+1)*per_rank)."""
     g = torch.Generator().manual_seed(seed)
@@ -101,12 +106,12 @@ def rank_slice(x: torch.Tensor, rank: int, per_rank: int, same_data: bool) -> to
 
 
 def train_reference(cfg: GPTConfig, data, *, muon_kw: dict, adamw_kw: dict, ns_fp32: bool,
-                    schedule=None, kind: str = "gpt") -> dict[str, torch.Tensor]:
+                    schedule=None, kind: str = "gpt", rule=is_muon_name) -> dict[str, torch.Tensor]:
     """torch.optim.Muon + torch.optim.AdamW on one process, over the global batches."""
     model = build_model(kind, cfg)
     named = list(model.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if is_muon_name(n, p)], **muon_kw)
-    adamw = torch.optim.AdamW([p for n, p in named if not is_muon_name(n, p)], **adamw_kw)
+    muon = torch.optim.Muon([p for n, p in named if rule(n, p)], **muon_kw)
+    adamw = torch.optim.AdamW([p for n, p in named if not rule(n, p)], **adamw_kw)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (muon, adamw)] \
         if schedule else []
     ctx = reference_ns_fp32() if ns_fp32 else contextlib.nullcontext()

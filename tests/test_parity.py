@@ -8,7 +8,15 @@ import os
 import pytest
 import torch
 from _dist import spawn
-from reference import batches, build_model, linear_decay, rank_slice, train_reference
+from reference import (
+    batches,
+    build_model,
+    is_muon_name,
+    linear_decay,
+    muon_with_head,
+    rank_slice,
+    train_reference,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile
 
@@ -40,7 +48,7 @@ def _train_worker(rank, world_size, case, out_path):
     mesh = init_device_mesh("cpu", (world_size,))
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh, reshard_after_forward=case.get("reshard", None))
-    mf.fully_shard(model, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh, muon_filter=case.get("rule"))
     ns_dtype = torch.float32 if case["ns_fp32"] else torch.bfloat16
     opt = mf.Muon(_groups(model, case["muon"], case["adamw"], ns_dtype))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay) if case.get("schedule") else None
@@ -50,6 +58,8 @@ def _train_worker(rank, world_size, case, out_path):
         x = rank_slice(x, rank, PER_RANK, case["same_data"])
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             model.loss(x[:, :-1], x[:, 1:]).backward()
+        # Between steps only this rank's shards stay allocated: every unit is resharded.
+        assert all(u.flat.untyped_storage().size() == 0 for u in mf.get_root(model).units)
         fwd_bwd_collectives += sum(e.name.startswith(COLLECTIVE_PREFIXES) for e in prof.events())
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             opt.step()
@@ -91,7 +101,7 @@ def _run(case, world_size, tmp_path):
     ref = train_reference(GPTConfig(**case["cfg"]), data, muon_kw=case["muon"],
                           adamw_kw=case["adamw"], ns_fp32=case["ns_fp32"],
                           schedule=linear_decay if case.get("schedule") else None,
-                          kind=case.get("kind", "gpt"))
+                          kind=case.get("kind", "gpt"), rule=case.get("rule") or is_muon_name)
     assert ours["step_collectives"] == 0, "optimizer.step() issued collectives"
     if world_size > 1:
         assert ours["fwd_bwd_collectives"] > 0, "the profiler saw no collective at all"
@@ -112,7 +122,7 @@ def test_same_data_two_ranks_bit_identical(tmp_path):
 
 FP32_CASES = {
     1: dict(cfg={**ODD, "fused_qkv": True, "norm_bias": False}),
-    2: dict(cfg={**ODD, "mlp_bias": True}, reshard=False,
+    2: dict(cfg={**ODD, "mlp_bias": True}, reshard=False, rule=muon_with_head,
             muon={**MUON, "nesterov": False, "adjust_lr_fn": "match_rms_adamw", "lr": 0.002}),
     3: dict(cfg={**ODD, "fused_qkv": True}, schedule=True),
     4: dict(cfg={**ODD, "norm_bias": False, "gated_mlp": True}),
