@@ -170,7 +170,7 @@ class Muon(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         _adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=None, capturable=False,
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, capturable=False,
             differentiable=False, fused=None, grad_scale=None, found_inf=None,
             has_complex=any(torch.is_complex(p) for p in params), decoupled_weight_decay=True,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
