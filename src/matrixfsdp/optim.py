@@ -32,9 +32,14 @@ def zeropower_via_newtonschulz(g: torch.Tensor, coefficients: tuple[float, float
     iterations ``X <- aX + (bA + cA^2) X`` with ``A = X X^T``. Returns an ``m x n`` tensor
     in ``dtype``; ``g`` is not modified.
     """
+    return _newton_schulz_(g.to(dtype, copy=True), coefficients, steps, eps)
+
+
+def _newton_schulz_(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                    eps: float) -> torch.Tensor:
+    """NS on ``x``, which the caller hands over (it is normalised in place)."""
     a, b, c = coefficients
-    x = g.to(dtype, copy=True)
-    wide = g.size(0) <= g.size(1)
+    wide = x.size(0) <= x.size(1)
     if not wide:
         x = x.T
     x.div_(x.norm().clamp(min=eps))
@@ -85,6 +90,7 @@ class Muon(torch.optim.Optimizer):
             False: dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                         weight_decay=adamw_weight_decay),
         }
+        self._ns_buffers: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> NS input
         groups = list(params)
         if not groups or not all(isinstance(g, dict) for g in groups):
             raise ValueError("matrixfsdp.Muon takes parameter groups (dicts) with a 'use_muon' "
@@ -93,6 +99,12 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.defaults = {**self._kind_defaults[True],
                          **{f"adamw_{k}": v for k, v in self._kind_defaults[False].items()}}
+
+    def _ns_input(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(like.shape), dtype, like.device)
+        if key not in self._ns_buffers:
+            self._ns_buffers[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
+        return self._ns_buffers[key]
 
     def add_param_group(self, param_group: dict) -> None:
         if "use_muon" not in param_group:
@@ -141,10 +153,16 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - group["momentum"])
-            update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-            update = zeropower_via_newtonschulz(update, group["ns_coefficients"],
-                                                group["ns_steps"], group["eps"],
-                                                group["ns_dtype"])
+            # The Nesterov update is written straight in the NS dtype into a buffer reused
+            # across steps: the lerp is computed in full precision and rounded once on
+            # store, bit for bit torch's ``grad.lerp(buf, m).bfloat16()``, minus one
+            # full-precision pass and a fresh matrix-sized allocation per step.
+            x = self._ns_input(grad, group["ns_dtype"])
+            if group["nesterov"]:
+                torch.lerp(grad, buf, group["momentum"], out=x)
+            else:
+                x.copy_(buf)
+            update = _newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
             p.mul_(1 - lr * group["weight_decay"])
             p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
 
