@@ -85,9 +85,6 @@ class Placement:
         start, stop = self.row_ranges[rank]
         return stop - start
 
-    def local_numel(self, rank: int) -> int:
-        return self.local_rows(rank) * self.spec.row_numel
-
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of rank's local tensor: the full shape on the owner, ``(0, *rest)``
         where a rank holds no rows, and ``(rows, *rest)`` for an even shard."""
