@@ -36,3 +36,26 @@ def test_uneven_segments_three_ranks():
 
 def test_even_segments_use_the_even_collectives():
     spawn(_worker, 2, [4, 4])
+
+
+def _empty_root_worker(rank, world_size):
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import matrixfsdp as mf
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 4))
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model:
+        mf.fully_shard(layer, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)  # the root holds nothing of its own
+    opt = mf.Muon(mf.muon_param_groups(model, lr=0.02))
+    model(torch.randn(3, 6)).sum().backward()
+    opt.step()
+    # one gather per layer in forward and backward, one reduce per layer, none for the root
+    assert dict(mf.comm_stats(model).calls) == {"gather_v": 4, "reduce_v": 2}
+
+
+def test_unit_without_parameters_issues_no_collective():
+    spawn(_empty_root_worker, 2)

@@ -166,7 +166,8 @@ class Unit:
             nbytes = buf.numel() * buf.element_size()
             if buf.untyped_storage().size() != nbytes:
                 buf.untyped_storage().resize_(nbytes)
-        gather_v(self.local, self.flat, lay.seg_sizes, root.group, root.stats)
+        if lay.numel:  # a unit may hold no parameter of its own (all in child units)
+            gather_v(self.local, self.flat, lay.seg_sizes, root.group, root.stats)
         # Copy-out into ``even`` itself: writing through the unsharded parameters would
         # bump the version counters autograd checks.
         for i, offset in self._even_index.items():
