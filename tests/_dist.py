@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
 import time
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+    faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's stack
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
