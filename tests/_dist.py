@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from matrixfsdp._exit import exit_rank
+
 
 def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's stack
@@ -23,6 +25,7 @@ def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
+    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp._exit)
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 240.0) -> None:

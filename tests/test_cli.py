@@ -10,8 +10,10 @@ import sys
 
 def _run(*args, cwd=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "matrixfsdp.cli", *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=cwd, check=True)
+    out = subprocess.run([sys.executable, "-m", "matrixfsdp.cli", *args], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=cwd)
+    assert out.returncode == 0, f"matrixfsdp {' '.join(args)} exited {out.returncode}:\n{out.stderr[-4000:]}"
+    return out
 
 
 def test_train_runs_and_learns(tmp_path):

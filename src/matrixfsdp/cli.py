@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ._exit import exit_rank
+
 log = logging.getLogger("matrixfsdp")
 
 
@@ -39,6 +41,7 @@ def _spawned(rank: int, fn, world_size: int, init_file: str, args) -> None:
         fn(args)
     finally:
         dist.destroy_process_group()
+    exit_rank(0)  # finished: leave without interpreter finalization (see _exit.py)
 
 
 def launch(fn, args, world_size: int) -> None:
@@ -52,7 +55,7 @@ def launch(fn, args, world_size: int) -> None:
             fn(args)
         finally:
             dist.destroy_process_group()
-        return
+        exit_rank(0)  # finished: leave without interpreter finalization (see _exit.py)
     if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
         raise SystemExit(f"--ranks {world_size} needs {world_size} GPUs, found "
                          f"{torch.cuda.device_count()}")

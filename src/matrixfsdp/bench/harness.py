@@ -127,6 +127,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from .._exit import exit_rank
+
 SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "fsdp2_dist_muon",
                             "fsdp2_muon_fsdp2", "matrixfsdp")
 BASELINE = "fsdp2_adamw"
@@ -634,6 +636,7 @@ def _rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) ->
         _barrier(device)
     finally:
         dist.destroy_process_group()
+    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp._exit)
 
 
 def _compare(full: dict[str, torch.Tensor], ref_name: str,

@@ -1,0 +1,30 @@
+"""Ending a rank process without racing torch's gloo worker threads.
+
+Every ``backward()`` stashes a Python object (a ``contextvars`` context) in torch's
+thread-local state, and each collective issued during backward copies that state into its
+gloo work. The last reference to a finished work is often dropped by a gloo worker thread,
+which then takes the GIL to release the Python object. If the main thread is finalizing the
+interpreter at that moment, CPython ends the worker thread inside a ``noexcept`` destructor
+and the process aborts with "terminate called without an active exception", after all of
+its work is done (core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncWork`` ->
+``~ThreadLocalState`` -> ``take_gil`` -> ``pthread_exit``; seen with torch 2.13). Any
+gloo job whose ranks exit shortly after a backward is exposed, FSDP2's included. A rank
+that has finished and flushed its output leaves through :func:`exit_rank`, which skips
+finalization, so the race cannot happen.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import NoReturn
+
+
+def exit_rank(code: int = 0) -> NoReturn:
+    """Flush stdout/stderr and end this process now with ``code`` (``os._exit``)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to keep
+            pass
+    os._exit(code)
