@@ -68,10 +68,8 @@ def _train_worker(rank, world_size, case, out_path):
     opt = mf.Muon(_groups(model, case["muon"], case["adamw"], ns_dtype))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay) if case.get("schedule") else None
     data = batches(STEPS, world_size, PER_RANK, SEQ)
-    # One profiler over the whole run, not one per phase: a CI run once aborted a rank
-    # ("terminate called without an active exception") while the profiler was started and
-    # stopped twice per step. Steps are marked; collectives are attributed to them by time,
-    # so events recorded on gloo's own worker threads count too.
+    # One profiler over the whole run: steps are marked, and collectives are attributed to
+    # them by time, so events recorded on gloo's own worker threads count too.
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for i, x in enumerate(data):
             x = rank_slice(x, rank, PER_RANK, case["same_data"])
