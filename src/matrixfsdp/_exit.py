@@ -15,13 +15,18 @@ finalization, so the race cannot happen.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from typing import NoReturn
 
 
 def exit_rank(code: int = 0) -> NoReturn:
-    """Flush stdout/stderr and end this process now with ``code`` (``os._exit``)."""
+    """End this process now with ``code``: run the ``atexit`` handlers (multiprocessing's
+    semaphore cleanup, logging's flush, ...), flush stdout/stderr, then ``os._exit``.
+    The handlers run before finalization starts, as in a normal exit, so the race above
+    cannot occur in them."""
+    atexit._run_exitfuncs()  # CPython's own exit path, minus the finalization
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
