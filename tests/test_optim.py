@@ -77,3 +77,15 @@ def test_bf16_params_keep_momentum_intact():
     p.grad = torch.ones_like(p)
     opt.step()
     torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch.full_like(p, 0.5))
+
+
+def test_muon_defaults_constant_matches_the_signature():
+    """MUON_DEFAULTS (read by the benchmark) is Muon's own defaults, and torch's."""
+    import inspect
+
+    from matrixfsdp.optim import MUON_DEFAULTS
+    sig = inspect.signature(mf.Muon).parameters
+    assert {k: sig[k].default for k in MUON_DEFAULTS} == MUON_DEFAULTS
+    torch_sig = inspect.signature(torch.optim.Muon).parameters
+    assert {k: torch_sig[k].default for k in MUON_DEFAULTS if k != "ns_dtype"} == \
+        {k: v for k, v in MUON_DEFAULTS.items() if k != "ns_dtype"}

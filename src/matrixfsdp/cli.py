@@ -30,6 +30,12 @@ def _device_for(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _sync(device: torch.device) -> None:
+    """Wait for queued device work, so host clocks time it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _spawned(rank: int, fn, world_size: int, init_file: str, args) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -132,10 +138,12 @@ def _train(args) -> None:
         t0 = time.perf_counter()
         loss = model.loss(x[:, :-1], x[:, 1:])
         loss.backward()
+        _sync(device)
         t1 = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
+        _sync(device)
         t2 = time.perf_counter()
         step_bytes.append(sum(stats.payload_bytes.values()))
         step_calls = dict(stats.calls)

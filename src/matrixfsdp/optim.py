@@ -17,10 +17,10 @@ from torch.optim.adam import adam as _adam
 
 from .runtime import get_root, plan_params
 
+# torch.optim.Muon's defaults, also read by the benchmark so every system runs the same NS.
 MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                      ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
                      adjust_lr_fn=None, ns_dtype=torch.bfloat16)
-ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2)
 
 
 def zeropower_via_newtonschulz(g: torch.Tensor, coefficients: tuple[float, float, float],

@@ -14,10 +14,11 @@ hyperparameters:
 ``matrixfsdp``         ``matrixfsdp.fully_shard`` per block, then root + ``matrixfsdp.Muon``
 =====================  ================================================================
 
-Muon matrices for the peers are the 2-D parameters whose name starts with ``layers.``
-(MatrixFSDP's default rule selects the same ones); everything else gets AdamW. Each
-system gets its own fresh model and its own process group (so a peer that fails mid-step
-cannot desynchronise the next system), and ``warmup + steps + 1`` training steps:
+Muon matrices for the peers are the ones MatrixFSDP's default rule selects (2-D weights
+inside the blocks, from ``plan_module``); everything else gets AdamW. Each system gets its
+own fresh model and its own process group, which its collectives and the harness's
+per-phase barriers use (so a peer that fails mid-step cannot desynchronise the next
+system), and ``warmup + steps + 1`` training steps:
 
 * ``warmup`` untimed steps (FSDP2 lazy init, muon-fsdp2's ``torch.compile``, optimizer
   state creation);
@@ -32,7 +33,7 @@ What is measured (units in the names: ``_ms`` milliseconds, ``_mib`` 2**20 bytes
 Time
     Each phase -- ``forward`` (``model.loss``), ``backward`` (``loss.backward()``),
     ``step`` (``optimizer.step()`` then ``zero_grad(set_to_none=True)``) -- starts after a
-    ``dist.barrier()`` so all ranks start it together, and is timed on every rank with
+    barrier on the system's group so all ranks start it together, and is timed on every rank with
     ``time.perf_counter`` (wall) and ``time.process_time`` (CPU time of the whole rank
     process, all threads: the communication threads' work counts). On CUDA the device is
     synchronised before reading the clocks. ``total`` is the time from the aligned start
@@ -118,7 +119,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -127,7 +128,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+import matrixfsdp as mf
+
 from .._exit import exit_rank
+from ..cli import _device_for, _sync
+from ..optim import MUON_DEFAULTS
+from ..plan import plan_module
+from . import peers
 
 SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "fsdp2_dist_muon",
                             "fsdp2_muon_fsdp2", "matrixfsdp")
@@ -135,8 +142,7 @@ BASELINE = "fsdp2_adamw"
 MUON_REFERENCE = "fsdp2_torch_muon"
 PHASES: tuple[str, ...] = ("forward", "backward", "step")
 EXACT_BOUND = 5e-2  # max abs parameter difference between Muon systems (bf16 NS rounding)
-NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
-NS_STEPS, NS_EPS, NS_REPS = 5, 1e-7, 5
+NS_REPS = 5
 PG_TIMEOUT_S = 600
 MIB = 2**20
 _RANGE = "matrixfsdp.bench::"
@@ -175,7 +181,6 @@ class BenchConfig:
     seed: int = 0
     device_type: str = "cpu"
     backend: str = "gloo"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def model_config(self):
         from matrixfsdp.models import GPTConfig
@@ -186,16 +191,11 @@ class BenchConfig:
 # ================================================================== measurement helpers
 
 
-def _sync(device: torch.device) -> None:
+def _barrier(device: torch.device, group: dist.ProcessGroup | None = None) -> None:
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _barrier(device: torch.device) -> None:
-    if device.type == "cuda":
-        dist.barrier(device_ids=[device.index])
+        dist.barrier(group=group, device_ids=[device.index])
     else:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 @contextlib.contextmanager
@@ -321,6 +321,8 @@ def _analyse_profile(prof: Any, world_size: int, device: torch.device) -> dict[s
     for node in _walk(roots):
         if node.name.startswith(_RANGE):
             ranges[node.name[len(_RANGE):]] = (node.start_time_ns, node.end_time_ns)
+    if set(ranges) != set(PHASES):
+        raise RuntimeError(f"the profiled step has phase ranges {sorted(ranges)}, not {list(PHASES)}")
 
     per_phase = {ph: {"calls": 0, "bytes": 0, "ops": {}} for ph in PHASES}
     unknown: set[str] = set()
@@ -353,7 +355,7 @@ def _analyse_profile(prof: Any, world_size: int, device: torch.device) -> dict[s
         running += size
         peak = max(peak, running)
     return {"collectives": per_phase, "unknown_ops": sorted(unknown),
-            "transient_peak_bytes": peak, "missing_ranges": sorted(set(PHASES) - set(ranges))}
+            "transient_peak_bytes": peak}
 
 
 # ================================================================== the systems
@@ -364,23 +366,27 @@ class System:
     """A built system: the model and the objects whose ``step``/``zero_grad`` we call."""
 
     model: nn.Module
+    group: dist.ProcessGroup  # the system's own process group; its barriers use it too
     optimizers: list[Any]
 
 
 def _split_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The peers' Muon matrices are exactly the ones MatrixFSDP's default rule picks."""
+    plan = plan_module(model, list(model.layers), world_size=1)
+    names = {pl.spec.name for pl in plan.placements.values() if pl.spec.muon}
     muon, adamw = [], []
     for name, p in model.named_parameters():
-        (muon if p.ndim == 2 and name.startswith("layers.") else adamw).append(p)
+        (muon if name in names else adamw).append(p)
     return muon, adamw
 
 
 def _build(name: str, cfg: BenchConfig, mesh: Any, device: torch.device) -> System:
     from matrixfsdp.models import GPT
 
+    group = mesh.get_group()
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(device=device, dtype=getattr(torch, cfg.dtype))
     if name == "matrixfsdp":
-        import matrixfsdp as mf
         for block in model.layers:
             mf.fully_shard(block, mesh=mesh)
         mf.fully_shard(model, mesh=mesh)
@@ -388,36 +394,34 @@ def _build(name: str, cfg: BenchConfig, mesh: Any, device: torch.device) -> Syst
             model, lr=cfg.lr, adamw_lr=cfg.adamw_lr, weight_decay=cfg.weight_decay,
             momentum=cfg.momentum, adamw_betas=cfg.adamw_betas, adamw_eps=cfg.adamw_eps,
             adamw_weight_decay=cfg.adamw_weight_decay)
-        return System(model, [mf.Muon(groups)])
+        return System(model, group, [mf.Muon(groups)])
 
     from torch.distributed.fsdp import fully_shard
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if name == "fsdp2_adamw":
-        return System(model, [torch.optim.AdamW(
+        return System(model, group, [torch.optim.AdamW(
             model.parameters(), lr=cfg.adamw_lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps,
             weight_decay=cfg.adamw_weight_decay)])
 
-    from matrixfsdp.bench import peers
     muon, adamw = _split_muon(model)
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
               adamw_lr=cfg.adamw_lr, adamw_betas=cfg.adamw_betas, adamw_eps=cfg.adamw_eps,
               adamw_weight_decay=cfg.adamw_weight_decay)
     if name == "fsdp2_torch_muon":
-        return System(model, peers.build_torch_muon(model, muon, adamw, **kw))
+        return System(model, group, peers.build_torch_muon(muon, adamw, **kw))
     if name == "fsdp2_dist_muon":
-        return System(model, [peers.build_dist_muon(model, mesh, list(model.layers), muon,
+        return System(model, group, [peers.build_dist_muon(model, mesh, list(model.layers), muon,
                                                     adamw, **kw)])
     if name == "fsdp2_muon_fsdp2":
-        return System(model, [peers.build_muon_fsdp2(model, muon, adamw, **kw)])
+        return System(model, group, [peers.build_muon_fsdp2(muon, adamw, **kw)])
     raise ValueError(f"unknown system {name!r}")
 
 
 def _full_params(name: str, model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     """Full parameters as fp32 CPU tensors (a collective; only kept where ``keep``)."""
     if name == "matrixfsdp":
-        import matrixfsdp as mf
         full = mf.full_state_dict(model)
         names = [n for n, _ in model.named_parameters()]
         return {n: full[n].detach().float().cpu() for n in names} if keep else {}
@@ -448,19 +452,18 @@ def _train_step(system: System, x: torch.Tensor, y: torch.Tensor, device: torch.
     def rng(ph: str):
         return torch.profiler.record_function(_RANGE + ph) if annotate else contextlib.nullcontext()
 
-    _barrier(device)
-    _sync(device)
+    _barrier(device, system.group)
     w0, c0 = time.perf_counter(), time.process_time()
     hook("forward", "start")
     with rng("forward"), _clock(device, times, "forward"):
         loss = system.model.loss(x, y)
     hook("forward", "end")
-    _barrier(device)
+    _barrier(device, system.group)
     hook("backward", "start")
     with rng("backward"), _clock(device, times, "backward"):
         loss.backward()
     hook("backward", "end")
-    _barrier(device)
+    _barrier(device, system.group)
     hook("step", "start")
     with rng("step"), _clock(device, times, "step"):
         for opt in system.optimizers:
@@ -470,26 +473,27 @@ def _train_step(system: System, x: torch.Tensor, y: torch.Tensor, device: torch.
         for opt in system.optimizers:
             opt.zero_grad(set_to_none=True)
     hook("step", "end")
-    _sync(device)
     times["total_wall_ms"] = (time.perf_counter() - w0) * 1e3
     times["total_cpu_ms"] = (time.process_time() - c0) * 1e3
 
 
-def _ns_owned_ms(model: nn.Module, rank: int, device: torch.device) -> dict[str, Any]:
+def _ns_owned_ms(model: nn.Module, rank: int, device: torch.device,
+                 group: dist.ProcessGroup) -> dict[str, Any]:
     """bf16 NS on random matrices of the shapes this rank owns, all ranks concurrently:
     median wall ms and median process CPU ms over ``NS_REPS`` repetitions (after one
     warm-up repetition), and the number of matrices."""
-    import matrixfsdp as mf
+    ns = MUON_DEFAULTS  # the Newton-Schulz every system's step runs
     plan = mf.plan_of(model)
     shapes = [pl.spec.shape for pl in plan.placements.values() if pl.spec.muon and pl.owner == rank]
     mats = [torch.randn(s, device=device) for s in shapes]
     wall, cpu = [], []
     for rep in range(NS_REPS + 1):
-        _barrier(device)
+        _barrier(device, group)
         _sync(device)
         w0, c0 = time.perf_counter(), time.process_time()
         for g in mats:
-            mf.zeropower_via_newtonschulz(g, NS_COEFFICIENTS, NS_STEPS, NS_EPS, torch.bfloat16)
+            mf.zeropower_via_newtonschulz(g, ns["ns_coefficients"], ns["ns_steps"], ns["eps"],
+                                          ns["ns_dtype"])
         _sync(device)
         if rep:  # the first repetition is a warm-up
             wall.append((time.perf_counter() - w0) * 1e3)
@@ -526,15 +530,10 @@ def _run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device,
         res["peak_bytes"] = torch.cuda.max_memory_allocated(device)
 
     # The profiled step: collectives per phase, transient memory, MatrixFSDP's counter.
-    stats = None
-    if name == "matrixfsdp":
-        import matrixfsdp as mf
-        stats = mf.comm_stats(system.model)
+    stats = mf.comm_stats(system.model) if name == "matrixfsdp" else None
     own_counts: dict[str, Any] = {}
 
     def phase_hook(ph: str, when: str) -> None:
-        if stats is None:
-            return
         if when == "start":
             stats.reset()
         else:
@@ -556,7 +555,7 @@ def _run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device,
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  profile_memory=device.type == "cpu") as prof:
         _train_step(system, *next(steps), device, annotate=True, after_step=after_step,
-                    phase_hook=phase_hook)
+                    phase_hook=phase_hook if stats is not None else None)
     res.update(_analyse_profile(prof, cfg.world_size, device))
     del prof
     res["state_bytes"] = state.get("bytes", 0)
@@ -566,11 +565,10 @@ def _run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device,
         res["comm_stats"] = own_counts
 
     if name == "matrixfsdp":
-        import matrixfsdp as mf
         plan = mf.plan_of(system.model)
         res["plan"] = {"imbalance": plan.imbalance, "imbalance_bound": plan.imbalance_bound,
                        "report": mf.plan_report(system.model)}
-        res["ns_owned"] = _ns_owned_ms(system.model, rank, device)
+        res["ns_owned"] = _ns_owned_ms(system.model, rank, device, system.group)
 
     return res, _full_params(name, system.model, keep_params)
 
@@ -591,13 +589,8 @@ def _make_data(cfg: BenchConfig, rank: int, device: torch.device
 
 
 def _rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    if cfg.device_type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = _device_for(rank) if cfg.device_type == "cuda" else torch.device("cpu")
     dist.init_process_group(cfg.backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=cfg.world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
     try:
@@ -616,9 +609,9 @@ def _rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) ->
                 error = f"{type(e).__name__}: {e}"
                 res = {"rank": rank, "traceback": traceback.format_exc()}
             res["error"] = error
-            gathered: list[Any] = [None] * cfg.world_size
-            dist.all_gather_object(gathered, res)
-            if rank != 0:
+            gathered: list[Any] | None = [None] * cfg.world_size if rank == 0 else None
+            dist.gather_object(res, gathered, dst=0)
+            if gathered is None:
                 continue
             summary = _summarise(name, gathered)
             summary["seconds"] = time.perf_counter() - t0
@@ -658,12 +651,10 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 
 def _summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """Rank 0: fold the per-rank records of one system into the results entry."""
-    errors = [r["error"] for r in per_rank if r.get("error")]
-    if errors:
-        first = next(r for r in per_rank if r.get("error"))
-        return {"status": "does not run here", "error": errors[0],
-                "failed_ranks": [r["rank"] for r in per_rank if r.get("error")],
-                "traceback": first.get("traceback")}
+    failed = [r for r in per_rank if r.get("error")]
+    if failed:
+        return {"status": "does not run here", "error": failed[0]["error"],
+                "failed_ranks": [r["rank"] for r in failed], "traceback": failed[0].get("traceback")}
     out: dict[str, Any] = {"status": "ok", "error": None, "phases": {}, "collectives": {}}
     for ph in (*PHASES, "total"):
         entry = {}
@@ -735,6 +726,8 @@ def render_markdown(results: dict[str, Any]) -> str:
     """The two tables (and the run's settings) as Markdown."""
     cfg, systems = results["config"], results["systems"]
     ok = {n: s for n, s in systems.items() if s["status"] == "ok"}
+    exact_ref = next((s["exactness"]["reference"] for s in ok.values() if s.get("exactness")),
+                     MUON_REFERENCE)
 
     def med(name: str, ph: str) -> float | None:
         return ok[name]["phases"][ph]["wall_ms"]["median"] if name in ok else None
@@ -761,7 +754,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         "barrier; total includes the barriers between phases. CPU ms: median process CPU time "
         "fwd/bwd/step. Collectives: calls / MiB per rank (mean over ranks), one profiled "
         "step, payload rule in the harness docstring. Peak: MiB, max over ranks. "
-        f"max|Δ|: max abs parameter difference vs {MUON_REFERENCE} (bound {EXACT_BOUND:g}).",
+        f"max|Δ|: max abs parameter difference vs {exact_ref} (bound {EXACT_BOUND:g}).",
         "",
         "| system | fwd ms | bwd ms | step ms | total ms | CPU ms f/b/s | coll fwd | coll bwd "
         "| coll step | peak MiB | fwd+bwd vs adamw | bytes vs adamw | mem vs adamw "

@@ -69,8 +69,9 @@ Peers
     * the AdamW ``eps`` default is 1e-10 and there is no ``amsgrad``; ``adamw_eps`` is
       always passed explicitly.
 
-``PEER_REQUIREMENTS`` lists the exact versions to install with ``pip install --no-deps``
-(torchtitan's ``flex_shard`` and optimizer container import only these beyond torch).
+The exact peer versions are installed with ``pip install --no-deps`` by the Makefile
+(``PEERS``): torchtitan's ``flex_shard`` and optimizer container import only those beyond
+torch.
 """
 
 from __future__ import annotations
@@ -82,22 +83,17 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-__all__ = ["PEER_REQUIREMENTS", "build_dist_muon", "build_muon_fsdp2", "build_torch_muon"]
+from ..optim import MUON_DEFAULTS
 
-PEER_REQUIREMENTS: list[str] = [
-    "torchtitan==0.3.0",
-    "spmd_types==0.2.3",
-    "tyro==1.0.17",
-    "docstring-parser==0.18.0",
-    "muon-fsdp2==0.3.0",
-]
+__all__ = ["build_dist_muon", "build_muon_fsdp2", "build_torch_muon"]
 
-NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)
-NS_STEPS = 5
-NS_EPS = 1e-7
+# Every system runs Muon's default Newton-Schulz (torch's and ours).
+NS_COEFFICIENTS = MUON_DEFAULTS["ns_coefficients"]
+NS_STEPS = MUON_DEFAULTS["ns_steps"]
+NS_EPS = MUON_DEFAULTS["eps"]
 
 
-def _check_split(model: nn.Module, muon_params: Sequence[torch.Tensor],
+def _check_split(muon_params: Sequence[torch.Tensor],
                  adamw_params: Sequence[torch.Tensor]) -> None:
     muon_ids = {id(p) for p in muon_params}
     adamw_ids = {id(p) for p in adamw_params}
@@ -115,7 +111,7 @@ def _names(model: nn.Module) -> dict[int, str]:
 # ---------------------------------------------------------------- torch.optim.Muon
 
 
-def build_torch_muon(model: nn.Module, muon_params: Sequence[torch.Tensor],
+def build_torch_muon(muon_params: Sequence[torch.Tensor],
                      adamw_params: Sequence[torch.Tensor], *, lr: float, weight_decay: float,
                      momentum: float, adamw_lr: float, adamw_betas: tuple[float, float],
                      adamw_eps: float, adamw_weight_decay: float) -> list[torch.optim.Optimizer]:
@@ -124,7 +120,7 @@ def build_torch_muon(model: nn.Module, muon_params: Sequence[torch.Tensor],
     Returns the optimizers as a list; step and zero_grad each of them.
     """
     muon_params, adamw_params = list(muon_params), list(adamw_params)
-    _check_split(model, muon_params, adamw_params)
+    _check_split(muon_params, adamw_params)
     optimizers: list[torch.optim.Optimizer] = []
     if muon_params:
         optimizers.append(torch.optim.Muon(
@@ -206,7 +202,7 @@ def build_dist_muon(model: nn.Module, mesh, blocks: Sequence[nn.Module],
     from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned
 
     muon_params, adamw_params = list(muon_params), list(adamw_params)
-    _check_split(model, muon_params, adamw_params)
+    _check_split(muon_params, adamw_params)
     if mesh.ndim != 1:
         raise ValueError(f"expected the 1-D FSDP2 mesh, got a {mesh.ndim}-D mesh")
     if mesh.mesh_dim_names is None:
@@ -263,7 +259,7 @@ def build_dist_muon(model: nn.Module, mesh, blocks: Sequence[nn.Module],
 # ---------------------------------------------------------------- muon-fsdp2
 
 
-def build_muon_fsdp2(model: nn.Module, muon_params: Sequence[torch.Tensor],
+def build_muon_fsdp2(muon_params: Sequence[torch.Tensor],
                      adamw_params: Sequence[torch.Tensor], *, lr: float, weight_decay: float,
                      momentum: float, adamw_lr: float, adamw_betas: tuple[float, float],
                      adamw_eps: float, adamw_weight_decay: float):
@@ -271,7 +267,7 @@ def build_muon_fsdp2(model: nn.Module, muon_params: Sequence[torch.Tensor],
     from muon_fsdp2 import Muon
 
     muon_params, adamw_params = list(muon_params), list(adamw_params)
-    _check_split(model, muon_params, adamw_params)
+    _check_split(muon_params, adamw_params)
     groups = []
     if muon_params:
         groups.append(dict(params=muon_params, use_muon=True, lr=lr, momentum=momentum,
