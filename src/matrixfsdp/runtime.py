@@ -152,6 +152,7 @@ class Unit:
         self.unsharded: list[nn.Parameter] = []
         self.local = self.flat = self.even = None
         self._even_index: dict[int, int] = {}  # parameter index -> offset in ``even``
+        self.needs_init = False  # built on meta: shards allocated, not yet initialised
         # per-step flags
         self.is_unsharded = False
         self.in_graph = self.pre_backward_done = self.post_backward_done = False
@@ -198,6 +199,9 @@ class Unit:
         if root.units[0] is self and torch.is_grad_enabled():
             for u in root.units:
                 u.pre_backward_done = u.post_backward_done = False
+        if self.needs_init:
+            raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
+                               "its shards are not initialised; call matrixfsdp.init_weights(model)")
         self.unshard()
         self._register(self.unsharded)
         if torch.is_grad_enabled():
@@ -335,9 +339,6 @@ def _materialize(root_unit: Unit) -> Root:
                     f"matrixfsdp: unit '{u.name}' mixes parameters '{first[0]}' "
                     f"({first[1].dtype}, {first[1].device}) and '{fqn}' ({p.dtype}, {p.device}); "
                     "all parameters of one unit need the same dtype and device")
-            if p.device.type == "meta":
-                raise NotImplementedError(f"matrixfsdp: parameter '{fqn}' is on the meta device; "
-                                          "materialize the model before fully_shard")
             is_muon = is_muon_matrix(fqn, p, mod, ui == 0, muon_filter)
             if is_muon and p.dim() != 2:
                 raise ValueError(f"matrixfsdp: muon_filter selected parameter '{fqn}' of shape "
@@ -360,10 +361,14 @@ def _materialize(root_unit: Unit) -> Root:
                     u._even_index[i] = even_numel
                     even_numel += p.numel()
             u.even = torch.empty(even_numel, dtype=dtype, device=device)
+            # A model built on the meta device gets uninitialised shards on the mesh device,
+            # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
+            u.needs_init = any(p.device.type == "meta" for p in params)
             offset = 0
             for i, pc in lay.local_pieces(rank):
-                src = params[i].detach().reshape(params[i].shape[0] if params[i].dim() else 1, -1)
-                u.local[offset:offset + pc.numel].copy_(src[pc.row_start:pc.row_stop].reshape(-1))
+                if not u.needs_init:
+                    src = params[i].detach().reshape(params[i].shape[0] if params[i].dim() else 1, -1)
+                    u.local[offset:offset + pc.numel].copy_(src[pc.row_start:pc.row_stop].reshape(-1))
                 offset += pc.numel
         u.sharded, u.unsharded = [], []
         local_offsets = {i: 0 for i in range(len(params))}
@@ -391,7 +396,7 @@ def _materialize(root_unit: Unit) -> Root:
         u.flat.untyped_storage().resize_(0)
         u.even.untyped_storage().resize_(0)
         for name, buf in list(u.module.named_buffers()):
-            if buf.device != device:
+            if buf.device != device and buf.device.type != "meta":
                 raise ValueError(f"matrixfsdp: buffer '{name}' of unit '{u.name}' is on "
                                  f"{buf.device}, the mesh on {device}; move the model first")
     global _PENDING
