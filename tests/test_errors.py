@@ -40,12 +40,26 @@ def test_mixed_devices_in_a_unit(world1):
         mf.muon_param_groups(model)
 
 
-def test_tied_parameters(world1):
-    model = GPT(GPTConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=24, seq_len=8))
-    model.head.weight = model.embed.weight
+def test_parameters_tied_across_units(world1):
+    """Tying inside one unit is supported (test_features); across two units it is refused,
+    naming both parameters and both units."""
+    model = GPT(CFG)
+    model.layers[1].attn.q.weight = model.layers[0].attn.q.weight
     _shard(model)
-    with pytest.raises(NotImplementedError, match=r"'head.weight' is the same tensor as 'embed.weight'"):
+    with pytest.raises(NotImplementedError, match=r"'layers.1.attn.q.weight' \(unit 'layers.1'\) is the "
+                       r"same tensor as 'layers.0.attn.q.weight' \(unit 'layers.0'\)"):
         mf.muon_param_groups(model)
+
+
+def test_state_dict_of_a_sharded_model_is_refused(world1):
+    """model.state_dict() would hold local shards under full names (DCP keeps one rank's
+    rows): it must raise and point to full_state_dict, never return them."""
+    model = _shard(GPT(CFG))
+    mf.muon_param_groups(model)  # plans
+    for call in (model.state_dict, model.layers[0].state_dict, model.layers[0].mlp.state_dict,
+                 lambda: model.load_state_dict({})):
+        with pytest.raises(RuntimeError, match="full_state_dict"):
+            call()
 
 
 def test_optimizer_built_before_root_fully_shard(world1):

@@ -29,7 +29,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             for pc in pieces:
                 rows[pc.row_start:pc.row_stop].view(-1).copy_(flat[pc.offset:pc.offset + pc.numel])
             out[spec.name] = full.view(spec.shape)
-    ordered = {name: out[name] for name, _ in model.named_parameters()}  # the module's order
+    # The module's order and names, tied parameters under each of their names (as
+    # ``model.state_dict()`` holds them).
+    ordered = {name: out[root.aliases.get(name, name)]
+               for name, _ in model.named_parameters(remove_duplicate=False)}
     for name, buf in model.named_buffers():
         ordered[name] = buf.detach().clone()
     return ordered

@@ -37,6 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import CommStats, gather_v, reduce_v
 from .layout import UnitLayout, unit_layout
+from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
 
 _PENDING: list[weakref.ref] = []  # units created by fully_shard and not planned yet
@@ -56,25 +57,7 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
 
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.requires_grad else []
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in _tensors_requiring_grad(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in _tensors_requiring_grad(x)]
-    return []
-
-
-def _replace_tensors(obj: Any, new: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return new.get(id(obj), obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_replace_tensors(x, new) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_replace_tensors(x, new) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _replace_tensors(v, new) for k, v in obj.items()}
-    return obj
+    return [t for t in tensors_in(obj) if t.requires_grad]
 
 
 def _alias(storage_owner: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -92,7 +75,8 @@ def _alias(storage_owner: torch.Tensor, offset: int, shape: tuple[int, ...]) -> 
 
 
 class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward runs once the unit's backward is done."""
+    """Identity on the inputs of one call of a unit; its backward runs when the gradients
+    of that call's inputs are done, i.e. when that call's backward is over."""
 
     @staticmethod
     def forward(ctx, unit: Unit, *inputs: torch.Tensor):
@@ -101,12 +85,23 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        ctx.unit.post_backward()
+        ctx.unit.call_backward_done()
         return (None, *grads)
 
 
+def _refuse_state_dict(module: nn.Module, *args, **kwargs) -> None:
+    raise RuntimeError(
+        f"matrixfsdp: state_dict()/load_state_dict() on the sharded {type(module).__name__} would "
+        "hold this rank's local shards under the full parameter names (torch.distributed."
+        "checkpoint would keep one rank's rows, save_pretrained a broken file). Use "
+        "matrixfsdp.full_state_dict(model) / matrixfsdp.load_full_state_dict(model, state) "
+        "(full tensors by name, on every rank) instead")
+
+
 class Root:
-    """State shared by all units of one model: the plan, the group, the counters."""
+    """State shared by all units of one model: the plan, the group, the counters, and
+    whether a backward pass is running (between the first pre-backward hook and the
+    end-of-backward callback)."""
 
     def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh):
         self.module = module
@@ -117,45 +112,62 @@ class Root:
         self.rank = dist.get_rank(self.group)
         self.world_size = mesh.size()
         self.stats = CommStats()
-        self._callback_queued = False
+        self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
+        self.in_backward = False
 
     def queue_final_callback(self) -> None:
-        if not self._callback_queued:
-            self._callback_queued = True
+        if not self.in_backward:
+            self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
+        # Units whose last call's post-backward did not fire (the root, whose input is token
+        # ids; a call whose inputs need no grad) reduce here, in a fixed order, so every
+        # rank issues the same collectives in the same order.
         for unit in reversed(self.units):
-            if unit.in_graph and not unit.post_backward_done:
-                unit.post_backward()
+            unit.post_backward()
         for unit in self.units:
-            unit.in_graph = unit.pre_backward_done = unit.post_backward_done = False
-            unit.reshard()
-        self._callback_queued = False
+            unit.end_backward()
+        self.in_backward = False
 
 
 class Unit:
-    """One communication unit: the parameters of one ``fully_shard`` call."""
+    """One communication unit: the parameters of one ``fully_shard`` call.
+
+    Backward bookkeeping: ``calls`` counts this step's forward calls whose inputs were
+    routed through :class:`_PostBackward`; the unit reduces its gradients when as many of
+    those have fired in this backward pass (all calls done), or at the end of the pass.
+    A unit called k times per step (weight sharing, a loop over one block, two forwards
+    before one backward) therefore reduces once, after its k-th call's backward. Any
+    gradient left on the unsharded parameters at the end of a pass is reduced then, so
+    several backward passes before a step accumulate exactly as in torch.
+    """
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 muon_filter: MuonFilter | None):
+                 muon_filter: MuonFilter | None, mp_policy: MixedPrecisionPolicy | None):
         self.module = module
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.muon_filter = muon_filter
+        self.mp_policy = mp_policy
         self.root: Root | None = None
         self.name = ""
         # filled by _materialize
-        self.refs: list[tuple[nn.Module, str]] = []
+        self.refs: list[tuple[nn.Module, str]] = []  # where parameters are registered
+        self.ref_param: list[int] = []  # refs[k] holds parameter ref_param[k] (tied: repeats)
         self.layout: UnitLayout | None = None
+        self.precision: Precision | None = None
         self.sharded: list[nn.Parameter] = []
         self.unsharded: list[nn.Parameter] = []
         self.local = self.flat = self.even = None
         self._even_index: dict[int, int] = {}  # parameter index -> offset in ``even``
         self.needs_init = False  # built on meta: shards allocated, not yet initialised
-        # per-step flags
+        # per step / per backward pass
         self.is_unsharded = False
-        self.in_graph = self.pre_backward_done = self.post_backward_done = False
+        self.calls = 0  # forward calls this step that will report their backward
+        self.calls_done = 0  # of those, done in the current backward pass
+        self.new_step = False  # a backward pass ended since the last forward
+        self.in_backward = False  # unsharded for backward, post-backward not yet run
 
     # ---- parameter movement -------------------------------------------------------------
     @torch.no_grad()
@@ -168,7 +180,8 @@ class Unit:
             if buf.untyped_storage().size() != nbytes:
                 buf.untyped_storage().resize_(nbytes)
         if lay.numel:  # a unit may hold no parameter of its own (all in child units)
-            gather_v(self.local, self.flat, lay.seg_sizes, root.group, root.stats)
+            segment = self.local.to(self.precision.param)  # a copy only under a policy
+            gather_v(segment, self.flat, lay.seg_sizes, root.group, root.stats)
         # Copy-out into ``even`` itself: writing through the unsharded parameters would
         # bump the version counters autograd checks.
         for i, offset in self._even_index.items():
@@ -187,8 +200,14 @@ class Unit:
         self.is_unsharded = False
 
     def _register(self, params: list[nn.Parameter]) -> None:
-        for (mod, attr), p in zip(self.refs, params):
-            mod._parameters[attr] = p
+        for (mod, attr), i in zip(self.refs, self.ref_param):
+            mod._parameters[attr] = params[i]
+
+    def _use_unsharded(self) -> None:
+        for sp, up in zip(self.sharded, self.unsharded):  # a shard frozen after planning
+            if up.requires_grad != sp.requires_grad:
+                up.requires_grad_(sp.requires_grad)
+        self._register(self.unsharded)
 
     # ---- hooks ----------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
@@ -196,56 +215,76 @@ class Unit:
         if self.root is None:
             raise RuntimeError(f"matrixfsdp: unit '{type(module).__name__}' was not planned; "
                                "its root module was planned without it")
-        if root.units[0] is self and torch.is_grad_enabled():
-            for u in root.units:
-                u.pre_backward_done = u.post_backward_done = False
         if self.needs_init:
             raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
+        if self.new_step:
+            self.calls, self.new_step = 0, False
         self.unshard()
-        self._register(self.unsharded)
+        self._use_unsharded()
+        if root.in_backward and self.in_backward:
+            # Activation checkpointing recomputes this unit's forward inside its backward
+            # (non-reentrant): the parameters are unsharded for backward already and this
+            # recomputed graph is only read for its saved tensors.
+            return args, kwargs
+        args, kwargs = self.precision.cast_forward_inputs(args, kwargs)
         if torch.is_grad_enabled():
             tensors = _tensors_requiring_grad((args, kwargs))
             if tensors:
+                self.calls += 1
                 outs = _PostBackward.apply(self, *tensors)
                 outs = outs if isinstance(outs, tuple) else (outs,)
                 new = {id(t): o for t, o in zip(tensors, outs)}
-                args, kwargs = _replace_tensors((args, kwargs), new)
+                args, kwargs = tree_map_tensors(lambda t: new.get(id(t), t), (args, kwargs))
         return args, kwargs
 
     def _post_forward(self, module, args, kwargs, output):
+        root = self.root
+        if root.in_backward and self.in_backward:
+            return output  # recomputation (see _pre_forward): stay unsharded for backward
         self._register(self.sharded)
+        output = self.precision.cast_output(output)
         outs = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
         for t in outs:
             t.register_hook(self._pre_backward_hook)
-        self.in_graph = self.in_graph or bool(outs)
-        if self.reshard_after_forward or not outs:
+        # Inside backward (reentrant checkpointing recomputes here) the parameters are
+        # needed again right away: keep them.
+        if (self.reshard_after_forward or not outs) and not root.in_backward:
             self.reshard()
         return output
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
-        if self.pre_backward_done:
-            return
-        self.pre_backward_done = True
         self.root.queue_final_callback()
-        self.unshard()
+        if not self.in_backward:
+            self.in_backward = True
+            self.unshard()
+            # Registered for backward too: code that re-runs the forward inside backward
+            # (activation checkpointing, transformers' included) must see full parameters.
+            self._use_unsharded()
+
+    def call_backward_done(self) -> None:
+        self.calls_done += 1
+        if self.calls_done >= self.calls:
+            self.post_backward()
 
     @torch.no_grad()
     def post_backward(self) -> None:
-        if self.post_backward_done:
-            return
-        self.post_backward_done = True
+        """Reduce the gradients accumulated on the unsharded parameters (if any) to where
+        each parameter lives, add them to the shards' ``.grad``, and reshard."""
         grads = [p.grad for p in self.unsharded]
         for p in self.unsharded:
             p.grad = None
-        if all(g is None for g in grads):
-            self.reshard()
-            return
-        root, lay = self.root, self.layout
-        if any(g is None for g in grads):
-            full = self.flat.new_zeros(lay.numel)
-        else:
-            full = self.flat.new_empty(lay.numel)
+        if any(g is not None for g in grads):
+            self._reduce(grads)
+        self.reshard()
+        self._register(self.sharded)
+        self.in_backward = False
+
+    def _reduce(self, grads: list[torch.Tensor | None]) -> None:
+        root, lay, prec = self.root, self.layout, self.precision
+        full = self.flat.new_empty(lay.numel, dtype=prec.reduce)
+        if any(g is None for g in grads):  # frozen, or unused in this pass
+            full.zero_()
         for i, g in enumerate(grads):
             if g is None:
                 continue
@@ -254,17 +293,28 @@ class Unit:
                 full[pc.offset:pc.offset + pc.numel].view(pc.row_stop - pc.row_start, -1).copy_(
                     g2[pc.row_start:pc.row_stop])
         self.reshard()  # the unsharded params are not needed any more
-        out = self.local.new_empty(self.local.numel())
+        out = full.new_empty(self.local.numel())
         reduce_v(full, out, lay.seg_sizes, root.group, root.stats)
+        if prec.reduce != prec.orig:
+            out = out.to(prec.orig)
         offset = 0
         for i, pc in lay.local_pieces(root.rank):
             p = self.sharded[i]
             view = out[offset:offset + pc.numel].view(p.shape)
             offset += pc.numel
+            if not p.requires_grad:
+                continue  # frozen: no .grad, as in torch
             if p.grad is None:
                 p.grad = view
             else:
                 p.grad.add_(view)
+
+    def end_backward(self) -> None:
+        self.calls_done = 0
+        self.new_step = True
+        self.in_backward = False
+        self.reshard()
+        self._register(self.sharded)
 
 
 def _is_unit(m: nn.Module) -> bool:
@@ -313,22 +363,35 @@ def _materialize(root_unit: Unit) -> Root:
     muon_filter = root_unit.muon_filter
 
     # Collect and check parameters, per unit.
-    seen: dict[int, str] = {}
+    # A tensor registered at several places (tied weights) is one parameter of one unit:
+    # planned, gathered and reduced once, registered at every place.
+    seen: dict[int, tuple[int, str, int]] = {}  # id -> (unit index, first name, index)
+    aliases: dict[str, str] = {}
     specs: list[ParamSpec] = []
     originals: list[list[nn.Parameter]] = []
     for ui, (uname, u) in enumerate(named_units):
         prefix = f"{uname}." if uname else ""
-        refs = _owned_params(u.module, prefix)
-        u.refs = [(m, a) for m, a, _ in refs]
-        params = [m._parameters[a] for m, a, _ in refs]
+        u.refs, u.ref_param = [], []
+        params: list[nn.Parameter] = []
         originals.append(params)
         first = None
-        for (mod, _, fqn), p in zip(refs, params):
+        for mod, attr, fqn in _owned_params(u.module, prefix):
+            p = mod._parameters[attr]
+            u.refs.append((mod, attr))
             if id(p) in seen:
-                raise NotImplementedError(
-                    f"matrixfsdp: parameter '{fqn}' is the same tensor as '{seen[id(p)]}' (tied "
-                    "or shared parameters are not supported yet); untie them before fully_shard")
-            seen[id(p)] = fqn
+                other_unit, other, index = seen[id(p)]
+                if other_unit != ui:
+                    raise NotImplementedError(
+                        f"matrixfsdp: parameter '{fqn}' (unit '{u.name}') is the same tensor as "
+                        f"'{other}' (unit '{units[other_unit].name}'); tied parameters must live "
+                        "in one unit: leave one of the two modules out of its own fully_shard "
+                        "call so that both belong to the unit that contains them")
+                u.ref_param.append(index)
+                aliases[fqn] = other
+                continue
+            seen[id(p)] = (ui, fqn, len(params))
+            u.ref_param.append(len(params))
+            params.append(p)
             if not p.is_floating_point():
                 raise ValueError(f"matrixfsdp: parameter '{fqn}' has dtype {p.dtype}; only "
                                  "floating-point parameters can be sharded")
@@ -340,27 +403,30 @@ def _materialize(root_unit: Unit) -> Root:
                     f"({first[1].dtype}, {first[1].device}) and '{fqn}' ({p.dtype}, {p.device}); "
                     "all parameters of one unit need the same dtype and device")
             is_muon = is_muon_matrix(fqn, p, mod, ui == 0, muon_filter)
-            if is_muon and p.dim() != 2:
+            if is_muon and p.dim() not in (2, 3):
                 raise ValueError(f"matrixfsdp: muon_filter selected parameter '{fqn}' of shape "
-                                 f"{tuple(p.shape)}; Muon needs 2-D parameters")
+                                 f"{tuple(p.shape)}; Muon needs 2-D matrices or 3-D "
+                                 "(experts, m, n) stacks of expert matrices")
             specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
     plan = make_plan(specs, P, [u.name for u in units])
     root = Root(root_unit.module, units, plan, mesh)
+    root.aliases = aliases
 
     for ui, u in enumerate(units):
         lay = unit_layout(plan, ui)
         u.layout, u.root = lay, root
         params = originals[ui]
         dtype = params[0].dtype if params else torch.float32
+        u.precision = prec = Precision.resolve(u.mp_policy, dtype)
         with torch.no_grad():
             u.local = torch.empty(lay.seg_sizes[rank], dtype=dtype, device=device)
-            u.flat = torch.empty(lay.numel, dtype=dtype, device=device)
+            u.flat = torch.empty(lay.numel, dtype=prec.param, device=device)
             u._even_index, even_numel = {}, 0
             for i, p in enumerate(params):
                 if not lay.whole_on_one_rank(i):
                     u._even_index[i] = even_numel
                     even_numel += p.numel()
-            u.even = torch.empty(even_numel, dtype=dtype, device=device)
+            u.even = torch.empty(even_numel, dtype=prec.param, device=device)
             # A model built on the meta device gets uninitialised shards on the mesh device,
             # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
             u.needs_init = any(p.device.type == "meta" for p in params)
@@ -399,6 +465,9 @@ def _materialize(root_unit: Unit) -> Root:
             if buf.device != device and buf.device.type != "meta":
                 raise ValueError(f"matrixfsdp: buffer '{name}' of unit '{u.name}' is on "
                                  f"{buf.device}, the mesh on {device}; move the model first")
+        for mod in {id(m): m for m in [u.module, *(m for m, _ in u.refs)]}.values():
+            mod.register_state_dict_pre_hook(_refuse_state_dict)
+            mod.register_load_state_dict_pre_hook(_refuse_state_dict)
     global _PENDING
     _PENDING = [r for r in _PENDING if r() is not None and r().root is None]
     return root
@@ -406,7 +475,8 @@ def _materialize(root_unit: Unit) -> Root:
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
-                muon_filter: MuonFilter | None = None) -> nn.Module:
+                muon_filter: MuonFilter | None = None,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Make ``module`` one communication unit, like FSDP2's ``fully_shard``.
 
     Call it on every block, bottom-up, then on the root. The unit holds the module's
@@ -422,6 +492,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             them again in backward. None: True for blocks, False for the root.
         muon_filter: ``(fqn, param) -> bool`` deciding which parameters are Muon matrices;
             read from the root call. FQNs are relative to the root module.
+        mp_policy: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` for this unit:
+            gather and compute in ``param_dtype``, average gradients in ``reduce_dtype``;
+            shards, their gradients and the optimizer state keep the parameters' dtype.
     Returns:
         ``module``, with its parameters replaced by this rank's shards once planned.
     """
@@ -445,7 +518,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         raise NotImplementedError(
             f"matrixfsdp: fully_shard needs a 1-D mesh, got a {mesh.ndim}-D mesh of shape "
             f"{tuple(mesh.shape)}; HSDP (2-D meshes) is not supported yet")
-    unit = Unit(module, mesh, reshard_after_forward, muon_filter)
+    unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy)
     module._mf_unit = unit
     for mod, attr, _ in _owned_params(module, ""):
         mod._parameters[attr]._mf_pending = unit
