@@ -106,8 +106,10 @@ def rank_slice(x: torch.Tensor, rank: int, per_rank: int, same_data: bool) -> to
 
 
 def train_reference(cfg: GPTConfig, data, *, muon_kw: dict, adamw_kw: dict, ns_fp32: bool,
-                    schedule=None, kind: str = "gpt", rule=is_muon_name) -> dict[str, torch.Tensor]:
-    """torch.optim.Muon + torch.optim.AdamW on one process, over the global batches."""
+                    schedule=None, kind: str = "gpt", rule=is_muon_name,
+                    clip: float | None = None) -> dict[str, torch.Tensor]:
+    """torch.optim.Muon + torch.optim.AdamW on one process, over the global batches;
+    ``clip``: max_norm for torch.nn.utils.clip_grad_norm_ after each backward."""
     model = build_model(kind, cfg)
     named = list(model.named_parameters())
     muon = torch.optim.Muon([p for n, p in named if rule(n, p)], **muon_kw)
@@ -118,6 +120,8 @@ def train_reference(cfg: GPTConfig, data, *, muon_kw: dict, adamw_kw: dict, ns_f
     with ctx:
         for x in data:
             model.loss(x[:, :-1], x[:, 1:]).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             muon.step()
             adamw.step()
             muon.zero_grad()

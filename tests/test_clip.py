@@ -1,0 +1,206 @@
+"""mf.clip_grad_norm_ and mf.nonfinite_grad_names: global over the ranks' disjoint gradient
+pieces, equal to torch's clip_grad_norm_ of one process on the concatenated global batch."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from _dist import spawn
+from reference import batches, build_model, rank_slice, train_reference
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import matrixfsdp as mf
+from matrixfsdp.models import GPT, GPTConfig
+
+# Shapes divisible by none of 2 and 3 (as in test_parity.py), one block to keep it fast.
+CFG = dict(vocab_size=256, d_model=35, n_heads=5, n_layers=1, d_mlp=55, seq_len=17)
+PER_RANK, SEQ, STEPS = 2, 16, 4
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+# eps 1e-5, not test_parity.py's 1e-6: here pos.weight[12, 1] has a first-step gradient of
+# ~4e-8, where Adam's slope lr/eps turns the summation-order rounding of 3 ranks vs one
+# process into a 4e-6 parameter difference, with or without clipping (measured).
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01)
+CLIP = 0.2  # the true norms here are 0.6-0.8: clipping is active at every step
+NORMS = (2.0, math.inf)
+HUGE = 1e9  # a max_norm that never clips (the scale is clamped to exactly 1)
+
+
+def _extra_param() -> nn.Parameter:
+    """A plain (replicated) parameter with the same gradient on every rank."""
+    g = torch.Generator().manual_seed(7)
+    p = nn.Parameter(torch.zeros(7))
+    p.grad = torch.randn(7, generator=g)
+    return p
+
+
+def _shard(model, mesh):
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    return mf.fully_shard(model, mesh=mesh)
+
+
+def _worker(rank, world_size, out_dir):
+    cfg = GPTConfig(**CFG)
+    mesh = init_device_mesh("cpu", (world_size,))
+    res = {}
+
+    # 1. The norm of one backward, ours and torch's own, on this rank.
+    model = _shard(build_model("gpt", cfg), mesh)
+    x = rank_slice(batches(1, world_size, PER_RANK, SEQ)[0], rank, PER_RANK, same_data=False)
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    for p in NORMS:
+        res[f"ours_{p}"] = mf.clip_grad_norm_(model.parameters(), HUGE, norm_type=p)
+        res[f"extra_{p}"] = mf.clip_grad_norm_([*model.parameters(), _extra_param()], HUGE, p)
+    res["torch_own"] = torch.nn.utils.clip_grad_norm_(model.parameters(), HUGE)
+
+    # 2. Non-finite gradients: NaN in a Muon matrix on its owner (the last rank only), inf
+    # in rank 1's row slice of the final norm's weight. Rank 0 sees only finite pieces.
+    plan = mf.plan_of(model)
+    matrix = next(n for n, pl in plan.placements.items() if pl.owner == world_size - 1)
+    params = dict(model.named_parameters())
+    if rank == world_size - 1:
+        params[matrix].grad[0, 0] = math.nan
+    if rank == 1:
+        params["norm.weight"].grad[0] = math.inf
+    res["injected"] = [n for n in plan.placements if n in (matrix, "norm.weight")]  # plan order
+    res["names"] = mf.nonfinite_grad_names(model.parameters())
+    try:
+        mf.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+        res["error"] = None
+    except RuntimeError as e:
+        res["error"] = str(e)
+    res["nan_inf"] = mf.clip_grad_norm_(model.parameters(), 1.0, norm_type=math.inf)
+    res["nan_2"] = mf.clip_grad_norm_(model.parameters(), 1.0)
+
+    # 3. Training with clipping active.
+    model = _shard(build_model("gpt", cfg), mesh)
+    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
+                                       **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}))
+    res["train_norms"] = []
+    for x in batches(STEPS, world_size, PER_RANK, SEQ):
+        x = rank_slice(x, rank, PER_RANK, same_data=False)
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        res["train_norms"].append(mf.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    state = mf.full_state_dict(model)
+    if rank == 0:
+        res["params"] = state
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"{w}ranks")
+def run(request, tmp_path_factory):
+    """Per world size: every rank's results, and the single-process references."""
+    world_size = request.param
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp(f"clip{world_size}")
+    spawn(_worker, world_size, str(out), timeout=120)
+    ranks = [torch.load(out / f"rank{r}.pt") for r in range(world_size)]
+    cfg = GPTConfig(**CFG)
+    model = build_model("gpt", cfg)
+    x = batches(1, world_size, PER_RANK, SEQ)[0]
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    grads = [p.grad for p in model.parameters()]
+    ref = {}
+    for p in NORMS:
+        ref[f"ours_{p}"] = torch.nn.utils.get_total_norm(grads, p)
+        ref[f"extra_{p}"] = torch.nn.utils.get_total_norm([*grads, _extra_param().grad], p)
+    ref["params"] = train_reference(cfg, batches(STEPS, world_size, PER_RANK, SEQ), muon_kw=MUON,
+                                    adamw_kw=ADAMW, ns_fp32=True, clip=CLIP)
+    return world_size, ranks, ref
+
+
+def test_norm_is_global_and_equal_on_every_rank(run):
+    """Different data per rank: the norm is the single-process norm of the global batch's
+    gradient (p = 2 and inf; with a replicated parameter counted once), bit-equal on every
+    rank."""
+    world_size, ranks, ref = run
+    for key in [f"{k}_{p}" for k in ("ours", "extra") for p in NORMS]:
+        for r, res in enumerate(ranks):
+            assert torch.equal(res[key], ranks[0][key]), f"{key}: rank {r} {res[key]} vs {ranks[0][key]}"
+        torch.testing.assert_close(ranks[0][key], ref[key], rtol=1e-5, atol=0, msg=f"{key}")
+    print(f"\n{world_size} ranks: max rel. norm diff "
+          f"{max(abs(ranks[0][k] / ref[k] - 1).item() for k in ref if k != 'params'):.2e}")
+
+
+def test_torch_own_clip_is_per_rank(run):
+    """Why ours exists: torch's clip_grad_norm_ on the sharded model sees only this rank's
+    pieces, so every rank gets a different norm, each below the true one."""
+    world_size, ranks, ref = run
+    own = [res["torch_own"].item() for res in ranks]
+    assert len(set(own)) == world_size, own
+    assert all(n < ref["ours_2.0"].item() * 0.99 for n in own), (own, ref["ours_2.0"])
+
+
+def test_nonfinite_grads_raise_on_every_rank(run):
+    """NaN in one rank's piece, inf in another's: every rank raises (no hang) naming both,
+    nonfinite_grad_names agrees on every rank, and the returned norms are NaN."""
+    world_size, ranks, _ = run
+    injected = ranks[0]["injected"]
+    assert len(injected) == 2
+    for r, res in enumerate(ranks):
+        assert res["names"] == injected, f"rank {r}: {res['names']} vs {injected}"
+        assert res["error"] is not None, f"rank {r} did not raise"
+        assert "is non-finite, so it cannot be clipped" in res["error"]
+        assert all(n in res["error"] for n in injected), res["error"]
+        assert math.isnan(res["nan_inf"]) and math.isnan(res["nan_2"]), (r, res["nan_inf"], res["nan_2"])
+
+
+def test_training_with_clipping_matches_torch(run):
+    """Clipping active at every step; after the steps the parameters match torch.optim.Muon +
+    AdamW with torch's clip_grad_norm_ on one process (fp32 NS, the parity bound 1e-6)."""
+    world_size, ranks, ref = run
+    norms = ranks[0]["train_norms"]
+    assert min(norms) > 2 * CLIP, norms
+    assert all(res["train_norms"] == norms for res in ranks)
+    ours = ranks[0]["params"]
+    assert list(ours) == list(ref["params"])
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(ours[name], p, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    worst = max((ours[n] - p).abs().max().item() for n, p in ref["params"].items())
+    print(f"\n{world_size} ranks: training max |diff| {worst:.2e}, norms {norms}")
+
+
+SMALL = GPTConfig(d_model=16, n_heads=2, n_layers=1, d_mlp=24, seq_len=8)
+
+
+def _one_rank_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    plain = GPT(SMALL).to(dtype)
+    model = GPT(SMALL).to(dtype)
+    model.load_state_dict(plain.state_dict())
+    return plain, _shard(model, init_device_mesh("cpu", (1,)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_rank_matches_torch(world1, dtype):
+    """fp32 and bf16 grads: same norm and same clipped grads as torch (bf16: torch's norm is
+    itself bf16, ours accumulates in fp32, so to bf16 rounding)."""
+    plain, model = _one_rank_model(dtype)
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    for m in (plain, model):
+        m.loss(x[:, :-1], x[:, 1:]).backward()
+    for p in NORMS:
+        ref = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1, norm_type=p)
+        ours = mf.clip_grad_norm_(model.parameters(), 0.1, norm_type=p)
+        assert ours.dtype == torch.float32
+        tol = dict(rtol=1e-5, atol=0) if dtype == torch.float32 else dict(rtol=1e-2, atol=0)
+        torch.testing.assert_close(ours, ref.float(), **tol)
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    assert mf.nonfinite_grad_names(model.parameters()) == []
+
+
+def test_two_roots_and_bad_norm_type(world1):
+    a, b = (_one_rank_model()[1] for _ in range(2))
+    mf.plan_of(a), mf.plan_of(b)
+    with pytest.raises(ValueError, match=r"'embed.weight' and 'embed.weight' belong to different"):
+        mf.clip_grad_norm_([*a.parameters(), *b.parameters()], 1.0)
+    with pytest.raises(ValueError, match="norm_type must be > 0"):
+        mf.clip_grad_norm_(a.parameters(), 1.0, norm_type=0)
