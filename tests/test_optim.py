@@ -46,7 +46,7 @@ def test_defaults_match_torch():
     adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))]).defaults
     for k, v in muon.items():
         assert ours.param_groups[0][k] == v, k
-    for k in ("lr", "betas", "eps", "weight_decay"):
+    for k in ("lr", "betas", "eps", "weight_decay", "foreach", "fused"):
         assert ours.param_groups[1][k] == adamw[k], k
     assert ours.param_groups[0]["ns_dtype"] == torch.bfloat16
 
@@ -89,3 +89,77 @@ def test_muon_defaults_constant_matches_the_signature():
     torch_sig = inspect.signature(torch.optim.Muon).parameters
     assert {k: torch_sig[k].default for k in MUON_DEFAULTS if k != "ns_dtype"} == \
         {k: v for k, v in MUON_DEFAULTS.items() if k != "ns_dtype"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, dict(foreach=True), dict(foreach=False), dict(fused=True)])
+def test_adamw_bit_identical_to_torch_adamw(dtype, options):
+    """AdamW groups run the kernel torch.optim.AdamW runs for the same options: by default
+    (foreach and fused None) torch's own choice for the tensors' device and dtype. On CPU
+    that is the per-tensor loop, whose bf16 rounding differs from the foreach kernel's."""
+    kw = dict(lr=1e-2, betas=(0.8, 0.9), eps=1e-7, weight_decay=0.05)
+    g = torch.Generator().manual_seed(0)
+    shapes = ((8, 12), (12,), (3, 4), (5,))
+    ours = [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = mf.Muon([dict(params=ours, use_muon=False, **kw, **options)])
+    torch_opt = torch.optim.AdamW(ref, **kw, **options)
+    for _ in range(5):
+        for a, b in zip(ours, ref):
+            a.grad = torch.randn(a.shape, generator=g).to(dtype)
+            b.grad = a.grad.clone()
+        opt.step()
+        torch_opt.step()
+    for a, b in zip(ours, ref):
+        assert a.dtype == dtype and torch.equal(a, b)
+    for a, b in zip(ours, ref):  # the state too, `step` included (on the device when fused)
+        for k, v in torch_opt.state[b].items():
+            assert torch.equal(opt.state[a][k], v) and opt.state[a][k].device == v.device, k
+
+
+def test_adamw_foreach_and_fused_options():
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = mf.Muon([dict(params=[p], use_muon=False)], adamw_foreach=True)
+    assert opt.param_groups[0]["foreach"] is True and opt.param_groups[0]["fused"] is None
+    with pytest.raises(ValueError, match="`fused` and `foreach` cannot be `True` together"):
+        mf.Muon([dict(params=[p], use_muon=False, foreach=True, fused=True)])
+
+
+def test_parameters_without_grad_are_never_touched():
+    """A parameter without a gradient (frozen, or a non-owner's placeholder) gets no state
+    and no weight decay, in either kind of group."""
+    m, v = _params(0)
+    opt = mf.Muon([dict(params=m, use_muon=True, weight_decay=0.5),
+                   dict(params=v, use_muon=False, weight_decay=0.5)])
+    before = [p.detach().clone() for p in m + v]
+    m[1].grad = torch.ones_like(m[1])
+    v[1].grad = torch.ones_like(v[1])
+    for _ in range(2):
+        opt.step()
+    for i in (0, 2, 3):
+        p = (m + v)[i]
+        assert torch.equal(p, before[i]) and not opt.state.get(p), i
+    assert opt.state[m[1]] and opt.state[v[1]]
+
+
+def test_frozen_parameters_stay_out_of_the_groups(world1):
+    from matrixfsdp.models import GPT, GPTConfig
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=32, seq_len=8))
+    frozen = {"layers.0.attn.q.weight", "layers.0.norm1.weight", "head.weight"}
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in frozen)
+    for block in model.layers:
+        mf.fully_shard(block)
+    mf.fully_shard(model)
+    groups = mf.muon_param_groups(model, lr=0.02, weight_decay=0.5, adamw_weight_decay=0.5)
+    in_groups = {id(p) for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert all((id(named[n]) in in_groups) == (n not in frozen) for n in named)
+    opt = mf.Muon(groups)
+    before = {n: named[n].detach().clone() for n in frozen}
+    x = torch.randint(0, 64, (2, 9))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    opt.step()
+    for n in frozen:
+        assert torch.equal(named[n], before[n]) and named[n] not in opt.state, n

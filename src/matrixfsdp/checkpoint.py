@@ -33,9 +33,17 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     # ``model.state_dict()`` holds them).
     ordered = {name: out[root.aliases.get(name, name)]
                for name, _ in model.named_parameters(remove_duplicate=False)}
-    for name, buf in model.named_buffers():
+    for name, buf in persistent_buffers(model):
         ordered[name] = buf.detach().clone()
     return ordered
+
+
+def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, buffer) for the buffers ``model.state_dict()`` holds: non-persistent ones
+    (rotary ``inv_freq``, causal masks) are left out, as torch does."""
+    return [(f"{prefix}.{name}" if prefix else name, buf)
+            for prefix, mod in model.named_modules() for name, buf in mod._buffers.items()
+            if buf is not None and name not in mod._non_persistent_buffers_set]
 
 
 @torch.no_grad()

@@ -10,6 +10,9 @@ every even parameter). So:
   view (no copy-out);
 * an even parameter is P row slices spread over the segments, copied out into a tensor
   of its own (these are the small ones: norms, biases; and the root's embeddings/head).
+* an expert stack ``(experts, m, n)`` is, like an even parameter, one contiguous range of
+  whole experts per rank (dim-0 rows), so it is copied out the same way; where one rank
+  holds all of its experts it is a view, like a 2-D matrix.
 """
 
 from __future__ import annotations

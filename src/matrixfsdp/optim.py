@@ -3,7 +3,10 @@
 Every Muon matrix lives whole on its owner, whose gradient is already the full average
 over ranks, so ``step()`` is local: no collective of any kind. On other ranks the matrix
 is an empty placeholder without a gradient, which the step skips; momentum therefore
-lives only on the owner. AdamW is element-wise, so it runs unchanged on row shards.
+lives only on the owner. An expert stack ``(experts, m, n)`` is held as a ``(k, m, n)``
+tensor of k whole experts per rank; its NS runs batched over those k experts, each
+normalised and orthogonalised on its own, exactly as k separate matrices. AdamW is
+element-wise, so it runs unchanged on row shards.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
 def zeropower_via_newtonschulz(g: torch.Tensor, coefficients: tuple[float, float, float],
                                steps: int, eps: float,
                                dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Approximately orthogonalise the ``m x n`` matrix ``g`` (``torch.optim.Muon``'s NS).
+    """Approximately orthogonalise the ``m x n`` matrix ``g`` (``torch.optim.Muon``'s NS),
+    or each matrix of a ``(k, m, n)`` stack (batched, each matrix on its own).
 
     Runs in ``dtype`` on the wide orientation: Frobenius-normalise, then ``steps`` quintic
-    iterations ``X <- aX + (bA + cA^2) X`` with ``A = X X^T``. Returns an ``m x n`` tensor
-    in ``dtype``; ``g`` is not modified.
+    iterations ``X <- aX + (bA + cA^2) X`` with ``A = X X^T``. Returns a tensor of ``g``'s
+    shape in ``dtype``; ``g`` is not modified.
     """
     return _newton_schulz_(g.to(dtype, copy=True), coefficients, steps, eps)
 
@@ -39,21 +43,29 @@ def _newton_schulz_(x: torch.Tensor, coefficients: tuple[float, float, float], s
                     eps: float) -> torch.Tensor:
     """NS on ``x``, which the caller hands over (it is normalised in place)."""
     a, b, c = coefficients
-    wide = x.size(0) <= x.size(1)
+    wide = x.size(-2) <= x.size(-1)
     if not wide:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x if wide else x.T
+        x = x.mT
+    if x.dim() == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:  # (k, m, n) experts: one batched NS, each expert with its own norm
+        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(steps):
+            gram = torch.bmm(x, x.mT)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x if wide else x.mT
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """Muon's per-matrix lr: "original" ``lr*sqrt(max(1, m/n))``, "match_rms_adamw"
-    ``0.2*lr*sqrt(max(m, n))``. Needs the whole matrix's shape, never a shard's."""
-    m, n = shape[:2]
+    ``0.2*lr*sqrt(max(m, n))``, with ``(m, n)`` the last two dims (one expert of a
+    ``(k, m, n)`` stack). Needs the whole matrix's shape, never a shard's."""
+    m, n = shape[-2:]
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, m / n))
     if adjust_lr_fn == "match_rms_adamw":
@@ -71,9 +83,13 @@ class Muon(torch.optim.Optimizer):
 
     Muon groups take ``torch.optim.Muon``'s options and defaults (lr, weight_decay,
     momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) plus ``ns_dtype``
-    (bf16 like torch; float32 for tight checks). AdamW groups take ``torch.optim.AdamW``'s
-    (lr, betas, eps, weight_decay); constructor defaults for them are the ``adamw_``
-    keywords. A group's own values win, as in every torch optimizer.
+    (bf16 like torch; float32 for tight checks). A Muon parameter may be 2-D or a 3-D
+    ``(experts, m, n)`` stack, which is stepped as ``experts`` separate matrices.
+    AdamW groups take ``torch.optim.AdamW``'s (lr, betas, eps, weight_decay, foreach,
+    fused); constructor defaults for them are the ``adamw_`` keywords. With ``foreach``
+    and ``fused`` both None (the default) the kernel is the one ``torch.optim.AdamW``
+    picks for these tensors' device, so the result equals its default path bit for bit.
+    A group's own values win, as in every torch optimizer.
     """
 
     def __init__(self, params: Iterable[dict], *, lr: float = 1e-3, weight_decay: float = 0.1,
@@ -82,13 +98,14 @@ class Muon(torch.optim.Optimizer):
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
                  ns_dtype: torch.dtype = torch.bfloat16, adamw_lr: float = 1e-3,
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float = 1e-2):
+                 adamw_weight_decay: float = 1e-2, adamw_foreach: bool | None = None,
+                 adamw_fused: bool | None = None):
         self._kind_defaults = {
             True: dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                        adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype),
             False: dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                        weight_decay=adamw_weight_decay),
+                        weight_decay=adamw_weight_decay, foreach=adamw_foreach, fused=adamw_fused),
         }
         self._ns_buffers: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> NS input
         groups = list(params)
@@ -120,6 +137,8 @@ class Muon(torch.optim.Optimizer):
         elif group["lr"] < 0 or group["eps"] < 0 or not all(0 <= b < 1 for b in group["betas"]):
             raise ValueError(f"invalid AdamW hyperparameters: lr={group['lr']}, "
                              f"eps={group['eps']}, betas={group['betas']}")
+        elif group["foreach"] and group["fused"]:
+            raise ValueError("AdamW group: `fused` and `foreach` cannot be `True` together")
         super().add_param_group(group)
 
     @torch.no_grad()
@@ -167,6 +186,10 @@ class Muon(torch.optim.Optimizer):
             p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
 
     def _adamw_step(self, group: dict) -> None:
+        # foreach/fused None: torch's functional ``adam`` makes torch.optim.AdamW's default
+        # choice itself (foreach where every tensor is on a foreach device, e.g. CUDA; the
+        # per-tensor loop otherwise, e.g. CPU). The two differ in low-precision rounding.
+        foreach, fused = group.get("foreach"), group.get("fused")
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
             if p.grad is None:
@@ -174,9 +197,9 @@ class Muon(torch.optim.Optimizer):
             if p.grad.is_sparse:
                 raise RuntimeError(f"AdamW does not support sparse gradients ({_name(p)})")
             state = self.state[p]
-            if not state:
-                scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-                state["step"] = torch.tensor(0.0, dtype=scalar)
+            if not state:  # as torch.optim.Adam._init_group: fused keeps `step` on the device
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                                 else torch.tensor(0.0, dtype=_scalar_dtype()))
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
@@ -188,11 +211,15 @@ class Muon(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         _adam(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, capturable=False,
-            differentiable=False, fused=None, grad_scale=None, found_inf=None,
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, capturable=False,
+            differentiable=False, fused=fused, grad_scale=None, found_inf=None,
             has_complex=any(torch.is_complex(p) for p in params), decoupled_weight_decay=True,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
 def _as_list(params) -> list[torch.Tensor]:
@@ -233,24 +260,29 @@ def _validate_muon_group(group: dict) -> None:
                 "group, but the plan shards it by rows over all ranks, so no rank holds the "
                 "whole matrix and Muon cannot run on it exactly. Select it as a Muon matrix "
                 "with fully_shard(root, muon_filter=...) or move it to the AdamW group")
-        if pl is None and p.dim() != 2:
-            raise ValueError(f"Muon only supports 2-D parameters, got shape {tuple(p.shape)}")
+        if pl is None and p.dim() not in (2, 3):
+            raise ValueError(f"Muon supports 2-D matrices and 3-D (experts, m, n) stacks of "
+                             f"expert matrices, got shape {tuple(p.shape)}")
 
 
 def muon_param_groups(model: nn.Module, *, lr: float = 1e-3, adamw_lr: float = 1e-3,
                       **options) -> list[dict]:
-    """The two parameter groups of a planned model: Muon matrices and everything else.
+    """The two parameter groups of a planned model: Muon matrices (2-D, and 3-D expert
+    stacks) and everything else. Frozen parameters (``requires_grad=False``) are in
+    neither: they get no optimizer state and no weight decay.
 
     ``options`` starting with ``adamw_`` (``adamw_betas``, ``adamw_eps``,
-    ``adamw_weight_decay``) go to the AdamW group without the prefix; the rest
-    (``weight_decay``, ``momentum``, ``ns_dtype``, ...) to the Muon group. Every rank gets
-    the same groups (non-owners hold empty placeholders), so ``state_dict`` lines up.
+    ``adamw_weight_decay``, ``adamw_foreach``, ``adamw_fused``) go to the AdamW group
+    without the prefix; the rest (``weight_decay``, ``momentum``, ``ns_dtype``, ...) to the
+    Muon group. Every rank gets the same groups (non-owners hold empty placeholders), so
+    ``state_dict`` lines up.
     """
     root = get_root(model)
     muon, other = [], []
     for unit in root.units:
         for p in unit.sharded:
-            (muon if p._mf_placement.spec.muon else other).append(p)
+            if p.requires_grad:
+                (muon if p._mf_placement.spec.muon else other).append(p)
     muon_opts = {k: v for k, v in options.items() if not k.startswith("adamw_")}
     adamw_opts = {k[len("adamw_"):]: v for k, v in options.items() if k.startswith("adamw_")}
     return [dict(params=muon, use_muon=True, lr=lr, **muon_opts),

@@ -6,7 +6,11 @@ model built on the meta device plans in seconds for any world size.
 Two kinds of parameter:
 
 * **Muon matrices** live whole on one owner rank. The owner is chosen over all units at
-  once so that the largest per-rank Newton-Schulz cost is as small as possible.
+  once so that the largest per-rank Newton-Schulz cost is as small as possible. A 3-D
+  Muon parameter ``(experts, m, n)`` (fused MoE expert weights) is a stack of ``experts``
+  Muon matrices: each expert is placed like any matrix, whole on one rank, and since the
+  experts of one parameter are interchangeable, rank r gets a contiguous range of them
+  (``row_ranges[r]`` along dim 0), as many as the assignment gave it.
 * **Even parameters** (everything else: embeddings, head, norms, biases) are split by
   rows (dim 0) over all ranks, FSDP2's ``Shard(0)`` without padding. Each rank holds
   ``rows // P`` or one more; which ranks get the extra row rotates from one parameter to
@@ -56,6 +60,21 @@ class ParamSpec:
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
+    @property
+    def is_experts(self) -> bool:
+        """A 3-D Muon parameter: a stack of ``shape[0]`` expert matrices."""
+        return self.muon and len(self.shape) == 3
+
+    @property
+    def matrices(self) -> int:
+        """How many Muon matrices this parameter holds (0 for an AdamW parameter)."""
+        return self.shape[0] if self.is_experts else int(self.muon)
+
+    @property
+    def matrix_shape(self) -> tuple[int, ...]:
+        """``(m, n)`` of each Muon matrix: the last two dims."""
+        return tuple(self.shape[-2:])
+
 
 def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
     """FLOPs of ``ns_steps`` quintic Newton-Schulz iterations on an ``m x n`` matrix.
@@ -73,8 +92,10 @@ class Placement:
     """Where one parameter lives.
 
     Muon matrices: ``owner`` is the rank holding it whole; ``row_ranges[r]`` is the whole
-    range on the owner and empty elsewhere. Even parameters: ``owner`` is None and
-    ``row_ranges[r] = (start, stop)`` is rank r's slice of dim 0.
+    range on the owner and empty elsewhere. Expert stacks ``(experts, m, n)``: ``owner``
+    is None and ``row_ranges[r]`` is the contiguous range of whole experts rank r holds
+    (possibly empty). Even parameters: ``owner`` is None and ``row_ranges[r] = (start,
+    stop)`` is rank r's slice of dim 0.
     """
 
     spec: ParamSpec
@@ -91,6 +112,12 @@ class Placement:
         if not self.spec.shape:  # 0-d: the one "row" lives on a single rank
             return () if self.local_rows(rank) else (0,)
         return (self.local_rows(rank), *self.spec.shape[1:])
+
+    def matrices_on(self, rank: int) -> int:
+        """How many whole Muon matrices ``rank`` holds of this parameter."""
+        if self.spec.is_experts:
+            return self.local_rows(rank)
+        return int(self.spec.muon and self.owner == rank)
 
 
 @dataclass
@@ -109,8 +136,9 @@ class Plan:
 
     @property
     def muon_costs(self) -> list[int]:
-        return [ns_flops(pl.spec.shape, self.ns_steps) for pl in self.placements.values()
-                if pl.spec.muon]
+        """NS cost of every Muon matrix, each expert of an expert stack counted once."""
+        return [ns_flops(pl.spec.matrix_shape, self.ns_steps)
+                for pl in self.placements.values() for _ in range(pl.spec.matrices)]
 
     @property
     def lower_bound(self) -> float:
@@ -144,6 +172,16 @@ def _even_ranges(rows: int, world_size: int, first_extra: int) -> list[tuple[int
     return ranges
 
 
+def _distinct_costs(items: list[int], costs: list[int]) -> list[int]:
+    seen: set[int] = set()
+    out = []
+    for i in items:
+        if costs[i] not in seen:
+            seen.add(costs[i])
+            out.append(i)
+    return out
+
+
 def _assign(costs: list[int], sizes: list[int], world_size: int,
             base_bytes: list[int]) -> list[int]:
     """Owners for items, minimising the largest per-rank cost (ties: fewer bytes).
@@ -170,14 +208,19 @@ def _assign(costs: list[int], sizes: list[int], world_size: int,
     for _ in range(4 * len(costs) + 16):
         hi = max(range(world_size), key=lambda r: (load[r], mem[r]))
         best = None  # (new max of the pair, move)
+        # Only costs matter to a move, so each rank offers one item per distinct cost (the
+        # first in its list, the one a full scan would pick): the experts of a stack are
+        # many equal items, and this keeps the search small for MoE models.
+        hi_items = _distinct_costs(items[hi], costs)
         for lo in sorted(range(world_size), key=lambda r: load[r])[:64]:
             if lo == hi:
                 continue
-            for a in items[hi]:
+            lo_items = _distinct_costs(items[lo], costs)
+            for a in hi_items:
                 pair = max(load[hi] - costs[a], load[lo] + costs[a])
                 if pair < load[hi] and (best is None or pair < best[0]):
                     best = (pair, a, None, lo)
-                for b in items[lo]:
+                for b in lo_items:
                     d = costs[a] - costs[b]
                     if d <= 0:
                         continue
@@ -202,13 +245,20 @@ def _assign(costs: list[int], sizes: list[int], world_size: int,
 
 def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[str],
               ns_steps: int = 5) -> Plan:
-    """Place every parameter: even ones by rows, Muon matrices whole on balanced owners."""
+    """Place every parameter: even ones by rows, Muon matrices whole on balanced owners.
+
+    Every Muon matrix is one item of the assignment, each expert of an expert stack
+    included, so the experts' NS cost and the 2-D matrices' balance together. Rank r then
+    holds the contiguous range of a stack's experts that matches how many of them the
+    assignment gave it (the experts of one stack are interchangeable).
+    """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     for s in specs:
-        if s.muon and len(s.shape) != 2:
+        if s.muon and len(s.shape) not in (2, 3):
             raise ValueError(f"parameter '{s.name}' is marked as a Muon matrix but has "
-                             f"shape {tuple(s.shape)}; Muon needs 2-D parameters")
+                             f"shape {tuple(s.shape)}; Muon needs 2-D matrices or 3-D "
+                             "(experts, m, n) stacks of expert matrices")
     placements: dict[str, Placement] = {}
     base_bytes = [0] * world_size
     rotate = 0
@@ -222,16 +272,29 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
             base_bytes[r] += (b - a) * s.row_numel * s.itemsize
 
     muon = [s for s in specs if s.muon]
-    costs = [ns_flops(s.shape, ns_steps) for s in muon]
-    owners = _assign(costs, [s.nbytes for s in muon], world_size, base_bytes)
+    item_spec = [i for i, s in enumerate(muon) for _ in range(s.matrices)]
+    costs = [ns_flops(muon[i].matrix_shape, ns_steps) for i in item_spec]
+    sizes = [math.prod(muon[i].matrix_shape) * muon[i].itemsize for i in item_spec]
+    owners = _assign(costs, sizes, world_size, base_bytes)
+    counts = [[0] * world_size for _ in muon]  # per Muon parameter, matrices per rank
     rank_cost = [0] * world_size
     rank_bytes = list(base_bytes)
-    for s, c, r in zip(muon, costs, owners):
-        ranges = [(0, 0)] * world_size
-        ranges[r] = (0, s.rows)
-        placements[s.name] = Placement(s, r, ranges)
+    for i, c, b, r in zip(item_spec, costs, sizes, owners):
+        counts[i][r] += 1
         rank_cost[r] += c
-        rank_bytes[r] += s.nbytes
+        rank_bytes[r] += b
+    for s, per_rank in zip(muon, counts):
+        if s.is_experts:
+            ranges, start = [], 0
+            for n in per_rank:
+                ranges.append((start, start + n))
+                start += n
+            placements[s.name] = Placement(s, None, ranges)
+        else:
+            r = per_rank.index(1)
+            ranges = [(0, 0)] * world_size
+            ranges[r] = (0, s.rows)
+            placements[s.name] = Placement(s, r, ranges)
     ordered = {s.name: placements[s.name] for s in specs}
     return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes)
 
@@ -247,19 +310,32 @@ def _fmt_bytes(n: float) -> str:
 def format_report(plan: Plan, max_rows: int = 32) -> str:
     """A readable table: per rank, the matrices owned, bytes held, NS cost, balance."""
     P = plan.world_size
-    owned = [0] * P
+    owned = [0] * P  # Muon matrices per rank, each expert counted
     muon_bytes = [0] * P
+    n_experts = n_stacks = n_even = 0
     for pl in plan.placements.values():
-        if pl.owner is not None:
+        if not pl.spec.muon:
+            n_even += 1
+            continue
+        matrix_bytes = math.prod(pl.spec.matrix_shape) * pl.spec.itemsize
+        if pl.spec.is_experts:
+            n_stacks += 1
+            n_experts += pl.spec.matrices
+            for r in range(P):
+                owned[r] += pl.matrices_on(r)
+                muon_bytes[r] += pl.matrices_on(r) * matrix_bytes
+        else:
             owned[pl.owner] += 1
-            muon_bytes[pl.owner] += pl.spec.nbytes
+            muon_bytes[pl.owner] += matrix_bytes
     total_cost = sum(plan.rank_cost)
     mean_cost = total_cost / P
     n_muon = sum(owned)
-    n_even = len(plan.placements) - n_muon
+    experts = (f", {n_experts} of them experts of {n_stacks} 3-D parameters (experts split "
+               "over ranks, each whole)") if n_stacks else ""
     lines = [
         f"MatrixFSDP plan: {P} ranks, {len(plan.unit_names)} units, "
-        f"{n_muon} Muon matrices (whole on one owner), {n_even} even-sharded parameters",
+        f"{n_muon} Muon matrices (whole on one owner){experts}, "
+        f"{n_even} even-sharded parameters",
         "",
         "| rank | matrices | Muon bytes | even bytes | bytes held | NS GFLOP | NS cost / mean |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -304,12 +380,25 @@ def unit_members(module: nn.Module, prefix: str, is_unit: Callable[[nn.Module], 
 
 def is_muon_matrix(fqn: str, param: nn.Parameter, owner: nn.Module, in_root_unit: bool,
                    muon_filter: MuonFilter | None = None) -> bool:
-    """Default rule: trainable 2-D weights inside the blocks (non-root units), embeddings
-    excepted. Everything else (embeddings, head, norms, biases) goes to AdamW."""
+    """Default rule: trainable weights inside the blocks (non-root units) that are
+    matrices, and 3-D stacks of expert matrices ``(experts, m, n)`` (fused MoE weights).
+
+    Excepted: embeddings; parameters named ``*bias*`` (GPT-OSS keeps per-expert biases as
+    2-D ``(experts, out)``); convolution weights (``nn.Conv1d``'s is 3-D); 3-D parameters
+    with a leading 1 (a broadcast dim, as in ViT's ``(1, tokens, d)`` position embedding or
+    RWKV's ``(1, 1, d)`` mixes) or whose "matrices" are vectors (``(c, 1, k)``). All of
+    those, and everything outside the blocks (embeddings, head, final norm), go to AdamW.
+    """
     if muon_filter is not None:
         return bool(muon_filter(fqn, param))
-    return (param.dim() == 2 and not in_root_unit and param.requires_grad
-            and not isinstance(owner, nn.Embedding))
+    if in_root_unit or not param.requires_grad or "bias" in fqn.rsplit(".", 1)[-1]:
+        return False
+    if param.dim() == 2:
+        return not isinstance(owner, nn.Embedding)
+    if param.dim() == 3:
+        return (not isinstance(owner, nn.modules.conv._ConvNd) and param.shape[0] > 1
+                and min(param.shape[1:]) > 1)
+    return False
 
 
 def plan_module(root: nn.Module, units: Sequence[nn.Module], world_size: int,

@@ -473,6 +473,14 @@ def _materialize(root_unit: Unit) -> Root:
     return root
 
 
+def default_mesh() -> DeviceMesh:
+    """All ranks, 1-D, on the current accelerator (or CPU)."""
+    if not dist.is_initialized():
+        raise ValueError("matrixfsdp: fully_shard needs torch.distributed initialised "
+                         "or an explicit mesh")
+    return init_device_mesh(_default_device_type(), (dist.get_world_size(),))
+
+
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
                 muon_filter: MuonFilter | None = None,
@@ -509,11 +517,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 f"'{name}' was already planned as part of root '{type(u.root.module).__name__}' "
                 "(the model was used, or an optimizer built, before this call). Call "
                 "fully_shard on every block and then on the root before anything else")
-    if mesh is None:
-        if not dist.is_initialized():
-            raise ValueError("matrixfsdp: fully_shard needs torch.distributed initialised "
-                             "or an explicit mesh")
-        mesh = init_device_mesh(_default_device_type(), (dist.get_world_size(),))
+    mesh = mesh or default_mesh()
     if mesh.ndim != 1:
         raise NotImplementedError(
             f"matrixfsdp: fully_shard needs a 1-D mesh, got a {mesh.ndim}-D mesh of shape "

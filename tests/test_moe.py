@@ -1,0 +1,389 @@
+"""MoE experts as Muon matrices: a 3-D ``(experts, m, n)`` parameter is ``experts`` whole
+matrices spread over the ranks. Exactness against per-expert ``torch.optim.Muon``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _dist import spawn
+from reference import reference_ns_fp32
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import matrixfsdp as mf
+from matrixfsdp.optim import adjusted_lr
+from matrixfsdp.plan import ParamSpec, format_report, make_plan, ns_flops, plan_module
+
+STEPS, PER_RANK, SEQ, VOCAB = 3, 2, 8, 256
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)  # eps: see test_parity
+STEP_MARK = "matrixfsdp_test.optimizer_step"
+COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
+
+
+# ---- models ------------------------------------------------------------------------------
+class MoEBlock(nn.Module):
+    """Pre-norm block: a causal grouped conv (3-D weight, stays AdamW) and a top-k MoE whose
+    experts are two hand-written 3-D parameters, used through einsum and bmm."""
+
+    def __init__(self, d: int, d_ff: int, experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.norm1 = nn.LayerNorm(d)
+        self.conv = nn.Conv1d(d, d, 3, groups=2, padding=2)  # weight (d, d/2, 3)
+        self.norm2 = nn.LayerNorm(d)
+        self.router = nn.Linear(d, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, d_ff, d) / d**0.5)  # (E, out, in)
+        self.w_out = nn.Parameter(torch.randn(experts, d, d_ff) / d_ff**0.5)
+
+    def forward(self, x):
+        T = x.shape[1]
+        x = x + self.conv(self.norm1(x).transpose(1, 2))[..., :T].transpose(1, 2)
+        h = self.norm2(x)
+        probs = self.router(h).softmax(-1)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        gates = torch.zeros_like(probs).scatter(-1, idx, top)  # (B, T, E), 0 off the top-k
+        u = F.gelu(torch.einsum("btd,efd->ebtf", h, self.w_in))  # every expert, every token
+        y = torch.bmm(u.flatten(1, 2), self.w_out.mT)  # (E, B*T, d)
+        return x + torch.einsum("ebtd,bte->btd", y.view(*u.shape[:3], -1), gates)
+
+
+class MoELM(nn.Module):
+    def __init__(self, d: int = 16, d_ff: int = 24, experts: tuple[int, ...] = (5, 3)):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.layers = nn.ModuleList(MoEBlock(d, d_ff, e, min(2, e)) for e in experts)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, VOCAB, bias=False)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.layers:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    cfg = Qwen2MoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                         moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                         max_position_embeddings=64)
+    return Qwen2MoeForCausalLM(cfg)
+
+
+def build(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    return MoELM() if kind == "hand" else qwen2_moe()
+
+
+def blocks(model: nn.Module, kind: str):
+    return model.layers if kind == "hand" else model.model.layers
+
+
+def loss_fn(model: nn.Module, kind: str, x: torch.Tensor) -> torch.Tensor:
+    logits = model(x[:, :-1]) if kind == "hand" else model(input_ids=x[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def is_muon_ref(name: str, p: torch.Tensor) -> bool:
+    """The default rule, written independently: matrices and expert stacks in the blocks,
+    no conv weight."""
+    in_block = name.startswith(("layers.", "model.layers."))
+    return in_block and (p.dim() == 2 or (p.dim() == 3 and ".conv." not in name))
+
+
+def global_batches(world_size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (world_size * PER_RANK, SEQ + 1), generator=g)
+            for _ in range(STEPS)]
+
+
+# ---- the reference: torch.optim.Muon on every expert as a 2-D parameter of its own --------
+def train_reference(kind: str, data) -> tuple[dict, dict]:
+    """One process on the global batches; each expert of a stack is a 2-D ``nn.Parameter``
+    aliasing its slice (torch's Muon refuses 3-D), so torch updates the stack in place.
+    Returns the parameters and every expert's momentum (name -> (E, m, n))."""
+    model = build(kind)
+    named = list(model.named_parameters())
+    muon, adamw, slices = [], [], {}
+    for n, p in named:
+        if not is_muon_ref(n, p):
+            adamw.append(p)
+        elif p.dim() == 2:
+            muon.append(p)
+        else:
+            slices[n] = (p, [nn.Parameter(p.data[e]) for e in range(p.shape[0])])
+            muon += slices[n][1]
+    opt_m = torch.optim.Muon(muon, **MUON)
+    opt_a = torch.optim.AdamW(adamw, **ADAMW)
+    with reference_ns_fp32():
+        for x in data:
+            loss_fn(model, kind, x).backward()
+            for p, views in slices.values():
+                for e, v in enumerate(views):
+                    v.grad = p.grad[e]
+            opt_m.step()
+            opt_a.step()
+            model.zero_grad(set_to_none=True)
+    momentum = {n: torch.stack([opt_m.state[v]["momentum_buffer"] for v in views])
+                for n, (_, views) in slices.items()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, momentum
+
+
+# ---- the distributed run --------------------------------------------------------------------
+def _count_collectives(events) -> tuple[int, int]:
+    """(collectives inside an optimizer step, all others), as in test_parity."""
+    steps = [e.time_range for e in events if e.name == STEP_MARK]
+    inside = other = 0
+    for e in events:
+        if e.name.startswith(COLLECTIVE_PREFIXES):
+            if any(s.start <= e.time_range.start <= s.end for s in steps):
+                inside += 1
+            else:
+                other += 1
+    return inside, other
+
+
+def train_sharded(kind: str, rank: int, world_size: int) -> dict:
+    model = build(kind)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in blocks(model, kind):
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    adamw = {f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}
+    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32,
+                                       adamw_lr=ADAMW["lr"], **adamw))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x in global_batches(world_size):
+            loss_fn(model, kind, x[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
+            with record_function(STEP_MARK):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    inside, other = _count_collectives(prof.events())
+    momentum, ranges = {}, {}
+    for p in model.parameters():
+        pl = p._mf_placement
+        if not pl.spec.muon:
+            assert "momentum_buffer" not in opt.state.get(p, {}), pl.spec.name
+            continue
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        held = pl.matrices_on(rank)
+        # Momentum exists exactly where the matrices are, for exactly those experts.
+        assert (buf is not None) == (held > 0), f"momentum of {pl.spec.name} on rank {rank}"
+        if pl.spec.is_experts:
+            ranges[pl.spec.name] = pl.row_ranges
+            assert tuple(p.shape) == (held, *pl.spec.shape[1:])
+            if buf is not None:
+                assert buf.shape == p.shape
+                momentum[pl.spec.name] = buf.clone()
+    return dict(params=mf.full_state_dict(model), inside=inside, other=other, ranges=ranges,
+                momentum=momentum, report=mf.plan_report(model))
+
+
+def _worker(rank, world_size, kinds, out_dir):
+    torch.set_num_threads(1)
+    out = {kind: train_sharded(kind, rank, world_size) for kind in kinds}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _check(kind: str, world_size: int, per_rank: list[dict]) -> float:
+    """Compare with the reference; return the largest absolute difference seen."""
+    ours = per_rank[0][kind]
+    assert ours["inside"] == 0, "optimizer.step() issued collectives"
+    if world_size > 1:
+        assert ours["other"] > 0, "the profiler saw no collective at all"
+    ref, ref_momentum = train_reference(kind, global_batches(world_size))
+    assert list(ours["params"])[:len(ref)] == list(ref), "parameter names changed under sharding"
+    worst = 0.0
+    for name, p in ref.items():
+        torch.testing.assert_close(ours["params"][name], p, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        worst = max(worst, (ours["params"][name] - p).abs().max().item())
+    # Each expert's momentum lives on the rank whose range holds it, and equals torch's.
+    assert set(ours["ranges"]) == set(ref_momentum)
+    for name, ranges in ours["ranges"].items():
+        assert ranges[0][0] == 0 and ranges[-1][1] == ref[name].shape[0]
+        assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "ranges not contiguous"
+        for r, (start, stop) in enumerate(ranges):
+            if stop > start:
+                torch.testing.assert_close(per_rank[r][kind]["momentum"][name],
+                                           ref_momentum[name][start:stop], rtol=1e-6, atol=1e-6)
+            else:
+                assert name not in per_rank[r][kind]["momentum"]
+    return worst
+
+
+def _run(world_size: int, kinds: tuple[str, ...], tmp_path) -> list[dict]:
+    torch.set_num_threads(1)
+    spawn(_worker, world_size, kinds, str(tmp_path))
+    return [torch.load(os.path.join(tmp_path, f"rank{r}.pt"), weights_only=False)
+            for r in range(world_size)]
+
+
+# ---- exactness ------------------------------------------------------------------------------
+# Which models run at which world size (the spawns dominate the time): the hand-written MoE
+# everywhere, Qwen2-MoE (4 experts per stack) alone on one rank and split 2/1/1 over three.
+CASES = {1: ("hand", "qwen"), 2: ("hand",), 3: ("hand", "qwen"), 4: ("hand",)}
+
+
+@pytest.mark.parametrize("world_size", sorted(CASES))
+def test_experts_match_per_expert_torch_muon(world_size, tmp_path, request):
+    """Different data per rank, fp32 NS: parameters and per-expert momentum match
+    torch.optim.Muon on each expert (plus torch.optim.AdamW) to 1e-6. At 2-4 ranks the
+    5-expert stacks split unevenly; at 4 the 3-expert stacks leave a rank without any of
+    their experts. One rank runs in this process (a one-rank gloo group), the rest spawn."""
+    kinds = CASES[world_size]
+    if world_size == 1:
+        request.getfixturevalue("world1")
+        per_rank = [{kind: train_sharded(kind, 0, 1) for kind in kinds}]
+    else:
+        per_rank = _run(world_size, kinds, tmp_path)
+    for kind in kinds:
+        ranges = per_rank[0][kind]["ranges"]
+        if kind == "hand" and world_size > 1:
+            sizes = [b - a for a, b in ranges["layers.0.w_in"]]
+            assert len(set(sizes)) > 1 and sum(sizes) == 5  # 5 experts never split evenly here
+        if kind == "hand" and world_size == 4:
+            assert any(b == a for a, b in ranges["layers.1.w_in"])  # 3 experts < 4 ranks
+        if kind == "qwen" and world_size == 3:
+            sizes = [b - a for a, b in ranges["model.layers.0.mlp.experts.gate_up_proj"]]
+            assert sorted(sizes) == [1, 1, 2]
+        worst = _check(kind, world_size, per_rank)
+        print(f"{kind} at {world_size} ranks: largest |ours - torch| = {worst:.3g}")
+
+
+# ---- planner and classification -------------------------------------------------------------
+def test_default_classification_hand_and_qwen():
+    with torch.device("meta"):
+        hand = MoELM()
+        qwen = qwen2_moe()
+    plan = plan_module(hand, list(hand.layers), 3)
+    muon = {n for n, pl in plan.placements.items() if pl.spec.muon}
+    assert muon == {f"layers.{i}.{m}" for i in range(2) for m in ("router.weight", "w_in", "w_out")}
+    assert not plan.placements["layers.0.conv.weight"].spec.muon  # 3-D, but a convolution
+    assert plan.placements["layers.0.w_in"].spec.is_experts
+    assert plan.placements["layers.0.w_in"].spec.matrices == 5
+
+    plan = plan_module(qwen, list(qwen.model.layers), 3)
+    experts = {n for n, pl in plan.placements.items() if pl.spec.is_experts}
+    assert experts == {f"model.layers.{i}.mlp.experts.{m}" for i in range(2)
+                       for m in ("gate_up_proj", "down_proj")}
+    for name in ("model.layers.0.mlp.gate.weight", "model.layers.0.mlp.shared_expert.up_proj.weight"):
+        assert plan.placements[name].spec.muon  # 2-D inside a block: the 2-D rule
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 "model.layers.0.self_attn.q_proj.bias"):
+        assert not plan.placements[name].spec.muon
+    report = format_report(plan)
+    # 2 layers x (4 attention + 1 router + 3 shared expert + 1 shared gate + 2 x 4 experts)
+    assert "34 Muon matrices" in report and "16 of them experts of 4 3-D parameters" in report
+
+
+def test_default_rule_skips_3d_parameters_that_are_not_expert_stacks():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = nn.Parameter(torch.zeros(1, 8, 4))  # a leading broadcast dim
+            self.dw = nn.Parameter(torch.zeros(4, 1, 3))  # a stack of vectors (custom conv)
+            self.tconv = nn.ConvTranspose1d(4, 4, 3)  # 3-D weight of a convolution
+            self.expert_bias = nn.Parameter(torch.zeros(4, 6))  # 2-D, named bias
+            self.experts = nn.Parameter(torch.zeros(4, 6, 5))
+            self.frozen = nn.Parameter(torch.zeros(4, 6, 5), requires_grad=False)
+
+    root = nn.Sequential(Block())
+    plan = plan_module(root, [root[0]], 2)
+    assert [n for n, pl in plan.placements.items() if pl.spec.muon] == ["0.experts"]
+
+
+def test_filter_selecting_a_4d_parameter_is_refused():
+    with pytest.raises(ValueError, match=r"'w' .* shape \(2, 3, 4, 5\).* 3-D \(experts, m, n\)"):
+        make_plan([ParamSpec("w", (2, 3, 4, 5), 4, 0, True)], 2, ["u"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_experts_balance_with_the_matrices(world_size):
+    """Experts are items of the same assignment as the 2-D matrices: the planner reaches the
+    lower bound, stacks are cut into contiguous ranges, and the cost per rank adds up."""
+    specs = [ParamSpec("up", (5, 48, 32), 4, 1, True), ParamSpec("down", (5, 32, 24), 4, 1, True),
+             ParamSpec("q", (32, 32), 4, 1, True), ParamSpec("router", (5, 32), 4, 1, True),
+             ParamSpec("norm", (32,), 4, 1, False), ParamSpec("few", (3, 40, 40), 4, 2, True)]
+    plan = make_plan(specs, world_size, ["root", "b0", "b1"])
+    assert len(plan.muon_costs) == 5 + 5 + 1 + 1 + 3
+    # Whole items cannot always reach total/P (at 8 ranks, 15 items of 4 sizes: measured 1.17).
+    assert plan.imbalance <= plan.imbalance_bound * (1.10 if world_size <= 4 else 1.2)
+    cost = [0] * world_size
+    for pl in plan.placements.values():
+        for r in range(world_size if pl.spec.muon else 0):
+            cost[r] += pl.matrices_on(r) * ns_flops(pl.spec.matrix_shape)
+    assert cost == plan.rank_cost
+    held = [sum(pl.matrices_on(r) for pl in plan.placements.values()) for r in range(world_size)]
+    assert sum(held) == 15
+    for pl in plan.placements.values():
+        if pl.spec.is_experts:
+            assert pl.owner is None
+            assert [a for a, _ in pl.row_ranges[1:]] == [b for _, b in pl.row_ranges[:-1]]
+            assert pl.row_ranges[-1][1] == pl.spec.shape[0]
+    if world_size == 8:  # 3 experts on 8 ranks: each on a rank of its own
+        assert sum(b > a for a, b in plan.placements["few"].row_ranges) == 3
+
+
+def test_planner_scales_to_many_experts():
+    """256 experts x 3 stacks x 58 layers (DeepSeek-V3's count), 256 ranks: seconds."""
+    import time
+    specs = []
+    for layer in range(58):
+        specs += [ParamSpec(f"l{layer}.up", (256, 4096, 7168), 2, layer, True),
+                  ParamSpec(f"l{layer}.down", (256, 7168, 2048), 2, layer, True),
+                  ParamSpec(f"l{layer}.router", (256, 7168), 2, layer, True)]
+    t = time.perf_counter()
+    plan = make_plan(specs, 256, [str(i) for i in range(58)])
+    assert time.perf_counter() - t < 20
+    assert plan.imbalance <= plan.imbalance_bound * 1.01
+
+
+# ---- the optimizer on plain (unsharded) stacks -----------------------------------------------
+def test_batched_ns_matches_the_2d_ns_per_expert():
+    g = torch.Generator().manual_seed(0)
+    for shape in ((5, 24, 16), (3, 16, 24), (4, 7, 13)):
+        x = torch.randn(shape, generator=g)
+        x[1] *= 100  # each expert is normalised on its own
+        batched = mf.zeropower_via_newtonschulz(x, (3.4445, -4.775, 2.0315), 5, 1e-7, torch.float32)
+        single = torch.stack([mf.zeropower_via_newtonschulz(m, (3.4445, -4.775, 2.0315), 5, 1e-7,
+                                                            torch.float32) for m in x])
+        torch.testing.assert_close(batched, single, rtol=1e-6, atol=1e-6)
+
+
+def test_adjusted_lr_reads_the_last_two_dims():
+    assert adjusted_lr(1.0, None, torch.Size([5, 32, 8])) == 2.0  # sqrt(32 / 8), not sqrt(5 / 32)
+    assert adjusted_lr(1.0, "match_rms_adamw", torch.Size([5, 16, 4])) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("muon_kw", [dict(lr=0.02), dict(lr=0.01, nesterov=False,
+                                                         adjust_lr_fn="match_rms_adamw")])
+def test_plain_3d_parameter_matches_torch_muon_per_expert(muon_kw):
+    """mf.Muon on a plain (E, m, n) tensor equals torch.optim.Muon on its E slices (fp32 NS
+    on both sides) and keeps one momentum per expert; a parameter without grad is left
+    untouched and gets no state."""
+    g = torch.Generator().manual_seed(0)
+    ours = nn.Parameter(torch.randn(5, 12, 8, generator=g))
+    idle = nn.Parameter(torch.randn(3, 4, 4, generator=g))
+    ref = ours.detach().clone()
+    views = [nn.Parameter(ref[e]) for e in range(5)]
+    opt = mf.Muon([dict(params=[ours, idle], use_muon=True, ns_dtype=torch.float32, **muon_kw)])
+    torch_opt = torch.optim.Muon(views, **muon_kw)
+    before = idle.detach().clone()
+    with reference_ns_fp32():
+        for _ in range(4):
+            ours.grad = torch.randn(ours.shape, generator=g)
+            for e, v in enumerate(views):
+                v.grad = ours.grad[e].clone()
+            opt.step()
+            torch_opt.step()
+    torch.testing.assert_close(ours.detach(), ref, rtol=1e-6, atol=1e-6)
+    assert opt.state[ours]["momentum_buffer"].shape == (5, 12, 8)
+    assert torch.equal(idle, before) and not opt.state.get(idle)
