@@ -152,17 +152,34 @@ def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0
 
 
 @torch.no_grad()
+def total_grad_norm(parameters: _Params, norm_type: float = 2.0,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """The global gradient norm alone (``clip_grad_norm_`` without the scaling): the same
+    0-d tensor on every rank. A collective. With torch's
+    ``torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)`` on the local grads it
+    makes the split form of clipping, which lets a non-finite norm skip the step before any
+    gradient is scaled by it::
+
+        norm = mf.total_grad_norm(model.parameters())
+        if not torch.isfinite(norm):           # the norm is global: all ranks agree
+            log.warning("skipping step: %s", mf.nonfinite_grad_names(model.parameters()))
+            opt.zero_grad()
+            continue
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+    """
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    params, sharded, plain, root = _split(parameters)
+    return _total_norm(params, sharded, plain, root, p, foreach)
+
+
+@torch.no_grad()
 def nonfinite_grad_names(parameters: _Params) -> list[str]:
     """Names of the parameters whose gradient holds a NaN or inf on any rank.
 
     A collective (one all-reduce of one int32 flag per planned parameter), returning the
     same list on every rank: sharded parameters by name, in plan order, then any
-    non-sharded ones by position in ``parameters``. For the skip-the-step recipe::
-
-        norm = mf.clip_grad_norm_(model.parameters(), 1.0)
-        if not torch.isfinite(norm):           # the norm is global: all ranks agree
-            log.warning("skipping step: %s", mf.nonfinite_grad_names(model.parameters()))
-            opt.zero_grad()
-            continue
-    """
+    non-sharded ones by position in ``parameters``. Call it before any clipping scales
+    the gradients by a non-finite norm (see :func:`total_grad_norm`)."""
     return _nonfinite(*_split(parameters))

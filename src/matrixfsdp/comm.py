@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
@@ -82,7 +82,7 @@ def gather_v(segment: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
         item = out.element_size()
         stats.add("gather_v", out.numel() * item, seg_sizes[rank] * (P - 1) * item)
     if len(set(seg_sizes)) == 1:
-        work = _all_gather(out, segment, group=group, async_op=async_op)
+        work = all_gather_single(out, segment, group=group, async_op=async_op)
     else:
         send = segment.repeat(P)
         work = dist.all_to_all_single(out, send, seg_sizes, [seg_sizes[rank]] * P,

@@ -27,6 +27,7 @@ finds its root lazily. The root is the outermost unit; it contains every other o
 from __future__ import annotations
 
 import math
+import warnings
 import weakref
 from typing import Any
 
@@ -36,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import CommStats, gather_v, reduce_v
+from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, CollectiveCheck
 from .layout import UnitLayout, unit_layout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
@@ -103,7 +105,8 @@ class Root:
     whether a backward pass is running (between the first pre-backward hook and the
     end-of-backward callback)."""
 
-    def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh):
+    def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh,
+                 debug: bool = False):
         self.module = module
         self.units = units  # pre-order: the root unit first
         self.plan = plan
@@ -114,6 +117,12 @@ class Root:
         self.stats = CommStats()
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
         self.in_backward = False
+        self.check = CollectiveCheck(self.group, _mesh_device(mesh), [u.name for u in units]) \
+            if debug and self.world_size > 1 else None
+
+    def before_collective(self, unit: Unit, phase: int) -> None:
+        if self.check is not None:
+            self.check(unit.index, phase)
 
     def queue_final_callback(self) -> None:
         if not self.in_backward:
@@ -129,6 +138,8 @@ class Root:
         for unit in self.units:
             unit.end_backward()
         self.in_backward = False
+        if self.check is not None:
+            self.check.step += 1
 
 
 class Unit:
@@ -144,14 +155,17 @@ class Unit:
     """
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 muon_filter: MuonFilter | None, mp_policy: MixedPrecisionPolicy | None):
+                 muon_filter: MuonFilter | None, mp_policy: MixedPrecisionPolicy | None,
+                 debug: bool = False):
         self.module = module
+        self.debug = debug
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.muon_filter = muon_filter
         self.mp_policy = mp_policy
         self.root: Root | None = None
         self.name = ""
+        self.index = 0  # in root.units
         # filled by _materialize
         self.refs: list[tuple[nn.Module, str]] = []  # where parameters are registered
         self.ref_param: list[int] = []  # refs[k] holds parameter ref_param[k] (tied: repeats)
@@ -180,6 +194,7 @@ class Unit:
             if buf.untyped_storage().size() != nbytes:
                 buf.untyped_storage().resize_(nbytes)
         if lay.numel:  # a unit may hold no parameter of its own (all in child units)
+            root.before_collective(self, BACKWARD_GATHER if self.in_backward else FORWARD_GATHER)
             segment = self.local.to(self.precision.param)  # a copy only under a policy
             gather_v(segment, self.flat, lay.seg_sizes, root.group, root.stats)
         # Copy-out into ``even`` itself: writing through the unsharded parameters would
@@ -294,6 +309,7 @@ class Unit:
                     g2[pc.row_start:pc.row_stop])
         self.reshard()  # the unsharded params are not needed any more
         out = full.new_empty(self.local.numel())
+        root.before_collective(self, REDUCE)
         reduce_v(full, out, lay.seg_sizes, root.group, root.stats)
         if prec.reduce != prec.orig:
             out = out.to(prec.orig)
@@ -349,14 +365,21 @@ def _materialize(root_unit: Unit) -> Root:
     device = _mesh_device(mesh)
     named_units = _unit_modules(root_unit.module)
     units = [u for _, u in named_units]
-    for name, u in named_units:
-        u.name = name or "<root>"
+    for index, (name, u) in enumerate(named_units):
+        u.name, u.index = name or "<root>", index
         if u.root is not None:
             raise ValueError(f"matrixfsdp: unit '{name}' was already planned as part of another root")
         if u.mesh is not mesh and (u.mesh.mesh.tolist() != mesh.mesh.tolist()
                                    or u.mesh.device_type != mesh.device_type):
             raise ValueError(f"matrixfsdp: unit '{name}' uses a different mesh than the root "
                              f"({u.mesh} vs {mesh}); one model needs one mesh")
+    if dist.is_initialized() and dist.get_world_size() > P:
+        warnings.warn(
+            f"matrixfsdp: the mesh covers {P} of the {dist.get_world_size()} ranks; gradients are "
+            f"averaged over these {P} ranks only and nothing synchronises them with the other "
+            "ranks. Right if those train other parts of the model (pipeline stages); wrong if "
+            "they are data-parallel replicas (e.g. mesh2d['shard'] passed for HSDP): replicas "
+            "would train apart silently. HSDP (a 2-D mesh) is not supported yet", stacklevel=2)
     root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
     for u in units[1:]:
         u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
@@ -409,7 +432,7 @@ def _materialize(root_unit: Unit) -> Root:
                                  "(experts, m, n) stacks of expert matrices")
             specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
     plan = make_plan(specs, P, [u.name for u in units])
-    root = Root(root_unit.module, units, plan, mesh)
+    root = Root(root_unit.module, units, plan, mesh, debug=root_unit.debug)
     root.aliases = aliases
 
     for ui, u in enumerate(units):
@@ -484,7 +507,7 @@ def default_mesh() -> DeviceMesh:
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
                 muon_filter: MuonFilter | None = None,
-                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy | None = None, debug: bool = False) -> nn.Module:
     """Make ``module`` one communication unit, like FSDP2's ``fully_shard``.
 
     Call it on every block, bottom-up, then on the root. The unit holds the module's
@@ -503,6 +526,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         mp_policy: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` for this unit:
             gather and compute in ``param_dtype``, average gradients in ``reduce_dtype``;
             shards, their gradients and the optimizer state keep the parameters' dtype.
+        debug: read from the root call. Before every gather and reduce, all ranks compare
+            (step, unit, phase) and raise the same error naming each rank's position if
+            they differ, or after 30 s if a rank never arrives (one small extra collective
+            per collective; see docs/troubleshooting.md).
     Returns:
         ``module``, with its parameters replaced by this rank's shards once planned.
     """
@@ -522,7 +549,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         raise NotImplementedError(
             f"matrixfsdp: fully_shard needs a 1-D mesh, got a {mesh.ndim}-D mesh of shape "
             f"{tuple(mesh.shape)}; HSDP (2-D meshes) is not supported yet")
-    unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy)
+    unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug)
     module._mf_unit = unit
     for mod, attr, _ in _owned_params(module, ""):
         mod._parameters[attr]._mf_pending = unit

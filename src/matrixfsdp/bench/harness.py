@@ -131,7 +131,7 @@ from torch import nn
 import matrixfsdp as mf
 
 from .._exit import exit_rank
-from ..cli import _device_for, _sync
+from ..cli import _device_for, _positive_float, _sync
 from ..optim import MUON_DEFAULTS
 from ..plan import plan_module
 from . import peers
@@ -180,6 +180,7 @@ class BenchConfig:
     adamw_eps: float = 1e-8
     seed: int = 0
     device_type: str = "cpu"
+    timeout_s: float = PG_TIMEOUT_S  # process-group timeout, seconds
     backend: str = "gloo"
 
     def model_config(self):
@@ -512,7 +513,7 @@ def _run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device,
     res: dict[str, Any] = {"rank": rank}
     gc.collect()
     before = set(_live_storages(device)) if device.type == "cpu" else set()
-    group = dist.new_group(list(range(cfg.world_size)), timeout=timedelta(seconds=PG_TIMEOUT_S))
+    group = dist.new_group(list(range(cfg.world_size)), timeout=timedelta(seconds=cfg.timeout_s))
     mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
     system = _build(name, cfg, mesh, device)
     steps = iter(data)
@@ -592,7 +593,7 @@ def _rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) ->
     torch.set_num_threads(1)
     device = _device_for(rank) if cfg.device_type == "cuda" else torch.device("cpu")
     dist.init_process_group(cfg.backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=cfg.world_size, timeout=timedelta(seconds=PG_TIMEOUT_S))
+                            world_size=cfg.world_size, timeout=timedelta(seconds=cfg.timeout_s))
     try:
         data = _make_data(cfg, rank, device)
         systems: dict[str, Any] = {}
@@ -853,6 +854,8 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help=f"comma list out of {','.join(SYSTEMS)}")
     p.add_argument("--out", default="runs/bench", help="output directory")
+    p.add_argument("--timeout", type=_positive_float, default=PG_TIMEOUT_S, metavar="SECONDS",
+                   help=f"process-group timeout (default {PG_TIMEOUT_S})")
     for flag, dest in (("--layers", "layers"), ("--d-model", "d_model"), ("--heads", "heads"),
                        ("--mlp", "mlp"), ("--seq", "seq"), ("--batch", "batch")):
         p.add_argument(flag, dest=dest, type=int, default=None, help="override the preset")
@@ -879,6 +882,7 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     return BenchConfig(world_size=world, steps=a.steps, warmup=a.warmup,
                        systems=[s for s in SYSTEMS if s in systems], out=a.out, preset=preset,
                        device_type="cuda" if cuda else "cpu", backend="nccl" if cuda else "gloo",
+                       timeout_s=a.timeout,
                        **sizes)
 
 

@@ -1,0 +1,130 @@
+"""The launcher of ``matrixfsdp train`` under failure: a rank killed mid-training ends the
+run within seconds, naming the rank; SIGTERM to the launcher ends every rank before the
+launcher itself exits. Neither leaves a process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("reads /proc", allow_module_level=True)
+
+TRAIN = ["train", "--ranks", "2", "--steps", "1000000", "--layers", "1", "--d-model", "32",
+         "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2"]
+
+
+def _session(sid: int) -> dict[int, str]:
+    """pid -> command line of every live process of session ``sid`` but its leader
+    (the launcher runs in a session of its own, so this is all it started, at any depth)."""
+    found = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == sid:
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{d}/cmdline") as f:
+                cmd = f.read().replace("\0", " ")
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found[int(d)] = cmd
+    return found
+
+
+def _ranks(sid: int) -> list[int]:
+    return sorted(pid for pid, cmd in _session(sid).items() if "spawn_main" in cmd)
+
+
+class _Launcher:
+    """``matrixfsdp train`` in a session of its own, its output read as it comes."""
+
+    def __init__(self, tmp_path):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "matrixfsdp.cli", *TRAIN, "--out", str(tmp_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=lambda s=stream, k=sink: k.extend(s), daemon=True).start()
+
+    def wait_training(self, limit: float = 60.0) -> list[int]:
+        """Block until rank 0 is in the training loop; return the ranks' pids."""
+        deadline = time.monotonic() + limit
+        while not any("corpus:" in line for line in self.out):
+            assert self.proc.poll() is None, "".join(self.err)[-3000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        time.sleep(0.5)  # a few steps in
+        ranks = _ranks(self.proc.pid)
+        assert len(ranks) == 2, _session(self.proc.pid)
+        return ranks
+
+    def finish(self, limit: float) -> tuple[int, float]:
+        t0 = time.monotonic()
+        try:
+            rc = self.proc.wait(limit)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"launcher still running {limit} s later") from None
+        return rc, time.monotonic() - t0
+
+    def kill_all(self) -> None:
+        for pid in [self.proc.pid, *_session(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def assert_nothing_left(self, limit: float = 5.0) -> None:
+        # multiprocessing's resource tracker leaves once the launcher and ranks are gone
+        deadline = time.monotonic() + limit
+        while (left := _session(self.proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if left:
+            self.kill_all()
+        assert not left, f"left behind: {left}"
+
+
+def test_a_killed_rank_ends_the_run_naming_it(tmp_path):
+    run = _Launcher(tmp_path)
+    try:
+        victim = run.wait_training()[-1]
+        os.kill(victim, signal.SIGKILL)
+        rc, took = run.finish(limit=30)
+        time.sleep(0.2)  # let the reader threads drain
+        err = "".join(run.err)
+        assert rc != 0
+        assert took < 10, f"the launcher took {took:.1f} s to notice"
+        assert re.search(rf"matrixfsdp train: rank [01] \(pid {victim}\) was killed by signal SIGKILL",
+                         err), err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        run.assert_nothing_left()
+    finally:
+        run.kill_all()
+
+
+def test_sigterm_to_the_launcher_ends_every_rank_first(tmp_path):
+    run = _Launcher(tmp_path)
+    try:
+        ranks = run.wait_training()
+        os.kill(run.proc.pid, signal.SIGTERM)
+        rc, took = run.finish(limit=30)
+        alive = [pid for pid in ranks if pid in _session(run.proc.pid)]
+        assert not alive, f"ranks {alive} outlived the launcher"
+        assert rc == 128 + signal.SIGTERM and took < 10, (rc, took)
+        time.sleep(0.2)
+        assert "stopped by SIGTERM; all ranks ended" in "".join(run.err)
+        run.assert_nothing_left()
+    finally:
+        run.kill_all()

@@ -1,0 +1,133 @@
+"""The pieces `matrixfsdp train` composes, in this process on one gloo rank: the model
+options (mixed precision, activation checkpointing, the Hugging Face Llama), the
+clip/skip decision and the loss plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+import matrixfsdp as mf
+from matrixfsdp.cli import build_model, clip_and_check, plot_losses
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(model="gpt", d_model=32, heads=2, layers=2, mlp=64, seq=16, seed=0, mp="fp32",
+                activation_checkpointing=False)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _build(**kw):
+    return build_model(_args(**kw), torch.device("cpu"), init_device_mesh("cpu", (1,)))
+
+
+def _batch(seq: int = 16) -> torch.Tensor:
+    return torch.randint(0, 256, (2, seq + 1), generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients(world1):
+    plain, plain_loss = _build()
+    ckpt, ckpt_loss = _build(activation_checkpointing=True)
+    calls = []
+    ckpt.layers[0].attn.register_forward_hook(lambda *a: calls.append(1))
+    x = _batch()
+    a, b = plain_loss(x), ckpt_loss(x)
+    assert len(calls) == 1
+    a.backward()
+    b.backward()
+    assert len(calls) == 2  # recomputed in backward
+    assert a.item() == b.item()
+    ga, gb = _grads(plain), _grads(ckpt)
+    assert list(ga) == list(gb) and len(ga) > 0  # names unchanged
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], rtol=0, atol=0, msg=n)
+
+
+def test_mp_bf16_runs_the_blocks_in_bf16(world1):
+    model, loss_fn = _build(mp="bf16")
+    seen = []
+    model.layers[0].attn.q.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    loss = loss_fn(_batch())
+    loss.float().backward()
+    assert seen == [(torch.bfloat16, torch.bfloat16)]
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights
+
+
+def test_nonfinite_gradients_are_named_before_any_scaling(world1):
+    model, loss_fn = _build()
+    loss_fn(_batch()).backward()
+    q = model.layers[0].attn.q.weight
+    q.grad[0, 0] = math.nan
+    before = _grads(model)
+    norm, names = clip_and_check(model, clip=1e-3, skip_nonfinite=True)
+    assert not math.isfinite(norm.item())
+    assert names == ["layers.0.attn.q.weight"]
+    after = _grads(model)
+    for n in before:  # untouched: the step is skipped, and nothing was scaled by NaN
+        torch.testing.assert_close(after[n], before[n], rtol=0, atol=0, equal_nan=True, msg=n)
+
+    q.grad[0, 0] = 0.0
+    norm, names = clip_and_check(model, clip=1e-3, skip_nonfinite=True)
+    assert names is None and norm.item() > 1e-3
+    clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in _grads(model).values()]))
+    assert clipped.item() == pytest.approx(1e-3, rel=1e-3)
+    assert clip_and_check(model, clip=None, skip_nonfinite=False) == (None, None)
+
+
+def test_loss_plot_is_skipped_in_one_line_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert plot_losses([3.0, 2.0], tmp_path / "loss.png") is False
+    out = capsys.readouterr().out
+    assert out == "loss.png skipped: matplotlib is not installed (pip install matplotlib)\n"
+    assert not (tmp_path / "loss.png").exists()
+
+
+needs_shard_model = pytest.mark.skipif(not hasattr(mf, "shard_model"),
+                                       reason="matrixfsdp.shard_model is not built yet")
+
+
+@needs_shard_model
+def test_hf_llama_keeps_its_names_and_predicts_the_next_byte(world1):
+    pytest.importorskip("transformers")
+    model, loss_fn = _build(model="hf-llama", activation_checkpointing=True)
+    assert "model.layers.0.self_attn.q_proj.weight" in dict(model.named_parameters())
+    calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    x = _batch()
+    loss = loss_fn(x)
+    loss.backward()
+    assert len(calls) == 2  # HF's checkpointing recomputed the layer in backward
+    assert all(p.grad is not None for p in model.parameters() if p.numel())
+    with torch.no_grad():  # HF shifts labels itself: the targets are x[:, 1:]
+        logits = model(input_ids=x[:, :-1]).logits.float()
+        ref = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+    torch.testing.assert_close(loss.detach().float(), ref)
+
+
+@needs_shard_model
+def test_train_hf_llama_on_two_ranks(tmp_path):
+    pytest.importorskip("transformers")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "matrixfsdp.cli", "train", "--model", "hf-llama", "--ranks", "2",
+         "--steps", "6", "--layers", "2", "--d-model", "32", "--heads", "2", "--mlp", "64",
+         "--seq", "32", "--batch", "2", "--grad-accum", "2", "--activation-checkpointing",
+         "--mp", "bf16", "--clip", "1.0", "--skip-nonfinite", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["model"] == "hf-llama" and summary["skipped_steps"] == []
+    assert summary["loss_end"] < summary["loss_start"]

@@ -1,0 +1,86 @@
+"""Diagnosis: ranks that take different paths get a clear error on every rank within
+seconds (debug mode), and a mesh smaller than the world is flagged."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _dist import spawn
+from torch.distributed.device_mesh import init_device_mesh
+
+import matrixfsdp as mf
+from matrixfsdp.models import GPT, GPTConfig
+
+CFG = GPTConfig(d_model=16, n_heads=2, n_layers=3, d_mlp=24, seq_len=8)
+
+
+class SkippingGPT(GPT):
+    """Rank ``skip_rank`` leaves block 1 out at step ``skip_step``: divergent control flow."""
+
+    skip_rank, skip_step, step = -1, -1, 0
+
+    def forward(self, idx):
+        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
+        for i, block in enumerate(self.layers):
+            skip = i == 1 and self.step == self.skip_step and \
+                torch.distributed.get_rank() == self.skip_rank
+            if not skip:
+                x = block(x)
+        return self.head(self.norm(x))
+
+
+def _diverge(rank, world_size, debug, out_dir):
+    torch.manual_seed(0)
+    model = SkippingGPT(CFG)
+    model.skip_rank, model.skip_step = 1, 2
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh, debug=debug)
+    opt = mf.Muon(mf.muon_param_groups(model))
+    x = torch.randint(0, 256, (2, 9))
+    t0 = time.monotonic()
+    try:
+        for step in range(4):
+            model.step = step
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(f"{time.monotonic() - t0:.1f}\n{message}")
+
+
+def test_debug_mode_names_the_diverging_rank_on_every_rank(tmp_path):
+    """Rank 1 skips block 1 at step 2: with debug on, every rank raises within seconds,
+    naming each rank's step, unit and phase (without it: a gloo timeout, or worse, a
+    gather of one unit paired with another's)."""
+    spawn(_diverge, 2, True, str(tmp_path), timeout=120)
+    for rank in range(2):
+        elapsed, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
+        assert "ranks diverged" in message, message
+        assert "rank 0: step 2, unit 'layers.1', forward gather" in message, message
+        assert "rank 1: step 2, unit 'layers.2', forward gather" in message, message
+        assert float(elapsed) < 30, elapsed
+
+
+def _sub_mesh(rank, world_size, out_dir):
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = GPT(CFG)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh2d["shard"])
+    mf.fully_shard(model, mesh=mesh2d["shard"])
+    with pytest.warns(UserWarning, match="the mesh covers 2 of the 4 ranks"):
+        mf.plan_of(model)
+    (open(os.path.join(out_dir, f"ok{rank}"), "w")).close()
+
+
+def test_mesh_smaller_than_the_world_is_flagged(tmp_path):
+    """mesh2d['shard'] passed where the replicas should sync: a warning on every rank."""
+    spawn(_sub_mesh, 4, str(tmp_path))
+    assert all((tmp_path / f"ok{r}").exists() for r in range(4))
