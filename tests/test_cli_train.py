@@ -21,7 +21,7 @@ from matrixfsdp.cli import build_model, clip_and_check, plot_losses
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(model="gpt", d_model=32, heads=2, layers=2, mlp=64, seq=16, seed=0, mp="fp32",
+    base = dict(model="gpt", d_model=32, heads=2, layers=2, mlp=64, seq=16, seed=0, mp="fp32", debug=False,
                 activation_checkpointing=False)
     return argparse.Namespace(**{**base, **kw})
 

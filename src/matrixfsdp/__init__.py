@@ -8,11 +8,12 @@ from torch import nn
 from .checkpoint import full_state_dict, load_full_state_dict
 from .clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .hf import shard_model
+from .init import init_weights
 from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .plan import Plan, format_report, make_plan
 from .runtime import fully_shard, get_root, plan_of
 
-__all__ = ["Muon", "Plan", "clip_grad_norm_", "comm_stats", "fully_shard", "full_state_dict",
+__all__ = ["Muon", "Plan", "clip_grad_norm_", "comm_stats", "fully_shard", "full_state_dict", "init_weights",
            "load_full_state_dict", "make_plan", "muon_param_groups", "nonfinite_grad_names",
            "plan_of", "plan_report", "shard_model", "total_grad_norm", "zeropower_via_newtonschulz"]
 __version__ = "0.1.0"

@@ -213,7 +213,7 @@ def build_model(args, device: torch.device, mesh) -> tuple[nn.Module, Callable[[
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
-        mf.shard_model(model, mesh=mesh, **shard_kw)
+        mf.shard_model(model, mesh=mesh, debug=args.debug, **shard_kw)
 
         # HF shifts the labels itself (logits[:, t] predicts labels[:, t + 1]), so the seq + 1
         # bytes go in as both input and labels: the targets are x[:, 1:], as for the GPT.
@@ -229,7 +229,7 @@ def build_model(args, device: torch.device, mesh) -> tuple[nn.Module, Callable[[
         mf.fully_shard(block, mesh=mesh, **shard_kw)
         if args.activation_checkpointing:
             checkpoint_forward(block)
-    mf.fully_shard(model, mesh=mesh, **shard_kw)
+    mf.fully_shard(model, mesh=mesh, debug=args.debug, **shard_kw)
 
     def loss_fn(x: torch.Tensor) -> torch.Tensor:
         return model.loss(x[:, :-1], x[:, 1:])
@@ -534,6 +534,9 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--adamw-lr", type=float, default=3e-3)
     tr.add_argument("--clip", type=_positive_float, default=None, metavar="X",
                     help="clip gradients to global norm X (matrixfsdp.clip_grad_norm_)")
+    tr.add_argument("--debug", action="store_true",
+                    help="before each collective, check every rank is at the same step, unit and "
+                         "phase; raise naming the diverging rank (one extra tiny collective each)")
     tr.add_argument("--skip-nonfinite", action="store_true",
                     help="skip the optimizer step on every rank when the global gradient norm "
                          "is NaN/inf, and log which gradients were not finite")

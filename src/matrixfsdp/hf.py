@@ -42,17 +42,19 @@ def shard_model(model: nn.Module, mesh: DeviceMesh | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None,
                 block_types: Iterable[type | str] | None = None, *,
                 reshard_after_forward: bool | None = None,
-                muon_filter: MuonFilter | None = None) -> nn.Module:
+                muon_filter: MuonFilter | None = None, debug: bool = False) -> nn.Module:
     """``fully_shard`` every repeated block of ``model``, then ``model`` itself.
 
     Blocks: instances of ``block_types`` (classes or class names; default: the model's
     ``_no_split_modules``, as transformers models declare them, else ``model.model.layers``),
     innermost first. Everything outside the blocks (embeddings, final norm, head, tied or
-    not) belongs to the root unit. Returns ``model``.
+    not) belongs to the root unit. ``muon_filter`` and ``debug`` go to the root call, as
+    with ``fully_shard``. Returns ``model``.
     """
     blocks = _blocks(model, block_types)
     mesh = mesh or default_mesh()
     for block in reversed(blocks):  # modules() is pre-order: reversed, nested blocks first
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=mp_policy)
-    return fully_shard(model, mesh=mesh, mp_policy=mp_policy, muon_filter=muon_filter)
+    return fully_shard(model, mesh=mesh, mp_policy=mp_policy, muon_filter=muon_filter,
+                       debug=debug)
