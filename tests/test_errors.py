@@ -124,3 +124,19 @@ def test_muon_filter_must_pick_matrices(world1):
 def test_groups_need_use_muon(world1):
     with pytest.raises(ValueError, match="use_muon"):
         mf.Muon([dict(params=[nn.Parameter(torch.zeros(2, 2))])])
+
+
+@pytest.mark.parametrize("change", ["to_empty", "double", "data"])
+def test_parameters_replaced_after_fully_shard(world1, change):
+    """model.to_empty() / .double() after fully_shard would leave the shards behind and
+    train stale weights silently: the next forward raises, naming the parameter."""
+    model = _shard(GPT(CFG))
+    mf.muon_param_groups(model)  # plans
+    if change == "to_empty":
+        model.to_empty(device="cpu")
+    elif change == "double":
+        model.double()
+    else:
+        model.layers[0].mlp.fc.weight.data = torch.zeros(24, 16)
+    with pytest.raises(RuntimeError, match=r"parameter '.*' no longer views MatrixFSDP's storage"):
+        model(torch.zeros(1, 4, dtype=torch.long))

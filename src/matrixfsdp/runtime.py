@@ -120,6 +120,23 @@ class Root:
         self.check = CollectiveCheck(self.group, _mesh_device(mesh), [u.name for u in units]) \
             if debug and self.world_size > 1 else None
 
+    def check_registered(self) -> None:
+        """Raise if a parameter no longer views this root's storage: ``model.to_empty``,
+        ``.to(device or dtype)``, ``.half()`` after ``fully_shard`` replace the tensors (or
+        their storage), and training would silently go on with the old ones."""
+        for u in self.units:
+            base = u.local.untyped_storage().data_ptr()
+            for (mod, attr), i in zip(u.refs, u.ref_param):
+                p, sp = mod._parameters.get(attr), u.sharded[i]
+                if (p is not sp and p is not u.unsharded[i]) or \
+                        (sp.numel() and sp.untyped_storage().data_ptr() != base):
+                    raise RuntimeError(
+                        f"matrixfsdp: parameter '{sp._mf_placement.spec.name}' no longer views "
+                        "MatrixFSDP's storage: model.to_empty / .to / .half / load_state_dict("
+                        "assign=True) after fully_shard replaced it. Move or cast the model "
+                        "before fully_shard (or use a MixedPrecisionPolicy); for a model built "
+                        "on meta, call matrixfsdp.init_weights(model) instead of to_empty")
+
     def before_collective(self, unit: Unit, phase: int) -> None:
         if self.check is not None:
             self.check(unit.index, phase)
@@ -233,7 +250,9 @@ class Unit:
         if self.needs_init:
             raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
-        if self.new_step:
+        if self.new_step or not self.calls:  # once per step
+            if self.index == 0:
+                root.check_registered()
             self.calls, self.new_step = 0, False
         self.unshard()
         self._use_unsharded()
