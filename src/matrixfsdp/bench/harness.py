@@ -170,6 +170,7 @@ class BenchConfig:
     seq: int
     batch: int  # sequences per rank per step
     dtype: str  # parameter dtype
+    mp: str = "fp32"  # "bf16": MixedPrecisionPolicy(bf16 params, fp32 reduce) for every system
     vocab: int = 256
     lr: float = 0.02  # Muon
     weight_decay: float = 0.1  # Muon
@@ -382,15 +383,19 @@ def _split_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter
 
 
 def _build(name: str, cfg: BenchConfig, mesh: Any, device: torch.device) -> System:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from matrixfsdp.models import GPT
 
     group = mesh.get_group()
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(device=device, dtype=getattr(torch, cfg.dtype))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.mp == "bf16" else MixedPrecisionPolicy()
     if name == "matrixfsdp":
         for block in model.layers:
-            mf.fully_shard(block, mesh=mesh)
-        mf.fully_shard(model, mesh=mesh)
+            mf.fully_shard(block, mesh=mesh, mp_policy=mp)
+        mf.fully_shard(model, mesh=mesh, mp_policy=mp)
         groups = mf.muon_param_groups(
             model, lr=cfg.lr, adamw_lr=cfg.adamw_lr, weight_decay=cfg.weight_decay,
             momentum=cfg.momentum, adamw_betas=cfg.adamw_betas, adamw_eps=cfg.adamw_eps,
@@ -399,8 +404,8 @@ def _build(name: str, cfg: BenchConfig, mesh: Any, device: torch.device) -> Syst
 
     from torch.distributed.fsdp import fully_shard
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     if name == "fsdp2_adamw":
         return System(model, group, [torch.optim.AdamW(
             model.parameters(), lr=cfg.adamw_lr, betas=cfg.adamw_betas, eps=cfg.adamw_eps,
@@ -726,6 +731,7 @@ def _coll(res: dict[str, Any], ph: str) -> str:
 def render_markdown(results: dict[str, Any]) -> str:
     """The two tables (and the run's settings) as Markdown."""
     cfg, systems = results["config"], results["systems"]
+    mp = " with a bf16 MixedPrecisionPolicy (fp32 reduce)" if cfg.get("mp") == "bf16" else ""
     ok = {n: s for n, s in systems.items() if s["status"] == "ok"}
     exact_ref = next((s["exactness"]["reference"] for s in ok.values() if s.get("exactness")),
                      MUON_REFERENCE)
@@ -748,7 +754,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"MatrixFSDP benchmark: {cfg['world_size']} ranks on {results['device']} "
         f"({cfg['backend']}), GPT {cfg['layers']} layers, d_model {cfg['d_model']}, "
         f"{cfg['heads']} heads, MLP {cfg['mlp']}, seq {cfg['seq']}, batch {cfg['batch']}/rank, "
-        f"{cfg['dtype']}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps "
+        f"{cfg['dtype']}{mp}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps "
         f"(+1 profiled); torch {results['torch']}.",
         "",
         "Times: wall ms, median [min, max] over timed steps x ranks; each phase starts after a "
@@ -856,6 +862,9 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--out", default="runs/bench", help="output directory")
     p.add_argument("--timeout", type=_positive_float, default=PG_TIMEOUT_S, metavar="SECONDS",
                    help=f"process-group timeout (default {PG_TIMEOUT_S})")
+    p.add_argument("--mp", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: every system gathers and computes in bf16 and reduces in fp32 "
+                        "(torch's MixedPrecisionPolicy), fp32 master weights")
     for flag, dest in (("--layers", "layers"), ("--d-model", "d_model"), ("--heads", "heads"),
                        ("--mlp", "mlp"), ("--seq", "seq"), ("--batch", "batch")):
         p.add_argument(flag, dest=dest, type=int, default=None, help="override the preset")
@@ -882,7 +891,7 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     return BenchConfig(world_size=world, steps=a.steps, warmup=a.warmup,
                        systems=[s for s in SYSTEMS if s in systems], out=a.out, preset=preset,
                        device_type="cuda" if cuda else "cpu", backend="nccl" if cuda else "gloo",
-                       timeout_s=a.timeout,
+                       timeout_s=a.timeout, mp=a.mp,
                        **sizes)
 
 
