@@ -84,3 +84,42 @@ def test_mesh_smaller_than_the_world_is_flagged(tmp_path):
     """mesh2d['shard'] passed where the replicas should sync: a warning on every rank."""
     spawn(_sub_mesh, 4, str(tmp_path))
     assert all((tmp_path / f"ok{r}").exists() for r in range(4))
+
+
+def _nonfinite(rank, world_size, out_dir):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    opt = mf.Muon(mf.muon_param_groups(model))
+    before = mf.full_state_dict(model)
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(rank))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    injected = None
+    if rank == 1:  # a NaN in one rank's piece of one gradient only
+        p = next(p for p in model.parameters() if p.grad is not None and p.numel())
+        p.grad.view(-1)[0] = float("nan")
+        injected = p._mf_placement.spec.name
+    norm = mf.total_grad_norm(model.parameters())
+    skipped = not bool(torch.isfinite(norm))
+    names = mf.nonfinite_grad_names(model.parameters()) if skipped else []
+    if not skipped:
+        opt.step()
+    opt.zero_grad()
+    unchanged = all(torch.equal(v, before[k]) for k, v in mf.full_state_dict(model).items())
+    steps = sorted({int(s["step"]) for s in opt.state.values() if "step" in s})
+    torch.save(dict(skipped=skipped, names=names, injected=injected, unchanged=unchanged,
+                    steps=steps), os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """A NaN in rank 1's piece of one gradient: the global norm is NaN on every rank, so
+    every rank skips together, names the same parameter, and no parameter or optimizer
+    state moves (the `--skip-nonfinite` path of matrixfsdp train)."""
+    spawn(_nonfinite, 2, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["skipped"] and r1["skipped"]
+    assert r0["names"] == r1["names"] == [r1["injected"]]
+    assert r0["unchanged"] and r1["unchanged"] and r0["steps"] == r1["steps"] == []
