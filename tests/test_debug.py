@@ -4,6 +4,7 @@ seconds (debug mode), and a mesh smaller than the world is flagged."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import pytest
@@ -59,13 +60,16 @@ def _diverge(rank, world_size, debug, out_dir):
 def test_debug_mode_names_the_diverging_rank_on_every_rank(tmp_path):
     """Rank 1 skips block 1 at step 2: with debug on, every rank raises within seconds,
     naming each rank's step, unit and phase (without it: a gloo timeout, or worse, a
-    gather of one unit paired with another's)."""
+    gather of one unit paired with another's). With prefetch on, the first collective that
+    differs may come a little later than the skipped block (the next block's prefetched
+    gather looks the same on both ranks), but within the same step."""
     spawn(_diverge, 2, True, str(tmp_path), timeout=120)
     for rank in range(2):
         elapsed, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
         assert "ranks diverged" in message, message
-        assert "rank 0: step 2, unit 'layers.1', forward gather" in message, message
-        assert "rank 1: step 2, unit 'layers.2', forward gather" in message, message
+        where = re.findall(r"rank (\d): (step \d+, unit '[^']+', [a-z ]+)", message)
+        assert [r for r, _ in where] == ["0", "1"] and where[0][1] != where[1][1], message
+        assert all(w.startswith("step 2, ") for _, w in where), message  # the step it happened
         assert float(elapsed) < 30, elapsed
 
 

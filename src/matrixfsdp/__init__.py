@@ -11,11 +11,18 @@ from .hf import shard_model
 from .init import init_weights
 from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .plan import Plan, format_report, make_plan
-from .runtime import fully_shard, get_root, plan_of
+from .runtime import (
+    fully_shard,
+    get_root,
+    plan_of,
+    set_modules_to_backward_prefetch,
+    set_modules_to_forward_prefetch,
+)
 
 __all__ = ["Muon", "Plan", "clip_grad_norm_", "comm_stats", "fully_shard", "full_state_dict", "init_weights",
            "load_full_state_dict", "make_plan", "muon_param_groups", "nonfinite_grad_names",
-           "plan_of", "plan_report", "shard_model", "total_grad_norm", "zeropower_via_newtonschulz"]
+           "plan_of", "plan_report", "set_modules_to_backward_prefetch",
+           "set_modules_to_forward_prefetch", "shard_model", "total_grad_norm", "zeropower_via_newtonschulz"]
 __version__ = "0.1.0"
 
 

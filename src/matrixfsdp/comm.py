@@ -17,6 +17,7 @@ bytes this rank actually sends.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -50,25 +51,62 @@ class CommStats:
                     "sent_bytes": self.sent_bytes[k]} for k in sorted(self.calls)}
 
 
-class Pending:
-    """An in-flight collective; :meth:`wait` finishes it and runs the local epilogue."""
+@dataclass
+class LinkDelay:
+    """A model of a slower network, for tests and ``matrixfsdp bench --link``: a collective
+    this rank issues at time t is not complete before ``t + latency_s + sent / bytes_per_s``.
+    Waiting later hides the delay, waiting at once pays it, which is what overlap is about.
+    ``serial``: one link per rank, so a transfer starts only when the previous one ended.
+    """
 
-    def __init__(self, work, epilogue=None):
+    latency_s: float = 0.0
+    bytes_per_s: float | None = None
+    serial: bool = False
+    _link_free: float = 0.0
+
+    def ready_at(self, sent_bytes: int) -> float:
+        start = time.perf_counter()
+        if self.serial:
+            start = max(start, self._link_free)
+        end = start + self.latency_s + (sent_bytes / self.bytes_per_s if self.bytes_per_s else 0.0)
+        self._link_free = end
+        return end
+
+
+class Pending:
+    """An in-flight collective; :meth:`wait` finishes it, then runs its epilogues in order.
+
+    It holds the tensors the collective reads or writes (``keep``) until then, so a
+    transient send buffer lives as long as the transfer (the FSDP2 rule on CUDA too).
+    """
+
+    def __init__(self, work, epilogue=None, keep: tuple = (), ready_at: float = 0.0):
         self._work = work
-        self._epilogue = epilogue
+        self._epilogues = [epilogue] if epilogue is not None else []
+        self._keep = keep
+        self._ready_at = ready_at
+
+    def then(self, epilogue) -> Pending:
+        """Run ``epilogue()`` after the collective and the earlier epilogues."""
+        self._epilogues.append(epilogue)
+        return self
 
     def wait(self) -> None:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._epilogue is not None:
-            self._epilogue()
-            self._epilogue = None
+        delay = self._ready_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        self._ready_at = 0.0
+        epilogues, self._epilogues, self._keep = self._epilogues, [], ()
+        for epilogue in epilogues:
+            epilogue()
 
 
 def gather_v(segment: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
              group: dist.ProcessGroup, stats: CommStats | None = None,
-             async_op: bool = False) -> Pending:
+             async_op: bool = False, delay: LinkDelay | None = None) -> Pending:
     """All ranks' segments into ``out`` (rank-major, ``sum(seg_sizes)`` elements).
 
     ``segment`` is this rank's ``seg_sizes[rank]`` elements; ``out`` is written in place.
@@ -78,16 +116,18 @@ def gather_v(segment: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
     if P == 1:
         out.copy_(segment)
         return Pending(None)
+    sent = seg_sizes[rank] * (P - 1) * out.element_size()
     if stats is not None:
-        item = out.element_size()
-        stats.add("gather_v", out.numel() * item, seg_sizes[rank] * (P - 1) * item)
+        stats.add("gather_v", out.numel() * out.element_size(), sent)
+    send = segment
     if len(set(seg_sizes)) == 1:
         work = all_gather_single(out, segment, group=group, async_op=async_op)
     else:
         send = segment.repeat(P)
         work = dist.all_to_all_single(out, send, seg_sizes, [seg_sizes[rank]] * P,
                                       group=group, async_op=async_op)
-    pending = Pending(work)
+    pending = Pending(work, keep=(segment, send, out),
+                      ready_at=delay.ready_at(sent) if delay else 0.0)
     if not async_op:
         pending.wait()
     return pending
@@ -95,7 +135,7 @@ def gather_v(segment: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
 
 def reduce_v(full: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
              group: dist.ProcessGroup, stats: CommStats | None = None,
-             async_op: bool = False) -> Pending:
+             async_op: bool = False, delay: LinkDelay | None = None) -> Pending:
     """``out`` = mean over ranks of this rank's segment of ``full`` (rank-major).
 
     ``full`` holds ``sum(seg_sizes)`` elements and may be overwritten; ``out`` holds
@@ -108,9 +148,10 @@ def reduce_v(full: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
     if P == 1:
         out.copy_(full)
         return Pending(None)
+    sent = (full.numel() - n) * full.element_size()
     if stats is not None:
-        item = full.element_size()
-        stats.add("reduce_v", full.numel() * item, (full.numel() - n) * item)
+        stats.add("reduce_v", full.numel() * full.element_size(), sent)
+    recv = out
     if len(set(seg_sizes)) == 1:
         work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group,
                                async_op=async_op)
@@ -125,7 +166,8 @@ def reduce_v(full: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
         def epilogue():
             torch.sum(recv.view(P, n), dim=0, out=out)
             out.div_(P)
-    pending = Pending(work, epilogue)
+    pending = Pending(work, epilogue, keep=(full, recv, out),
+                      ready_at=delay.ready_at(sent) if delay else 0.0)
     if not async_op:
         pending.wait()
     return pending

@@ -7,14 +7,24 @@ lives only on the owner. An expert stack ``(experts, m, n)`` is held as a ``(k, 
 tensor of k whole experts per rank; its NS runs batched over those k experts, each
 normalised and orthogonalised on its own, exactly as k separate matrices. AdamW is
 element-wise, so it runs unchanged on row shards.
+
+``state_dict()`` holds this rank's state only, so it loads back only where every rank
+holds the same tensors: the same world size and plan. It records both in each param group
+(``mf_world_size``, ``mf_plan``: a digest of the names, shapes and placements of the
+group's parameters), and ``load_state_dict`` checks them, and every tensor's shape, before
+touching anything: a state saved at another world size or plan is refused on every rank,
+including one whose own state happens to fit.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from array import array
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim.adam import adam as _adam
 
@@ -71,6 +81,15 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(m, n))
     raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
+
+
+# Recorded in each param group of ``state_dict()``, checked and dropped by ``load_state_dict``.
+# A loader that reshards (``matrixfsdp.set_state_dict``) drops them from what it hands over.
+PLAN_KEYS = ("mf_world_size", "mf_plan")
+RESHARD_HINT = ("optimizer state saved at another world size or plan; save with "
+                "matrixfsdp.get_state_dict / torch.distributed.checkpoint and load with "
+                "matrixfsdp.set_state_dict (which reshards)")
+_STATE_KEYS = {True: ("momentum_buffer",), False: ("exp_avg", "exp_avg_sq")}
 
 
 def _name(p: torch.Tensor) -> str:
@@ -134,12 +153,112 @@ class Muon(torch.optim.Optimizer):
             group.setdefault(k, v)
         if use_muon:
             _validate_muon_group(group)
-        elif group["lr"] < 0 or group["eps"] < 0 or not all(0 <= b < 1 for b in group["betas"]):
-            raise ValueError(f"invalid AdamW hyperparameters: lr={group['lr']}, "
-                             f"eps={group['eps']}, betas={group['betas']}")
+        elif not (0.0 <= group["lr"] and 0.0 <= group["eps"] and 0.0 <= group["weight_decay"]
+                  and all(0.0 <= b < 1.0 for b in group["betas"])):
+            # torch.optim.AdamW's checks, written so that NaN fails them as it does there
+            raise ValueError(f"invalid AdamW hyperparameters: lr={group['lr']}, eps={group['eps']}, "
+                             f"betas={group['betas']}, weight_decay={group['weight_decay']}")
         elif group["foreach"] and group["fused"]:
             raise ValueError("AdamW group: `fused` and `foreach` cannot be `True` together")
         super().add_param_group(group)
+
+    def state_dict(self) -> dict:
+        """torch's state dict of this rank's state (parameters by index), each param group
+        also recording the world size and the digest of its parameters' plan (``PLAN_KEYS``)."""
+        sd = super().state_dict()
+        world = _world_size(p for g in self.param_groups for p in g["params"])
+        if world is not None:
+            for saved, group in zip(sd["param_groups"], self.param_groups):
+                saved.update(mf_world_size=world, mf_plan=_plan_digest(group["params"]))
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, once the state is known to fit this rank: the same
+        groups (sizes, ``use_muon``), the same world size and plan where recorded, and every
+        tensor of this rank's shape (momentum only where this rank holds the matrix). Else
+        a ``ValueError`` naming the parameter, this rank and the shapes, before anything is
+        loaded. The check reads the state dict only, so every rank decides alike where the
+        world size or plan differs, those whose own tensors happen to fit included."""
+        self._check_loadable(state_dict)
+        groups = [{k: v for k, v in g.items() if k not in PLAN_KEYS} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
+    def _check_loadable(self, state_dict: dict) -> None:
+        saved_groups, state = state_dict["param_groups"], state_dict["state"]
+        params = [p for g in self.param_groups for p in g["params"]]
+        where = f"matrixfsdp.Muon.load_state_dict on rank {_rank_of(params)}"
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{where}: the state has {len(saved_groups)} parameter groups, this "
+                             f"optimizer {len(self.param_groups)}. If this is {RESHARD_HINT}")
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"{where}: parameter group {i} has {len(saved['params'])} parameters "
+                                 f"in the state, {len(group['params'])} here. If this is {RESHARD_HINT}")
+            if bool(saved.get("use_muon", group["use_muon"])) != bool(group["use_muon"]):
+                raise ValueError(f"{where}: parameter group {i} has use_muon={saved['use_muon']} in "
+                                 f"the state, use_muon={group['use_muon']} here")
+        world = _world_size(params)
+        plan = None  # (saved world size, saved digest, this world size, this digest)
+        for saved, group in zip(saved_groups, self.param_groups):
+            if world is not None and "mf_world_size" in saved:
+                digest = _plan_digest(group["params"])
+                if (saved["mf_world_size"], saved.get("mf_plan")) != (world, digest):
+                    plan = (saved["mf_world_size"], saved.get("mf_plan"), world, digest)
+                    break
+        bad = []  # (parameter, state key, saved shape, what this rank needs)
+        for saved, group in zip(saved_groups, self.param_groups):
+            muon = bool(group["use_muon"])
+            for pid, p in zip(saved["params"], group["params"]):
+                for key in _STATE_KEYS[muon]:
+                    t = (state.get(pid) or {}).get(key)
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    if muon and not p.numel():
+                        bad.append((p, key, tuple(t.shape), _no_state(p)))
+                    elif t.shape != p.shape:
+                        bad.append((p, key, tuple(t.shape), str(tuple(p.shape))))
+        if not bad and plan is None:
+            return
+        msg = [where + ":"]
+        if bad:
+            p, key, got, need = bad[0]
+            more = f" ({len(bad) - 1} more tensors do not fit either)" if len(bad) > 1 else ""
+            msg.append(f"parameter {_name(p)}: saved {key} has shape {got}, this rank's placement "
+                       f"needs {need}{more}.")
+        if plan is not None:
+            msg.append(f"The state was saved at world size {plan[0]} (plan {plan[1]}), this optimizer "
+                       f"runs at world size {plan[2]} (plan {plan[3]}).")
+            if not bad:
+                msg.append("This rank's own tensors happen to fit, but not the state as a whole: "
+                           "momentum would be missing or on other matrices, so every rank refuses.")
+            msg.append(f"This is {RESHARD_HINT}.")
+        else:
+            msg.append(f"This looks like {RESHARD_HINT}.")
+        raise ValueError(" ".join(msg))
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create, for every trainable parameter this rank holds elements of and that has no
+        state yet, the state its first step would create: a zero ``momentum_buffer`` (Muon),
+        ``step`` 0 and zero ``exp_avg`` / ``exp_avg_sq`` (AdamW), as in ``_muon_step`` and
+        ``_adamw_step``. Parameters are not touched. torch's ``get_state_dict`` gets the same
+        from a step with zero gradients and lr 0; ``matrixfsdp.get_state_dict`` calls this so
+        that a fresh optimizer has tensors to load a checkpoint into."""
+        for group in self.param_groups:
+            fused = group.get("fused")
+            for p in group["params"]:
+                state = self.state[p]
+                if not p.requires_grad or not p.numel() or state:
+                    if not state:
+                        self.state.pop(p, None)
+                    continue
+                if group["use_muon"]:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                else:
+                    state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                                     else torch.tensor(0.0, dtype=_scalar_dtype()))
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -162,7 +281,7 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         lr = float(group["lr"])
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None or not p.numel():  # a non-owner's placeholder, or empty
                 continue
             grad = p.grad
             if grad.is_sparse or torch.is_complex(p):
@@ -192,7 +311,7 @@ class Muon(torch.optim.Optimizer):
         foreach, fused = group.get("foreach"), group.get("fused")
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for p in group["params"]:
-            if p.grad is None:
+            if p.grad is None or not p.numel():  # nothing to update, so no state either
                 continue
             if p.grad.is_sparse:
                 raise RuntimeError(f"AdamW does not support sparse gradients ({_name(p)})")
@@ -216,6 +335,44 @@ class Muon(torch.optim.Optimizer):
             has_complex=any(torch.is_complex(p) for p in params), decoupled_weight_decay=True,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+
+
+def _world_size(params: Iterable[torch.Tensor]) -> int | None:
+    """The world size the parameters are planned for (None: plain tensors, no plan)."""
+    for p in params:
+        pl = getattr(p, "_mf_placement", None)
+        if pl is not None:
+            return len(pl.row_ranges)
+    return None
+
+
+def _rank_of(params: Iterable[torch.Tensor]) -> int:
+    for p in params:
+        unit = getattr(p, "_mf_unit", None)
+        if unit is not None and unit.root is not None:
+            return unit.root.rank
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _plan_digest(params: Iterable[torch.Tensor]) -> str:
+    """A short digest of where each parameter lives on every rank (name, shape, Muon or
+    not, each rank's rows): equal digests mean every rank holds the same local tensors."""
+    h = hashlib.sha256()
+    for p in params:
+        pl = getattr(p, "_mf_placement", None)
+        key = (pl.spec.name, pl.spec.shape, pl.spec.muon) if pl is not None else tuple(p.shape)
+        h.update(repr(key).encode())
+        if pl is not None:
+            h.update(array("q", [i for r in pl.row_ranges for i in r]).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _no_state(p: torch.Tensor) -> str:
+    pl = getattr(p, "_mf_placement", None)
+    if pl is not None and pl.owner is not None:
+        return (f"no state (this rank holds the empty placeholder {tuple(p.shape)}; the matrix "
+                f"is owned by rank {pl.owner})")
+    return f"no state (this rank holds none of it: {tuple(p.shape)})"
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -245,7 +402,8 @@ def _check_planned_together(params: list[torch.Tensor]) -> None:
 
 
 def _validate_muon_group(group: dict) -> None:
-    if group["lr"] < 0 or group["momentum"] < 0 or group["weight_decay"] < 0:
+    # torch.optim.Muon's checks, written so that NaN fails them as it does there
+    if not (0.0 <= group["lr"] and 0.0 <= group["momentum"] and 0.0 <= group["weight_decay"]):
         raise ValueError(f"invalid Muon hyperparameters: lr={group['lr']}, "
                          f"momentum={group['momentum']}, weight_decay={group['weight_decay']}")
     if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
@@ -254,7 +412,7 @@ def _validate_muon_group(group: dict) -> None:
         raise ValueError("ns_steps must be < 100 and ns_coefficients three floats")
     for p in group["params"]:
         pl = getattr(p, "_mf_placement", None)
-        if pl is not None and not pl.spec.muon:
+        if pl is not None and not pl.spec.muon and pl.spec.numel:  # empty: a no-op anywhere
             raise ValueError(
                 f"parameter '{pl.spec.name}' (shape {pl.spec.shape}) is in a use_muon=True "
                 "group, but the plan shards it by rows over all ranks, so no rank holds the "

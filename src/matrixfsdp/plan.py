@@ -15,6 +15,11 @@ Two kinds of parameter:
   rows (dim 0) over all ranks, FSDP2's ``Shard(0)`` without padding. Each rank holds
   ``rows // P`` or one more; which ranks get the extra row rotates from one parameter to
   the next so that no rank collects all the remainders.
+
+A parameter with a zero-size dimension (``(0, n)``, ``(m, 0)``) holds no element: there
+is nothing to orthogonalise, gather or reduce. It is never a Muon matrix, even where a
+``muon_filter`` selects it (Muon on it would be a no-op, so the choice changes no number):
+it is planned as an even parameter whose shards are all empty.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -259,6 +264,8 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
             raise ValueError(f"parameter '{s.name}' is marked as a Muon matrix but has "
                              f"shape {tuple(s.shape)}; Muon needs 2-D matrices or 3-D "
                              "(experts, m, n) stacks of expert matrices")
+    # An empty matrix has nothing for Muon to do: plan it as an (empty) even parameter.
+    specs = [replace(s, muon=False) if s.muon and s.numel == 0 else s for s in specs]
     placements: dict[str, Placement] = {}
     base_bytes = [0] * world_size
     rotate = 0
@@ -386,12 +393,15 @@ def is_muon_matrix(fqn: str, param: nn.Parameter, owner: nn.Module, in_root_unit
     Excepted: embeddings; parameters named ``*bias*`` (GPT-OSS keeps per-expert biases as
     2-D ``(experts, out)``); convolution weights (``nn.Conv1d``'s is 3-D); 3-D parameters
     with a leading 1 (a broadcast dim, as in ViT's ``(1, tokens, d)`` position embedding or
-    RWKV's ``(1, 1, d)`` mixes) or whose "matrices" are vectors (``(c, 1, k)``). All of
-    those, and everything outside the blocks (embeddings, head, final norm), go to AdamW.
+    RWKV's ``(1, 1, d)`` mixes) or whose "matrices" are vectors (``(c, 1, k)``), and
+    empty parameters (a zero-size dimension). All of those, and everything outside the
+    blocks (embeddings, head, final norm), go to AdamW. A ``muon_filter`` decides instead
+    (``make_plan`` still places an empty parameter it selects as an even one).
     """
     if muon_filter is not None:
         return bool(muon_filter(fqn, param))
-    if in_root_unit or not param.requires_grad or "bias" in fqn.rsplit(".", 1)[-1]:
+    if (in_root_unit or not param.requires_grad or param.numel() == 0
+            or "bias" in fqn.rsplit(".", 1)[-1]):
         return False
     if param.dim() == 2:
         return not isinstance(owner, nn.Embedding)

@@ -26,6 +26,7 @@ finds its root lazily. The root is the outermost unit; it contains every other o
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -36,10 +37,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from .comm import CommStats, gather_v, reduce_v
+from .comm import CommStats, LinkDelay, Pending, gather_v, reduce_v
 from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, CollectiveCheck
 from .layout import UnitLayout, unit_layout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
+from .overlap import Schedule
 from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
 
 _PENDING: list[weakref.ref] = []  # units created by fully_shard and not planned yet
@@ -106,7 +108,7 @@ class Root:
     end-of-backward callback)."""
 
     def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh,
-                 debug: bool = False):
+                 debug: bool = False, overlap: bool = True):
         self.module = module
         self.units = units  # pre-order: the root unit first
         self.plan = plan
@@ -119,6 +121,8 @@ class Root:
         self.in_backward = False
         self.check = CollectiveCheck(self.group, _mesh_device(mesh), [u.name for u in units]) \
             if debug and self.world_size > 1 else None
+        self.schedule = Schedule(enabled=overlap)
+        self.delay: LinkDelay | None = None  # a slower network, for tests and the bench
 
     def check_registered(self) -> None:
         """Raise if a parameter no longer views this root's storage: ``model.to_empty``,
@@ -152,8 +156,10 @@ class Root:
         # rank issues the same collectives in the same order.
         for unit in reversed(self.units):
             unit.post_backward()
+        self.schedule.finish_reduces()  # every .grad is in place before backward() returns
         for unit in self.units:
             unit.end_backward()
+        self.schedule.end_step()
         self.in_backward = False
         if self.check is not None:
             self.check.step += 1
@@ -173,9 +179,10 @@ class Unit:
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
                  muon_filter: MuonFilter | None, mp_policy: MixedPrecisionPolicy | None,
-                 debug: bool = False):
+                 debug: bool = False, overlap: bool = True):
         self.module = module
         self.debug = debug
+        self.overlap = overlap
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.muon_filter = muon_filter
@@ -183,6 +190,9 @@ class Unit:
         self.root: Root | None = None
         self.name = ""
         self.index = 0  # in root.units
+        self.forward_prefetch: list[Unit] | None = None  # None: the recorded order decides
+        self.backward_prefetch: list[Unit] | None = None
+        self._gather: Pending | None = None  # a gather in flight (prefetched)
         # filled by _materialize
         self.refs: list[tuple[nn.Module, str]] = []  # where parameters are registered
         self.ref_param: list[int] = []  # refs[k] holds parameter ref_param[k] (tied: repeats)
@@ -202,8 +212,10 @@ class Unit:
 
     # ---- parameter movement -------------------------------------------------------------
     @torch.no_grad()
-    def unshard(self) -> None:
-        if self.is_unsharded:
+    def prefetch(self, phase: int) -> None:
+        """Start this unit's gather without waiting for it (a no-op if it is gathered or
+        on its way)."""
+        if self.is_unsharded or self._gather is not None:
             return
         root, lay = self.root, self.layout
         for buf in (self.flat, self.even):
@@ -211,9 +223,21 @@ class Unit:
             if buf.untyped_storage().size() != nbytes:
                 buf.untyped_storage().resize_(nbytes)
         if lay.numel:  # a unit may hold no parameter of its own (all in child units)
-            root.before_collective(self, BACKWARD_GATHER if self.in_backward else FORWARD_GATHER)
+            root.before_collective(self, phase)
             segment = self.local.to(self.precision.param)  # a copy only under a policy
-            gather_v(segment, self.flat, lay.seg_sizes, root.group, root.stats)
+            self._gather = gather_v(segment, self.flat, lay.seg_sizes, root.group, root.stats,
+                                    async_op=True, delay=root.delay)
+        else:
+            self._gather = Pending(None)
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        if self.is_unsharded:
+            return
+        self.prefetch(BACKWARD_GATHER if self.in_backward else FORWARD_GATHER)
+        self._gather.wait()
+        self._gather = None
+        lay = self.layout
         # Copy-out into ``even`` itself: writing through the unsharded parameters would
         # bump the version counters autograd checks.
         for i, offset in self._even_index.items():
@@ -225,7 +249,10 @@ class Unit:
         self.is_unsharded = True
 
     def reshard(self) -> None:
-        if not self.is_unsharded:
+        if self._gather is not None:  # never free a buffer a gather still writes into
+            self._gather.wait()
+            self._gather = None
+        elif not self.is_unsharded:
             return
         for buf in (self.flat, self.even):
             buf.untyped_storage().resize_(0)
@@ -254,9 +281,15 @@ class Unit:
             if self.index == 0:
                 root.check_registered()
             self.calls, self.new_step = 0, False
+        recompute = root.in_backward and self.in_backward
         self.unshard()
+        if not root.in_backward:
+            if not recompute:
+                root.schedule.record(self)
+            for unit in root.schedule.forward_targets(self):
+                unit.prefetch(FORWARD_GATHER)
         self._use_unsharded()
-        if root.in_backward and self.in_backward:
+        if recompute:
             # Activation checkpointing recomputes this unit's forward inside its backward
             # (non-reentrant): the parameters are unsharded for backward already and this
             # recomputed graph is only read for its saved tensors.
@@ -292,6 +325,8 @@ class Unit:
         if not self.in_backward:
             self.in_backward = True
             self.unshard()
+            for unit in self.root.schedule.backward_targets(self):
+                unit.prefetch(BACKWARD_GATHER)
             # Registered for backward too: code that re-runs the forward inside backward
             # (activation checkpointing, transformers' included) must see full parameters.
             self._use_unsharded()
@@ -329,20 +364,23 @@ class Unit:
         self.reshard()  # the unsharded params are not needed any more
         out = full.new_empty(self.local.numel())
         root.before_collective(self, REDUCE)
-        reduce_v(full, out, lay.seg_sizes, root.group, root.stats)
-        if prec.reduce != prec.orig:
-            out = out.to(prec.orig)
-        offset = 0
-        for i, pc in lay.local_pieces(root.rank):
-            p = self.sharded[i]
-            view = out[offset:offset + pc.numel].view(p.shape)
-            offset += pc.numel
-            if not p.requires_grad:
-                continue  # frozen: no .grad, as in torch
-            if p.grad is None:
-                p.grad = view
-            else:
-                p.grad.add_(view)
+        pending = reduce_v(full, out, lay.seg_sizes, root.group, root.stats, async_op=True,
+                           delay=root.delay)
+
+        def attach() -> None:  # once the reduce is done: this rank's pieces become .grad
+            grad = out.to(prec.orig) if prec.reduce != prec.orig else out
+            offset = 0
+            for i, pc in lay.local_pieces(root.rank):
+                p = self.sharded[i]
+                view = grad[offset:offset + pc.numel].view(p.shape)
+                offset += pc.numel
+                if not p.requires_grad:
+                    continue  # frozen: no .grad, as in torch
+                if p.grad is None:
+                    p.grad = view
+                else:
+                    p.grad.add_(view)
+        root.schedule.add_reduce(pending.then(attach))
 
     def end_backward(self) -> None:
         self.calls_done = 0
@@ -374,6 +412,14 @@ def _outermost_pending(unit: Unit) -> Unit:
 def _unit_modules(root_module: nn.Module) -> list[tuple[str, Unit]]:
     return [(name, m._mf_unit) for name, m in root_module.named_modules()
             if getattr(m, "_mf_unit", None) is not None]
+
+
+def _grad_to_empty_shard(shard: nn.Parameter, param: nn.Parameter) -> None:
+    """Post-accumulate-grad hook of an empty unsharded parameter (a zero-size dim): its
+    gradient holds no element, so the shard gets an empty gradient, as in torch."""
+    param.grad = None
+    if shard.grad is None:
+        shard.grad = torch.zeros_like(shard)
 
 
 def _materialize(root_unit: Unit) -> Root:
@@ -451,7 +497,8 @@ def _materialize(root_unit: Unit) -> Root:
                                  "(experts, m, n) stacks of expert matrices")
             specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
     plan = make_plan(specs, P, [u.name for u in units])
-    root = Root(root_unit.module, units, plan, mesh, debug=root_unit.debug)
+    root = Root(root_unit.module, units, plan, mesh, debug=root_unit.debug,
+                overlap=root_unit.overlap)
     root.aliases = aliases
 
     for ui, u in enumerate(units):
@@ -498,6 +545,8 @@ def _materialize(root_unit: Unit) -> Root:
                 start = lay.pieces[i][0].offset if lay.pieces[i] else 0
                 full = _alias(u.flat, start, tuple(p.shape))
             up = nn.Parameter(full, requires_grad=p.requires_grad)
+            if not pl.spec.numel:  # nothing to reduce: its empty grad goes to the shard
+                up.register_post_accumulate_grad_hook(functools.partial(_grad_to_empty_shard, sp))
             u.unsharded.append(up)
             p._mf_replaced = sp
         u._register(u.sharded)
@@ -526,7 +575,8 @@ def default_mesh() -> DeviceMesh:
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
                 muon_filter: MuonFilter | None = None,
-                mp_policy: MixedPrecisionPolicy | None = None, debug: bool = False) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy | None = None, debug: bool = False,
+                overlap: bool = True) -> nn.Module:
     """Make ``module`` one communication unit, like FSDP2's ``fully_shard``.
 
     Call it on every block, bottom-up, then on the root. The unit holds the module's
@@ -549,6 +599,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             (step, unit, phase) and raise the same error naming each rank's position if
             they differ, or after 30 s if a rank never arrives (one small extra collective
             per collective; see docs/troubleshooting.md).
+        overlap: read from the root call. Gather the next unit while this one computes
+            (forward and backward) and reduce gradients asynchronously (docs/overlap.md).
+            False: every collective completes where it is issued.
     Returns:
         ``module``, with its parameters replaced by this rank's shards once planned.
     """
@@ -568,7 +621,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         raise NotImplementedError(
             f"matrixfsdp: fully_shard needs a 1-D mesh, got a {mesh.ndim}-D mesh of shape "
             f"{tuple(mesh.shape)}; HSDP (2-D meshes) is not supported yet")
-    unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug)
+    unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug, overlap)
     module._mf_unit = unit
     for mod, attr, _ in _owned_params(module, ""):
         mod._parameters[attr]._mf_pending = unit
@@ -601,3 +654,23 @@ def plan_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
         if unit is not None and unit.root is None:
             _materialize(_outermost_pending(unit))
     return [getattr(p, "_mf_replaced", p) for p in params]
+
+
+def _unit_of(module: nn.Module) -> Unit:
+    unit = getattr(module, "_mf_unit", None)
+    if unit is None:
+        raise ValueError(f"matrixfsdp: {type(module).__name__} is not a fully_shard unit")
+    return unit
+
+
+def set_modules_to_forward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
+    """When ``module``'s forward starts, start the gathers of ``modules`` too (FSDP2's
+    method of that name, as a function). All are ``fully_shard`` units of one model. The
+    default, without a call: the unit that ran next in the previous step's forward."""
+    _unit_of(module).forward_prefetch = [_unit_of(m) for m in modules]
+
+
+def set_modules_to_backward_prefetch(module: nn.Module, modules: list[nn.Module]) -> None:
+    """When ``module``'s backward starts, start the gathers of ``modules`` too. The
+    default: the unit that ran before it in the previous step's forward."""
+    _unit_of(module).backward_prefetch = [_unit_of(m) for m in modules]
