@@ -4,6 +4,8 @@ in docs/benchmarks.md, not in tests)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from matrixfsdp.bench.harness import main
 
@@ -22,3 +24,16 @@ def test_bench_tiny_runs_and_checks_exactness(tmp_path):
     assert mf["exactness"]["ok"], mf["exactness"]
     assert mf["collectives"]["step"]["calls"] == 0
     assert (tmp_path / "results.md").exists()
+
+
+def test_the_cli_and_the_bench_do_not_import_each_other():
+    """The CLI loads the bench only when `bench` runs; the bench's entry point reaches the
+    shared rank helpers through matrixfsdp.ranks, never through the CLI."""
+    checks = {
+        "matrixfsdp.cli": "not [m for m in sys.modules if m.startswith('matrixfsdp.bench')]",
+        "matrixfsdp.bench.harness": "'matrixfsdp.cli' not in sys.modules",
+    }
+    for module, condition in checks.items():  # a fresh interpreter each: sys.modules starts empty
+        code = f"import sys, {module}; assert {condition}, sorted(sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"importing {module}:\n{out.stderr[-2000:]}"

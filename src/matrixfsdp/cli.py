@@ -25,6 +25,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ._exit import exit_rank
+from .ranks import device_for as _device_for  # shared with the bench, which must not import the CLI
+from .ranks import positive_float as _positive_float
+from .ranks import sync as _sync
 
 log = logging.getLogger("matrixfsdp")
 
@@ -33,19 +36,6 @@ STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to end before SIGK
 
 
 # ---- launching ---------------------------------------------------------------------------
-def _device_for(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for queued device work, so host clocks time it (a no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _spawned(rank: int, fn, world_size: int, init_file: str, args, timeout_s: float) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -461,16 +451,6 @@ def _int_at_least(lo: int):
             raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
         return v
     return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return v
 
 
 def writable_dir_error(out: str) -> str | None:

@@ -1,0 +1,57 @@
+"""What a ``matrixfsdp bench`` run is: the systems it knows, the model presets, and every
+setting of a run (:class:`BenchConfig`, saved verbatim into ``results.json``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "fsdp2_dist_muon",
+                            "fsdp2_muon_fsdp2", "matrixfsdp")
+BASELINE = "fsdp2_adamw"  # the ratios' denominator for forward+backward, bytes and memory
+MUON_REFERENCE = "fsdp2_torch_muon"  # torch's Muon: the reference semantics
+PHASES: tuple[str, ...] = ("forward", "backward", "step")
+EXACT_BOUND = 5e-2  # max abs parameter difference between Muon systems (bf16 NS rounding)
+PG_TIMEOUT_S = 600
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": dict(layers=8, d_model=384, heads=6, mlp=1536, seq=256, batch=8, dtype="float32"),
+    "gpu": dict(layers=16, d_model=2048, heads=16, mlp=8192, seq=2048, batch=8, dtype="bfloat16"),
+}
+
+
+@dataclass
+class BenchConfig:
+    """Everything a run depends on; saved verbatim into ``results.json``."""
+
+    world_size: int
+    steps: int
+    warmup: int
+    systems: list[str]
+    out: str
+    preset: str
+    layers: int
+    d_model: int
+    heads: int
+    mlp: int
+    seq: int
+    batch: int  # sequences per rank per step
+    dtype: str  # parameter dtype
+    mp: str = "fp32"  # "bf16": MixedPrecisionPolicy(bf16 params, fp32 reduce) for every system
+    vocab: int = 256
+    lr: float = 0.02  # Muon
+    weight_decay: float = 0.1  # Muon
+    momentum: float = 0.95
+    adamw_lr: float = 3e-3
+    adamw_weight_decay: float = 0.01
+    adamw_betas: tuple[float, float] = (0.9, 0.999)
+    adamw_eps: float = 1e-8
+    seed: int = 0
+    device_type: str = "cpu"
+    timeout_s: float = PG_TIMEOUT_S  # process-group timeout, seconds
+    backend: str = "gloo"
+
+    def model_config(self):
+        from matrixfsdp.models import GPTConfig
+        return GPTConfig(vocab_size=self.vocab, seq_len=self.seq, d_model=self.d_model,
+                         n_heads=self.heads, n_layers=self.layers, d_mlp=self.mlp)

@@ -1,0 +1,224 @@
+"""The benchmark's results: folding the ranks' records into each system's ``results.json``
+entry (:func:`summarise`), the Markdown tables (:func:`render_markdown`), the phases plot
+(:func:`plot_phases`), and writing ``results.json``, ``results.md`` and ``phases.png``
+(:func:`write_results`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from .config import BASELINE, EXACT_BOUND, MUON_REFERENCE, PHASES
+
+MIB = 2**20
+
+
+# ------------------------------------------------------------------ results.json entries
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0: fold the per-rank records of one system into the results entry."""
+    failed = [r for r in per_rank if r.get("error")]
+    if failed:
+        return {"status": "does not run here", "error": failed[0]["error"],
+                "failed_ranks": [r["rank"] for r in failed], "traceback": failed[0].get("traceback")}
+    out: dict[str, Any] = {"status": "ok", "error": None, "phases": {}, "collectives": {}}
+    for ph in (*PHASES, "total"):
+        entry = {}
+        for kind in ("wall_ms", "cpu_ms"):
+            key = f"{ph}_{kind}"
+            pooled = [t[key] for r in per_rank for t in r["timed"]]
+            entry[kind] = {**_stats(pooled), "per_rank_median":
+                           [statistics.median(t[key] for t in r["timed"]) for r in per_rank]}
+        out["phases"][ph] = entry
+    for ph in PHASES:
+        calls = [r["collectives"][ph]["calls"] for r in per_rank]
+        nbytes = [r["collectives"][ph]["bytes"] for r in per_rank]
+        out["collectives"][ph] = {"calls": statistics.mean(calls), "bytes": statistics.mean(nbytes),
+                                  "per_rank": [r["collectives"][ph] for r in per_rank]}
+    out["unknown_ops"] = sorted({o for r in per_rank for o in r["unknown_ops"]})
+    peak = [r["peak_bytes"] for r in per_rank]
+    out["memory"] = {"peak_mib": max(peak) / MIB, "per_rank_peak_mib": [b / MIB for b in peak],
+                     "per_rank_state_mib": [r["state_bytes"] / MIB for r in per_rank]}
+    if "live_at_start_bytes" in per_rank[0]:
+        out["memory"]["per_rank_live_at_start_mib"] = [r["live_at_start_bytes"] / MIB
+                                                       for r in per_rank]
+        out["memory"]["per_rank_transient_peak_mib"] = [r["transient_peak_bytes"] / MIB
+                                                        for r in per_rank]
+    if name == "matrixfsdp":
+        r0 = per_rank[0]
+        step_cpu = out["phases"]["step"]["cpu_ms"]["per_rank_median"]
+        ns = [r["ns_owned"]["wall_ms"] for r in per_rank]
+        ns_cpu = [r["ns_owned"]["cpu_ms"] for r in per_rank]
+        own = r0["comm_stats"]
+        prof_ok = all(
+            sum(v["calls"] for v in own[ph].values()) == out["collectives"][ph]["calls"]
+            and sum(v["payload_bytes"] for v in own[ph].values()) == out["collectives"][ph]["bytes"]
+            for ph in PHASES)
+        out["matrixfsdp"] = {
+            "imbalance": r0["plan"]["imbalance"], "imbalance_bound": r0["plan"]["imbalance_bound"],
+            "plan_report": r0["plan"]["report"],
+            "step_cpu_ms_per_rank": step_cpu,
+            "step_cpu_spread": max(step_cpu) / min(step_cpu) if min(step_cpu) > 0 else math.inf,
+            "ns_owned_ms_per_rank": ns,
+            "ns_owned_cpu_ms_per_rank": ns_cpu,
+            "ns_owned_matrices_per_rank": [r["ns_owned"]["matrices"] for r in per_rank],
+            "ns_limit_ms": max(ns),
+            "ns_limit_cpu_ms": max(ns_cpu),
+            "comm_stats_rank0": own,
+            "comm_stats_matches_profiler": prof_ok,
+        }
+    return out
+
+
+# ------------------------------------------------------------------ tables and plot
+
+
+def _fmt_range(st: dict[str, float]) -> str:
+    return f"{st['median']:.1f} [{st['min']:.1f}, {st['max']:.1f}]"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "n/a" if not (a == 0 and b == 0) else "—"
+    return f"{a / b:.2f}x"
+
+
+def _coll(res: dict[str, Any], ph: str) -> str:
+    c = res["collectives"][ph]
+    return f"{c['calls']:g} / {c['bytes'] / MIB:.1f}"
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The two tables (and the run's settings) as Markdown."""
+    cfg, systems = results["config"], results["systems"]
+    mp = " with a bf16 MixedPrecisionPolicy (fp32 reduce)" if cfg.get("mp") == "bf16" else ""
+    ok = {n: s for n, s in systems.items() if s["status"] == "ok"}
+    exact_ref = next((s["exactness"]["reference"] for s in ok.values() if s.get("exactness")),
+                     MUON_REFERENCE)
+
+    def med(name: str, ph: str) -> float | None:
+        return ok[name]["phases"][ph]["wall_ms"]["median"] if name in ok else None
+
+    def fb(name: str) -> float | None:
+        return None if name not in ok else med(name, "forward") + med(name, "backward")
+
+    def total_bytes(name: str) -> float | None:
+        return None if name not in ok else sum(ok[name]["collectives"][p]["bytes"] for p in PHASES)
+
+    def mem(name: str) -> float | None:
+        return ok[name]["memory"]["peak_mib"] if name in ok else None
+
+    peers = [med(n, "step") for n in ("fsdp2_dist_muon", "fsdp2_muon_fsdp2") if n in ok]
+    best_peer = min(peers) if peers else None
+    lines = [
+        f"MatrixFSDP benchmark: {cfg['world_size']} ranks on {results['device']} "
+        f"({cfg['backend']}), GPT {cfg['layers']} layers, d_model {cfg['d_model']}, "
+        f"{cfg['heads']} heads, MLP {cfg['mlp']}, seq {cfg['seq']}, batch {cfg['batch']}/rank, "
+        f"{cfg['dtype']}{mp}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps "
+        f"(+1 profiled); torch {results['torch']}.",
+        "",
+        "Times: wall ms, median [min, max] over timed steps x ranks; each phase starts after a "
+        "barrier; total includes the barriers between phases. CPU ms: median process CPU time "
+        "fwd/bwd/step. Collectives: calls / MiB per rank (mean over ranks), one profiled "
+        "step, payload rule in the harness docstring. Peak: MiB, max over ranks. "
+        f"max|Δ|: max abs parameter difference vs {exact_ref} (bound {EXACT_BOUND:g}).",
+        "",
+        "| system | fwd ms | bwd ms | step ms | total ms | CPU ms f/b/s | coll fwd | coll bwd "
+        "| coll step | peak MiB | fwd+bwd vs adamw | bytes vs adamw | mem vs adamw "
+        "| step vs torch_muon | step vs best(dist_muon, muon_fsdp2) | max abs Δ |",
+        "|" + "---|" * 16,
+    ]
+    for name, s in systems.items():
+        if s["status"] != "ok":
+            err = s["error"].splitlines()[0].replace("|", "\\|") if s.get("error") else ""
+            lines.append(f"| {name} | does not run here: {err[:300]} |" + " |" * 14)
+            continue
+        ph = s["phases"]
+        cpu = "/".join(f"{ph[p]['cpu_ms']['median']:.0f}" for p in PHASES)
+        ex = s.get("exactness")
+        exs = "—" if ex is None else (f"{ex['max_abs_diff']:.1e} "
+                                      + ("ok" if ex["ok"] else "**FAIL**"))
+        lines.append(
+            f"| {name} | {_fmt_range(ph['forward']['wall_ms'])} | {_fmt_range(ph['backward']['wall_ms'])} "
+            f"| {_fmt_range(ph['step']['wall_ms'])} | {_fmt_range(ph['total']['wall_ms'])} | {cpu} "
+            f"| {_coll(s, 'forward')} | {_coll(s, 'backward')} | {_coll(s, 'step')} "
+            f"| {s['memory']['peak_mib']:.1f} | {_ratio(fb(name), fb(BASELINE))} "
+            f"| {_ratio(total_bytes(name), total_bytes(BASELINE))} | {_ratio(mem(name), mem(BASELINE))} "
+            f"| {_ratio(med(name, 'step'), med(MUON_REFERENCE, 'step'))} "
+            f"| {_ratio(med(name, 'step'), best_peer)} | {exs} |")
+    m = ok.get("matrixfsdp", {}).get("matrixfsdp")
+    if m:
+        step = med("matrixfsdp", "step")
+        cpu = m["step_cpu_ms_per_rank"]
+        lines += [
+            "",
+            "MatrixFSDP plan balance. NS cost = Newton-Schulz FLOPs per rank. ns_limit = max over "
+            "ranks of the median time of bf16 NS alone on the matrices a rank owns (all ranks at "
+            "once; wall ms and process CPU ms): the floor of an owner-computes step here. "
+            "The CPU-time ratio is the robust one on a shared machine.",
+            "",
+            "| NS-cost imbalance (max/mean) | best possible | step CPU ms per rank | "
+            "step CPU spread (max/min) | ns_limit wall ms | ns_limit CPU ms | step wall ms "
+            "| step wall / ns_limit wall | max step CPU / ns_limit CPU | comm_stats = profiler |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {m['imbalance']:.3f} | {m['imbalance_bound']:.3f} "
+            f"| {', '.join(f'{c:.0f}' for c in cpu)} | {m['step_cpu_spread']:.2f} "
+            f"| {m['ns_limit_ms']:.1f} | {m['ns_limit_cpu_ms']:.1f} | {step:.1f} "
+            f"| {_ratio(step, m['ns_limit_ms'])} | {_ratio(max(cpu), m['ns_limit_cpu_ms'])} "
+            f"| {'yes' if m['comm_stats_matches_profiler'] else 'NO'} |",
+        ]
+    failed = [n for n, s in ok.items() if s.get("exactness") and not s["exactness"]["ok"]]
+    if failed:
+        lines += ["", f"**Exactness check failed** (max abs diff > {EXACT_BOUND:g}): "
+                  + ", ".join(failed)]
+    return "\n".join(lines) + "\n"
+
+
+def plot_phases(results: dict[str, Any], path: str) -> bool:
+    """Stacked bars of the forward/backward/step median wall ms; False if no matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed: phases.png skipped", stacklevel=2)
+        return False
+    ok = {n: s for n, s in results["systems"].items() if s["status"] == "ok"}
+    fig, ax = plt.subplots(figsize=(1.6 * max(len(ok), 2) + 2, 4.5))
+    bottom = [0.0] * len(ok)
+    for ph, color in zip(PHASES, ("#4C72B0", "#DD8452", "#55A868")):
+        vals = [s["phases"][ph]["wall_ms"]["median"] for s in ok.values()]
+        ax.bar(list(ok), vals, bottom=bottom, label=ph, color=color)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    cfg = results["config"]
+    ax.set_ylabel("median wall time per step (ms)")
+    ax.set_title(f"{cfg['world_size']} ranks, {results['device']}, GPT {cfg['layers']}x"
+                 f"{cfg['d_model']}, batch {cfg['batch']}x{cfg['seq']}/rank")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=20, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_results(results: dict[str, Any], out: str) -> str:
+    """Write ``results.json``, ``results.md`` and ``phases.png`` (if matplotlib is there)
+    into directory ``out``; returns the Markdown."""
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    md = render_markdown(results)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(md)
+    plot_phases(results, os.path.join(out, "phases.png"))
+    return md
