@@ -183,7 +183,11 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; write ``results.json``, ``results.md``, ``phases.png`` into
-    ``--out`` and print the table. Returns 0, or 1 if a rank crashed outside a system."""
+    ``--out`` and print the table. Returns 0, or 1 if a rank crashed outside a system.
+    With ``--link``: the step-time-against-link-speed sweep of :mod:`.link` instead."""
+    if any(a == "--link" or a.startswith("--link=") for a in (argv or [])):
+        from .link import main as link_main
+        return link_main(argv)
     cfg = parse_args(argv)
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.device_type == "cpu":
