@@ -94,12 +94,18 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _refuse_state_dict(module: nn.Module, *args, **kwargs) -> None:
+    # Kept refusing (rather than returning RowShards, as FSDP2 returns DTensors): callers of
+    # state_dict() (torch.save, save_pretrained, EMA copies, load_state_dict into another
+    # model) expect full tensors they can compute with; each rank holds no such tensor, and
+    # the optimizer needs matrixfsdp.get_state_dict anyway. See docs/checkpoint.md.
     raise RuntimeError(
         f"matrixfsdp: state_dict()/load_state_dict() on the sharded {type(module).__name__} would "
         "hold this rank's local shards under the full parameter names (torch.distributed."
         "checkpoint would keep one rank's rows, save_pretrained a broken file). Use "
         "matrixfsdp.full_state_dict(model) / matrixfsdp.load_full_state_dict(model, state) "
-        "(full tensors by name, on every rank) instead")
+        "(full tensors by name, on every rank), or for torch.distributed.checkpoint "
+        "matrixfsdp.get_state_dict(model, optimizer) / matrixfsdp.set_state_dict (each rank's "
+        "pieces with their place in the full tensors; loads at any world size)")
 
 
 class Root:
@@ -625,8 +631,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     module._mf_unit = unit
     for mod, attr, _ in _owned_params(module, ""):
         mod._parameters[attr]._mf_pending = unit
-    module.register_forward_pre_hook(unit._pre_forward, with_kwargs=True)
-    module.register_forward_hook(unit._post_forward, with_kwargs=True)
+    # Under ``module.compile()`` / ``torch.compile(module)`` the hooks run eagerly, as
+    # FSDP2's do: the compiled graph is the module's forward alone, one per block, and the
+    # gathers, parameter swaps and autograd bookkeeping stay plain Python (docs/compile.md).
+    module.register_forward_pre_hook(torch.compiler.disable(unit._pre_forward), with_kwargs=True)
+    module.register_forward_hook(torch.compiler.disable(unit._post_forward), with_kwargs=True)
     _PENDING.append(weakref.ref(unit))
     return module
 
