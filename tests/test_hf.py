@@ -136,6 +136,8 @@ def test_transformers_model_matches_torch(name, tmp_path):
     assert ours["step_collectives"] == 0
     assert ours["muon"] == sorted(n for n, p in plain.named_parameters() if is_muon(n, p))
     assert set(ours["params"]) == set(ref), set(ours["params"]) ^ set(ref)
+    worst = max((ours["params"][n] - p).abs().max().item() for n, p in ref.items())
+    print(f"{name}: {world_size} ranks, max |diff| vs torch {worst:.2e}")
     for n, p in ref.items():
         if case.get("bf16"):
             assert torch.equal(ours["params"][n], p), f"{n}: {(ours['params'][n] - p).abs().max()}"

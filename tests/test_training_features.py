@@ -160,6 +160,8 @@ def test_matches_torch(name, tmp_path):
     spawn(_worker, world_size, case, out)
     ours, ref = torch.load(out), reference(case, world_size)
     assert list(ours) == list(ref), "names differ from the plain model's"
+    worst = max((ours[n] - p).abs().max().item() for n, p in ref.items())
+    print(f"{name}: {world_size} ranks, max |diff| vs torch {worst:.2e}")
     for n, p in ref.items():
         torch.testing.assert_close(ours[n], p, rtol=1e-6, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
     if case.get("frozen"):
