@@ -5,10 +5,19 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checkpoint import full_state_dict, load_full_state_dict
+from .checkpoint import (
+    full_state_dict,
+    get_state_dict,
+    latest_checkpoint,
+    load_full_state_dict,
+    save_checkpoint,
+    set_state_dict,
+)
 from .clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
+from .dcp import RowShard
 from .hf import shard_model
 from .init import init_weights
+from .interop import load_full_checkpoint, save_pretrained
 from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .plan import Plan, format_report, make_plan
 from .runtime import (
@@ -23,6 +32,8 @@ __all__ = ["Muon", "Plan", "clip_grad_norm_", "comm_stats", "fully_shard", "full
            "load_full_state_dict", "make_plan", "muon_param_groups", "nonfinite_grad_names",
            "plan_of", "plan_report", "set_modules_to_backward_prefetch",
            "set_modules_to_forward_prefetch", "shard_model", "total_grad_norm", "zeropower_via_newtonschulz"]
+__all__ += ["RowShard", "get_state_dict", "latest_checkpoint", "load_full_checkpoint", "save_checkpoint",
+            "save_pretrained", "set_state_dict"]  # checkpoints (docs/checkpoint.md)
 __version__ = "0.1.0"
 
 

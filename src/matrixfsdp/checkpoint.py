@@ -1,12 +1,40 @@
-"""State dicts keyed by parameter name, as full (unsharded) tensors."""
+"""Checkpoints keyed by parameter name.
+
+* :func:`full_state_dict` / :func:`load_full_state_dict`: full tensors on every rank, for
+  plain files and Hugging Face (``matrixfsdp.save_pretrained``).
+* :func:`get_state_dict` / :func:`set_state_dict`: for ``torch.distributed.checkpoint``
+  (DCP). Values are :class:`~matrixfsdp.dcp.RowShard` s, each carrying its place in the full
+  tensor: every element is written once (a matrix and its momentum by the owner, row shards
+  and their AdamW moments by the rank holding them), and a load at another world size reads
+  the pieces this rank's new placement needs. The optimizer state is keyed by parameter
+  name, as in torch's ``get_state_dict``.
+* :func:`save_checkpoint` / :func:`latest_checkpoint`: a checkpoint directory is complete
+  or ignored (written under a temporary name, renamed by rank 0 once every rank is done).
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from .comm import gather_v
-from .runtime import get_root
+from .dcp import RowShard
+from .optim import PLAN_KEYS, Muon, _scalar_dtype
+from .plan import Placement
+from .runtime import Root, get_root
 
 
 @torch.no_grad()
@@ -67,3 +95,361 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     for name, buf in buffers.items():
         if name in state:
             buf.copy_(state[name])
+
+
+# ---- torch.distributed.checkpoint ---------------------------------------------------------
+# Optimizer state per parameter, by kind: what ``Muon._muon_step`` / ``_adamw_step`` keep.
+STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq")}
+
+
+@dataclass
+class _Entry:
+    name: str
+    tensor: torch.Tensor
+    module: nn.Module
+    attr: str
+    is_param: bool
+
+
+def _entries(model: nn.Module) -> list[_Entry]:
+    """What ``model.state_dict()`` holds, in its order: parameters (tied ones under every
+    name) and persistent buffers, walked as ``Module.state_dict`` walks them."""
+    out: list[_Entry] = []
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                out.append(_Entry(prefix + attr, p, mod, attr, True))
+        for attr, b in mod._buffers.items():
+            if b is not None and attr not in mod._non_persistent_buffers_set:
+                out.append(_Entry(prefix + attr, b, mod, attr, False))
+        for name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.")
+    visit(model, "")
+    return out
+
+
+def _placement(p: torch.Tensor, name: str) -> Placement:
+    pl = getattr(p, "_mf_placement", None)
+    if pl is None:
+        raise ValueError(f"matrixfsdp: parameter '{name}' is not a MatrixFSDP shard (a state dict "
+                         "is taken between steps, with the model planned by fully_shard)")
+    return pl
+
+
+def get_state_dict(model: nn.Module, optimizer: Muon | None = None) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` for ``torch.distributed.checkpoint``, keyed by name.
+
+    * ``model``: every name of ``model.state_dict()`` (tied parameters under each name);
+      parameters as :class:`~matrixfsdp.dcp.RowShard` views of this rank's shards (the
+      fp32 masters under a mixed-precision policy), persistent buffers as the full tensors
+      every rank holds (replicated: DCP writes one copy).
+    * ``optim`` (if ``optimizer`` is given), shaped like torch's ``get_state_dict``:
+      ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``. Muon
+      parameters hold ``momentum_buffer``, placed like the matrix (written by its owner);
+      AdamW ones ``exp_avg`` / ``exp_avg_sq`` placed like the rows, and ``step``, a 0-d
+      tensor equal on every rank holding rows (replicated). Frozen parameters have no state.
+      State the optimizer lacks is created first (``Muon.init_state``: zeros, as the first
+      step would create them), so a fresh optimizer can be loaded into.
+
+    Values view the live tensors: ``dcp.load(state, checkpoint_id=...)`` writes into the
+    model and the optimizer in place, from a checkpoint saved at any world size; then call
+    :func:`set_state_dict` (it restores the hyperparameters and checks every placement).
+    No communication.
+    """
+    root = get_root(model)
+    shards: dict[int, RowShard] = {}
+    state: dict[str, Any] = {}
+    for e in _entries(model):
+        if e.is_param:
+            if id(e.tensor) not in shards:
+                shards[id(e.tensor)] = RowShard.of(e.tensor, _placement(e.tensor, e.name), root.rank)
+            state[e.name] = shards[id(e.tensor)]
+        else:
+            state[e.name] = e.tensor.detach()
+    out: dict[str, Any] = {"model": state}
+    if optimizer is not None:
+        out["optim"] = _optim_state(optimizer, root)
+    return out
+
+
+def _optim_state(optimizer: Muon, root: Root) -> dict[str, Any]:
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"matrixfsdp.get_state_dict: expected a matrixfsdp.Muon, got "
+                        f"{type(optimizer).__name__}")
+    optimizer.init_state()
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        names = []
+        for p in group["params"]:
+            pl = _placement(p, f"of shape {tuple(p.shape)}")
+            name = pl.spec.name
+            names.append(name)
+            if not p.requires_grad or not pl.spec.numel:
+                continue  # frozen, or empty: no state anywhere
+            held = optimizer.state.get(p, {})
+            entry: dict[str, Any] = {}
+            for key in STATE_KEYS[bool(group["use_muon"])]:
+                t = held.get(key)
+                if key == "step":
+                    if t is not None:  # only where this rank holds rows
+                        entry[key] = t
+                    continue
+                if t is None:  # this rank holds no element of it (init_state made the rest)
+                    t = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+                entry[key] = RowShard.of(t, pl, root.rank)
+            state[name] = entry
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+    return {"state": state, "param_groups": groups}
+
+
+def _local_rows(value: Any, pl: Placement, rank: int, what: str) -> torch.Tensor:
+    """This rank's piece of ``value`` (a RowShard of this placement, or a full tensor)."""
+    spec = pl.spec
+    shape = pl.local_shape(rank)
+    if isinstance(value, RowShard):
+        start = pl.row_ranges[rank][0]
+        want = (start, *[0] * (len(spec.shape) - 1)) if spec.shape else ()
+        if tuple(value.shape) != spec.shape or tuple(value.local.shape) != tuple(shape) or \
+                (math.prod(shape) and value.offsets != want):
+            raise ValueError(
+                f"matrixfsdp.set_state_dict: {what} holds rows {value.offsets[:1]} +"
+                f"{tuple(value.local.shape)} of {tuple(value.shape)}, but rank {rank} holds "
+                f"{shape} at row {start} of {spec.shape}: the state was made for another placement. "
+                "Build it with matrixfsdp.get_state_dict on this model, then dcp.load into it")
+        return value.local
+    if isinstance(value, torch.Tensor):
+        if tuple(value.shape) != spec.shape:
+            raise ValueError(f"matrixfsdp.set_state_dict: {what} has shape {tuple(value.shape)}, "
+                             f"the model {spec.shape}")
+        if not spec.shape:
+            return value if pl.local_rows(rank) else value.new_empty(shape)
+        start, stop = pl.row_ranges[rank]
+        return value.reshape(spec.rows, spec.row_numel)[start:stop].view(shape)
+    raise TypeError(f"matrixfsdp.set_state_dict: {what} is a {type(value).__name__}, not a tensor")
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, skipped where ``src`` already is ``dst`` (loaded in place)."""
+    if src.numel() and dst.data_ptr() == src.data_ptr() and dst.shape == src.shape \
+            and dst.dtype == src.dtype and dst.stride() == src.stride():
+        return
+    dst.copy_(src)
+
+
+@torch.no_grad()
+def set_state_dict(model: nn.Module, optimizer: Muon | None, state: dict[str, Any], *,
+                   strict: bool = True) -> None:
+    """Load ``state`` (``{"model": ..., "optim": ...}``) into the model and the optimizer.
+
+    Values may be the :class:`~matrixfsdp.dcp.RowShard` s of :func:`get_state_dict` on this
+    model (typically after ``dcp.load`` filled them; where they view the live tensors nothing
+    is copied) or full tensors (as in ``torch.load`` of a file written by
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``): each rank keeps its
+    rows. The optimizer's hyperparameters (lr, betas, ...) are restored from ``param_groups``,
+    matched to this optimizer's groups by parameter name; state is set where this rank holds
+    elements (momentum on the owner only) and dropped elsewhere. ``strict``: every name of
+    ``model.state_dict()`` must be in ``state["model"]`` and nothing else. No communication.
+
+    Raises ``ValueError`` naming the parameter on a missing or unexpected name, a shape, a
+    placement made for another world size, or parameter groups that differ.
+    """
+    root = get_root(model)
+    if "model" not in state:
+        raise ValueError("matrixfsdp.set_state_dict: the state has no 'model' entry")
+    _load_model(model, root, state["model"], strict)
+    if optimizer is not None:
+        if "optim" not in state:
+            raise ValueError("matrixfsdp.set_state_dict: the state has no 'optim' entry")
+        _load_optim(optimizer, root, state["optim"])
+
+
+def _load_model(model: nn.Module, root: Root, sd: dict[str, Any], strict: bool) -> None:
+    entries = _entries(model)
+    names = {e.name for e in entries}
+    missing = [e.name for e in entries if e.name not in sd]
+    unexpected = [k for k in sd if k not in names]
+    if strict and (missing or unexpected):
+        raise ValueError(f"matrixfsdp.set_state_dict: missing names {missing[:5]}, unexpected names "
+                         f"{unexpected[:5]}" + (" (and more)" if len(missing) + len(unexpected) > 10 else ""))
+    loaded: set[int] = set()
+    for e in entries:
+        if e.name not in sd:
+            continue
+        value = sd[e.name]
+        if e.is_param:
+            src = _local_rows(value, _placement(e.tensor, e.name), root.rank, f"parameter '{e.name}'")
+            _copy(e.tensor, src)
+            loaded.add(id(e.tensor))
+        elif e.tensor.is_meta:  # a model built on meta: the buffer gets the loaded tensor
+            e.module._buffers[e.attr] = value.detach().to(e.tensor.dtype).clone()
+        else:
+            if tuple(value.shape) != tuple(e.tensor.shape):
+                raise ValueError(f"matrixfsdp.set_state_dict: buffer '{e.name}' has shape "
+                                 f"{tuple(value.shape)}, the model {tuple(e.tensor.shape)}")
+            _copy(e.tensor, value)
+    if all(id(p) in loaded for u in root.units for p in u.sharded):
+        for u in root.units:  # a model built on meta is initialised now
+            u.needs_init = False
+
+
+def _load_optim(optimizer: Muon, root: Root, osd: dict[str, Any]) -> None:
+    if not isinstance(optimizer, Muon):
+        raise TypeError(f"matrixfsdp.set_state_dict: expected a matrixfsdp.Muon, got "
+                        f"{type(optimizer).__name__}")
+    where: dict[str, tuple[dict, torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            where[_placement(p, f"of shape {tuple(p.shape)}").spec.name] = (group, p)
+    saved_groups = osd["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"matrixfsdp.set_state_dict: the state has {len(saved_groups)} parameter "
+                         f"groups, the optimizer {len(optimizer.param_groups)}")
+    updates = []
+    for i, saved in enumerate(saved_groups):
+        names = list(saved["params"])
+        unknown = [n for n in names if n not in where]
+        if unknown:
+            raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} of the state holds "
+                             f"'{unknown[0]}', which the optimizer does not hold")
+        group = where[names[0]][0] if names else optimizer.param_groups[i]
+        here = [_placement(p, "").spec.name for p in group["params"]]
+        if set(here) != set(names) or len(here) != len(names):
+            other = sorted(set(here) ^ set(names))
+            raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} differs from the "
+                             f"optimizer's (e.g. '{other[0] if other else names[0]}')")
+        if bool(saved.get("use_muon", group["use_muon"])) != bool(group["use_muon"]):
+            raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} has use_muon="
+                             f"{saved['use_muon']} in the state, {group['use_muon']} here")
+        updates.append((group, {k: v for k, v in saved.items() if k != "params" and k not in PLAN_KEYS}))
+    unknown = [n for n in osd["state"] if n not in where]
+    if unknown:
+        raise ValueError(f"matrixfsdp.set_state_dict: the optimizer state holds '{unknown[0]}', "
+                         "which the optimizer does not hold")
+    for group, hyper in updates:
+        group.update(hyper)
+    for name, (group, p) in where.items():
+        saved = osd["state"].get(name)
+        held = optimizer.state.get(p, {})
+        if not saved or not p.numel():
+            optimizer.state.pop(p, None)  # nothing saved, or this rank holds none of it
+            continue
+        new: dict[str, Any] = {}
+        for key, value in saved.items():
+            old = held.get(key)
+            if key == "step":
+                step = torch.as_tensor(value).detach()
+                if old is not None and old.shape == step.shape:
+                    _copy(old, step)
+                    new[key] = old
+                else:
+                    new[key] = (step.to(torch.float32, device=p.device) if group.get("fused")
+                                else step.to(_scalar_dtype(), copy=True))
+                continue
+            src = _local_rows(value, p._mf_placement, root.rank, f"optimizer state '{key}' of '{name}'")
+            if old is not None and old.shape == src.shape and old.dtype == p.dtype:
+                _copy(old, src)
+                new[key] = old
+            else:
+                new[key] = src.to(dtype=p.dtype, device=p.device, copy=True)
+        optimizer.state[p] = new
+
+
+# ---- complete-or-ignored checkpoint directories ---------------------------------------------
+COMPLETE = "COMPLETE"  # marker file rank 0 writes into a checkpoint directory before renaming it
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+def checkpoint_dir(root: str | os.PathLike, step: int) -> Path:
+    """``root/step_00000042``: where :func:`save_checkpoint` puts step 42 by convention."""
+    return Path(root) / f"step_{step:08d}"
+
+
+@dataclass
+class SavedCheckpoint:
+    path: Path
+    seconds: float  # wall time of the save on this rank, commit included
+    bytes: int  # bytes written by all ranks (files in the directory)
+
+
+def _barrier(group) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_group=None,
+                    before_commit: Callable[[], None] | None = None) -> SavedCheckpoint:
+    """``dcp.save(state)`` into directory ``path`` so that ``path`` is complete or absent.
+
+    Every rank writes into ``.<name>.partial`` next to ``path``; after a barrier (every rank
+    done; DCP's metadata written by the coordinator), rank 0 adds the ``COMPLETE`` marker,
+    renames the directory to ``path`` (replacing an older one of that name) and syncs. A crash
+    at any point leaves ``path`` as it was and a ``.partial`` directory that
+    :func:`latest_checkpoint` ignores and the next save of that name removes. A collective:
+    every rank of ``process_group`` (default: the world) calls it. ``before_commit`` runs on
+    every rank between the write and the commit (tests kill a rank there).
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.partial")
+    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
+    t0 = time.perf_counter()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this name that died before its commit
+        tmp.mkdir(parents=True)
+    _barrier(process_group)
+    dcp.save(state, checkpoint_id=str(tmp), process_group=process_group)
+    if before_commit is not None:
+        before_commit()
+    _barrier(process_group)
+    info = [0]
+    if rank == 0:
+        info[0] = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
+        world = dist.get_world_size(process_group) if dist.is_initialized() else 1
+        marker = tmp / COMPLETE
+        with open(marker, "w") as f:
+            json.dump({"world_size": world, "bytes": info[0], "seconds": time.perf_counter() - t0,
+                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    if dist.is_initialized():
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        dist.broadcast_object_list(info, src=src, group=process_group)
+    return SavedCheckpoint(path, time.perf_counter() - t0, int(info[0]))
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a checkpoint :func:`save_checkpoint` finished (marker and DCP
+    metadata present)."""
+    path = Path(path)
+    return (path / COMPLETE).is_file() and (path / ".metadata").is_file()
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The complete ``root/step_N`` with the largest N (``root`` itself if it is a complete
+    checkpoint), or None. Directories without the marker (a save that died) are ignored."""
+    root = Path(root)
+    if is_complete(root):
+        return root
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), d) for d in root.iterdir()
+             if (m := _STEP_DIR.fullmatch(d.name)) and is_complete(d)]
+    return max(found)[1] if found else None

@@ -307,6 +307,57 @@ def _all_gather_floats(values: list[float], device: torch.device) -> list[list[f
     return [o.tolist() for o in out]
 
 
+# ---- checkpoints (--save-every, --resume) -----------------------------------------------------
+STALL_SAVE_ENV = "MATRIXFSDP_TEST_STALL_SAVE"  # test only: the last rank stalls in the save of step N
+
+
+def _checkpoint_root(args) -> Path:
+    return Path(args.out) / "checkpoints"
+
+
+def _train_state(model, opt, sched, meta: dict) -> dict:
+    """What a `train` checkpoint holds: model and optimizer by name (DCP, any world size),
+    the lr schedule, and the run's history as a JSON string (step, losses, norms, skips)."""
+    import matrixfsdp as mf
+    return {**mf.get_state_dict(model, opt), "sched": sched.state_dict(), "train": json.dumps(meta)}
+
+
+def _resume(args, model, opt, sched) -> tuple[int, dict, Path | None]:
+    """Load the latest complete checkpoint under ``--resume`` (default: <out>/checkpoints):
+    (step to start at, history, checkpoint). Saved at any world size; none found: step 0."""
+    import torch.distributed.checkpoint as dcp
+
+    import matrixfsdp as mf
+    where = Path(args.resume) if args.resume else _checkpoint_root(args)
+    found = mf.latest_checkpoint(where)
+    if found is None:
+        if dist.get_rank() == 0:
+            print(f"--resume: no complete checkpoint in {where}; starting from step 0")
+        return 0, {}, None
+    state = _train_state(model, opt, sched, {})
+    dcp.load(state, checkpoint_id=str(found))
+    mf.set_state_dict(model, opt, state)
+    sched.load_state_dict(state["sched"])
+    meta = json.loads(state["train"])
+    if dist.get_rank() == 0:
+        print(f"resumed from {found} (step {meta['step']}, saved at {meta.get('world_size')} ranks; "
+              f"now {dist.get_world_size()})")
+    return int(meta["step"]), meta, found
+
+
+def _save(args, model, opt, sched, meta: dict):
+    import matrixfsdp as mf
+    step = meta["step"]
+    stall = None
+    if os.environ.get(STALL_SAVE_ENV) == str(step) and dist.get_rank() == dist.get_world_size() - 1:
+        def stall() -> None:  # data written, not committed: the test kills this rank here
+            (Path(args.out) / "stalled_rank.pid").write_text(str(os.getpid()))
+            time.sleep(600)
+    return mf.save_checkpoint(_train_state(model, opt, sched, meta),
+                              mf.checkpoint.checkpoint_dir(_checkpoint_root(args), step),
+                              before_commit=stall)
+
+
 def _train(args) -> None:
     import matrixfsdp as mf
 
@@ -331,9 +382,20 @@ def _train(args) -> None:
               f"{sum(pl.spec.numel for pl in plan.placements.values()) / 1e6:.2f}M parameters\n")
 
     from tqdm import tqdm
-    bar = tqdm(range(args.steps), disable=rank != 0, unit="step", file=sys.stdout)
     losses, step_ms, tok_s, step_bytes, norms, skipped = [], [], [], [], [], []
     rss_steps, rss = [], []
+    resume = getattr(args, "resume", None)
+    start, history, resumed = _resume(args, model, opt, sched) if resume is not None else (0, {}, None)
+    losses += history.get("losses", [])
+    norms += history.get("norms", [])
+    skipped += history.get("skipped", [])
+    saves = []
+    if start >= args.steps:
+        if rank == 0:
+            print(f"the checkpoint is at step {start}, --steps is {args.steps}: nothing to train")
+        return
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=rank != 0, unit="step",
+               file=sys.stdout)
     for step in bar:
         stats.reset()
         t0 = time.perf_counter()
@@ -371,6 +433,13 @@ def _train(args) -> None:
         if args.rss_every and (step + 1) % args.rss_every == 0:
             rss_steps.append(step + 1)
             rss.append(_rss_mib())
+        every = getattr(args, "save_every", 0)
+        if every and ((step + 1) % every == 0 or step + 1 == args.steps):
+            saves.append(_save(args, model, opt, sched, {
+                "step": step + 1, "world_size": world, "losses": losses, "norms": norms, "skipped": skipped}))
+            if rank == 0:
+                bar.write(f"checkpoint {saves[-1].path}: {saves[-1].bytes / 2**20:.2f} MiB in "
+                          f"{saves[-1].seconds:.2f} s")
 
     with torch.no_grad():
         x = batch_at(corpus, 0, rank, world, args.batch, args.seq, args.seed, "val").to(device)
@@ -399,6 +468,12 @@ def _train(args) -> None:
             summary["skipped_steps"] = skipped
         if rss_all is not None:
             summary["rss_mib"] = {"steps": rss_steps, "per_rank": rss_all}
+        if resumed is not None:
+            summary["resumed_from"] = {"path": str(resumed), "step": start,
+                                       "world_size": history.get("world_size")}
+        if saves:
+            summary["checkpoints"] = [{"path": str(c.path), "seconds": c.seconds, "bytes": c.bytes}
+                                      for c in saves]
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(_finite_or_none(summary), indent=2, allow_nan=False))
@@ -479,6 +554,8 @@ def _validate_train(tr: argparse.ArgumentParser, args) -> None:
         problem = writable_dir_error(args.out)
         if problem:
             tr.error(problem)
+    if getattr(args, "resume", None) and not Path(args.resume).is_dir():
+        tr.error(f"--resume {args.resume}: no such directory")
 
 
 def _bench_out_error(rest: list[str]) -> str | None:
@@ -529,6 +606,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="process-group timeout: a collective waiting longer fails "
                          f"(default {DEFAULT_TIMEOUT_S:.0f})")
     tr.add_argument("--out", default="runs/train")
+    tr.add_argument("--save-every", type=_int_at_least(0), default=0, metavar="N",
+                    help="save a checkpoint (torch.distributed.checkpoint, by parameter name) every N "
+                         "steps and at the last step, into <out>/checkpoints/step_<N>; a directory is "
+                         "complete or ignored")
+    tr.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                    help="continue from the latest complete checkpoint in DIR (default "
+                         "<out>/checkpoints), saved at any --ranks; none there: start at step 0")
     tr.add_argument("--rss-every", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
     pl = sub.add_parser("plan", help="plan a known model on the meta device")
     from matrixfsdp.models import PRESETS

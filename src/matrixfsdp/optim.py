@@ -247,11 +247,9 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             fused = group.get("fused")
             for p in group["params"]:
-                state = self.state[p]
-                if not p.requires_grad or not p.numel() or state:
-                    if not state:
-                        self.state.pop(p, None)
+                if not p.requires_grad or not p.numel() or self.state.get(p):
                     continue
+                state = self.state[p]
                 if group["use_muon"]:
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 else:

@@ -1,0 +1,90 @@
+"""`matrixfsdp train --save-every N --resume [DIR]`: a rank killed in the middle of a save
+leaves the previous checkpoint as the latest complete one; resuming from it loses nothing
+(same ranks: the losses of the killed run again, bit for bit) and works at other --ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+import torch.distributed.checkpoint as dcp
+
+import matrixfsdp as mf
+from matrixfsdp.checkpoint import COMPLETE, is_complete
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("signals and /proc", allow_module_level=True)
+
+TRAIN = [sys.executable, "-m", "matrixfsdp.cli", "train", "--layers", "1", "--d-model", "32",
+         "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2", "--steps", "4",
+         "--save-every", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _train(out, ranks: int, *extra: str) -> subprocess.CompletedProcess:
+    run = subprocess.run([*TRAIN, "--ranks", str(ranks), "--out", str(out), *extra], env=ENV,
+                         capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def test_rank_killed_mid_save_then_resume_loses_nothing(tmp_path):
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    # 1. the last rank stalls in the save of step 4 after writing its data, before the commit
+    crash = subprocess.Popen([*TRAIN, "--ranks", "2", "--out", str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             env={**ENV, "MATRIXFSDP_TEST_STALL_SAVE": "4"})
+    pid_file = out / "stalled_rank.pid"
+    deadline = time.monotonic() + 180
+    while not pid_file.exists():
+        if crash.poll() is not None or time.monotonic() > deadline:
+            os.killpg(crash.pid, signal.SIGKILL)
+            pytest.fail(f"no rank stalled in the save: {crash.communicate()[1][-3000:]}")
+        time.sleep(0.2)
+    time.sleep(0.3)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    try:
+        _, err = crash.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(crash.pid, signal.SIGKILL)
+        raise
+    assert crash.returncode != 0 and "killed by signal SIGKILL" in err, err[-2000:]
+
+    partial = ckpts / ".step_00000004.partial"
+    assert is_complete(ckpts / "step_00000002")
+    assert not (ckpts / "step_00000004").exists()
+    assert (partial / ".metadata").is_file() and not (partial / COMPLETE).exists()
+    assert mf.latest_checkpoint(ckpts) == ckpts / "step_00000002"
+    # what the killed run had reached: its step-4 data, written but never committed
+    reached = {"train": ""}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(reached, checkpoint_id=str(partial), no_dist=True)
+    killed_losses = json.loads(reached["train"])["losses"]
+    assert len(killed_losses) == 4
+
+    # 2. resume at the same ranks: from step 2, and steps 3-4 give the killed run's losses exactly
+    run = _train(out, 2, "--resume")
+    assert f"resumed from {ckpts / 'step_00000002'} (step 2" in run.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["losses"] == killed_losses
+    assert summary["resumed_from"]["step"] == 2
+    assert is_complete(ckpts / "step_00000004") and not partial.exists()
+    assert [c["path"] for c in summary["checkpoints"]] == [str(ckpts / "step_00000004")]
+    assert summary["checkpoints"][0]["bytes"] > 0
+
+    # 3. resume at other --ranks from that same step-2 checkpoint, named explicitly
+    other = tmp_path / "other"
+    run = _train(other, 3, "--resume", str(ckpts / "step_00000002"))
+    assert "saved at 2 ranks; now 3" in run.stdout
+    summary = json.loads((other / "summary.json").read_text())
+    assert summary["ranks"] == 3 and len(summary["losses"]) == 4
+    assert summary["losses"][:2] == killed_losses[:2]
+    assert is_complete(other / "checkpoints" / "step_00000004")
