@@ -28,12 +28,12 @@ from .runtime import (
     set_modules_to_forward_prefetch,
 )
 
-__all__ = ["Muon", "Plan", "clip_grad_norm_", "comm_stats", "fully_shard", "full_state_dict", "init_weights",
-           "load_full_state_dict", "make_plan", "muon_param_groups", "nonfinite_grad_names",
-           "plan_of", "plan_report", "set_modules_to_backward_prefetch",
-           "set_modules_to_forward_prefetch", "shard_model", "total_grad_norm", "zeropower_via_newtonschulz"]
-__all__ += ["RowShard", "get_state_dict", "latest_checkpoint", "load_full_checkpoint", "save_checkpoint",
-            "save_pretrained", "set_state_dict"]  # checkpoints (docs/checkpoint.md)
+__all__ = ["clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard", "get_state_dict",
+           "init_weights", "latest_checkpoint", "load_full_checkpoint", "load_full_state_dict",
+           "make_plan", "Muon", "muon_param_groups", "nonfinite_grad_names", "Plan", "plan_of",
+           "plan_report", "RowShard", "save_checkpoint", "save_pretrained",
+           "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch", "set_state_dict",
+           "shard_model", "total_grad_norm", "zeropower_via_newtonschulz"]
 __version__ = "0.1.0"
 
 
