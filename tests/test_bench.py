@@ -37,3 +37,14 @@ def test_the_cli_and_the_bench_do_not_import_each_other():
         code = f"import sys, {module}; assert {condition}, sorted(sys.modules)"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, f"importing {module}:\n{out.stderr[-2000:]}"
+
+
+def test_bench_link_sweep_runs(tmp_path):
+    """`matrixfsdp bench --link` writes its table and one row per link speed."""
+    rc = main(["--link", "0.1,1", "--ranks", "2", "--layers", "1", "--d-model", "32", "--heads", "2",
+               "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert rc == 0
+    result = json.loads((tmp_path / "link.json").read_text())
+    assert [r["gbps"] for r in result["rows"]] == [0.1, 1.0]
+    assert all(r["on_ms"] > 0 and r["off_ms"] > 0 for r in result["rows"])
+    assert (tmp_path / "link.md").exists()
