@@ -507,11 +507,15 @@ def _plan(args) -> None:
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(PRESETS[args.model])
-    plan = plan_module(model, list(model.layers), args.world_size)
+    if args.shard_size is not None and args.world_size % args.shard_size:
+        raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {args.world_size}")
+    plan = plan_module(model, list(model.layers), args.world_size, shard_size=args.shard_size)
     elapsed = time.perf_counter() - t0
     n = sum(p.numel() for p in model.parameters())
+    hsdp = (f" ({plan.replicas} replicas x {plan.shard_size} shard ranks, HSDP)"
+            if plan.replicas > 1 else "")
     print(f"{args.model}: {n / 1e9:.2f}B parameters, {len(model.layers)} blocks, planned on the "
-          f"meta device for {args.world_size} ranks in {elapsed:.2f} s\n")
+          f"meta device for {args.world_size} ranks{hsdp} in {elapsed:.2f} s\n")
     print(format_report(plan, max_rows=args.max_rows))
 
 
@@ -618,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     from matrixfsdp.models import PRESETS
     pl.add_argument("--model", choices=sorted(PRESETS), default="paper")
     pl.add_argument("--world-size", type=pos, default=8)
+    pl.add_argument("--shard-size", type=pos, default=None,
+                    help="HSDP: ranks per shard group (default: the world size, no replicas)")
     pl.add_argument("--max-rows", type=_int_at_least(1), default=16)
     bp = sub.add_parser("bench", help="benchmark against FSDP2 peers (see --help)", add_help=False)
     args, rest = ap.parse_known_args(argv)

@@ -13,6 +13,12 @@ every even parameter). So:
 * an expert stack ``(experts, m, n)`` is, like an even parameter, one contiguous range of
   whole experts per rank (dim-0 rows), so it is copied out the same way; where one rank
   holds all of its experts it is a view, like a 2-D matrix.
+
+Under HSDP the buffer is split over the shard group's ranks, and within each segment the
+pieces are grouped by what happens to them across replicas: first the *replicated* pieces
+(even parameters, experts: all-reduced across replicas), then the 2-D matrices stepped by
+replica 0, then those of replica 1, ...: each group is one contiguous run
+(``replica_runs``), so it crosses the replicate dimension in one collective.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ class UnitLayout:
     seg_sizes: list[int]
     seg_offsets: list[int]
     pieces: list[list[Piece]]  # per parameter, the non-empty pieces in rank order
+    # HSDP only: per shard rank, ``replicas + 1`` runs ``(start, numel)`` relative to its
+    # segment: the replicated pieces, then the matrices stepped by replica 0, 1, ...
+    replica_runs: list[list[tuple[int, int]]] | None = None
 
     @property
     def numel(self) -> int:
@@ -52,23 +61,40 @@ class UnitLayout:
 
     def local_pieces(self, rank: int) -> list[tuple[int, Piece]]:
         """(parameter index, piece) for the pieces rank holds, in segment order."""
-        return [(i, p) for i, ps in enumerate(self.pieces) for p in ps if p.rank == rank]
+        return sorted(((i, p) for i, ps in enumerate(self.pieces) for p in ps if p.rank == rank),
+                      key=lambda ip: ip[1].offset)
+
+    @property
+    def has_replica_owned(self) -> bool:
+        """HSDP: some rank of the shard group holds a matrix stepped by one replica only."""
+        return self.replica_runs is not None and any(
+            n for runs in self.replica_runs for _, n in runs[1:])
 
 
 def unit_layout(plan: Plan, unit: int) -> UnitLayout:
     placements = plan.unit_params(unit)
-    P = plan.world_size
+    P, R = plan.shard_size, plan.replicas
     pieces: list[list[Piece]] = [[] for _ in placements]
     seg_sizes, seg_offsets = [], []
+    runs: list[list[tuple[int, int]]] = []
     offset = 0
+    # Without replicas: parameter order. With: grouped by run (replicated, then replica i).
+    kind = [0 if pl.owner is None else 1 + pl.owner_replica for pl in placements]
+    order = sorted(range(len(placements)), key=lambda i: kind[i]) if R > 1 else \
+        range(len(placements))
     for r in range(P):
         seg_offsets.append(offset)
-        for i, pl in enumerate(placements):
+        run_sizes = [0] * (R + 1)
+        for i in order:
+            pl = placements[i]
             start, stop = pl.row_ranges[r]
             n = (stop - start) * pl.spec.row_numel
             if n:
                 pieces[i].append(Piece(r, offset, n, start, stop))
                 offset += n
+                run_sizes[kind[i]] += n
         seg_sizes.append(offset - seg_offsets[r])
+        starts = [sum(run_sizes[:k]) for k in range(R + 1)]
+        runs.append(list(zip(starts, run_sizes)))
     return UnitLayout([pl.spec.name for pl in placements], placements, seg_sizes,
-                      seg_offsets, pieces)
+                      seg_offsets, pieces, runs if R > 1 else None)

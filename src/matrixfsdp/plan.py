@@ -20,6 +20,14 @@ A parameter with a zero-size dimension (``(0, n)``, ``(m, 0)``) holds no element
 is nothing to orthogonalise, gather or reduce. It is never a Muon matrix, even where a
 ``muon_filter`` selects it (Muon on it would be a no-op, so the choice changes no number):
 it is planned as an even parameter whose shards are all empty.
+
+HSDP (``replicas x shard_size`` world ranks, docs/hsdp.md): storage is planned over the
+``shard_size`` ranks of a shard group, identically in every replica (``row_ranges`` has
+``shard_size`` entries), while each 2-D Muon matrix's ``owner`` is a *world* rank
+``replica * shard_size + shard_rank``: it is stored whole on shard rank ``owner %
+shard_size`` of every replica, and only replica ``owner // shard_size`` runs its NS. The
+owners are balanced over all world ranks, so NS work per rank is ~ total / world size.
+Expert stacks are planned over the shard group and run on every replica.
 """
 
 from __future__ import annotations
@@ -96,11 +104,12 @@ def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
 class Placement:
     """Where one parameter lives.
 
-    Muon matrices: ``owner`` is the rank holding it whole; ``row_ranges[r]`` is the whole
-    range on the owner and empty elsewhere. Expert stacks ``(experts, m, n)``: ``owner``
-    is None and ``row_ranges[r]`` is the contiguous range of whole experts rank r holds
-    (possibly empty). Even parameters: ``owner`` is None and ``row_ranges[r] = (start,
-    stop)`` is rank r's slice of dim 0.
+    Muon matrices: ``owner`` is the (world) rank running its NS; ``row_ranges[r]`` is the
+    whole range on shard rank ``owner % shard_size`` and empty elsewhere (without HSDP the
+    world is one shard group, so ``owner`` is simply the rank holding it whole). Expert
+    stacks ``(experts, m, n)``: ``owner`` is None and ``row_ranges[r]`` is the contiguous
+    range of whole experts shard rank r holds (possibly empty). Even parameters: ``owner``
+    is None and ``row_ranges[r] = (start, stop)`` is shard rank r's slice of dim 0.
     """
 
     spec: ParamSpec
@@ -118,16 +127,30 @@ class Placement:
             return () if self.local_rows(rank) else (0,)
         return (self.local_rows(rank), *self.spec.shape[1:])
 
+    @property
+    def owner_shard(self) -> int | None:
+        """The shard rank that stores this 2-D Muon matrix (None for other parameters)."""
+        return None if self.owner is None else self.owner % len(self.row_ranges)
+
+    @property
+    def owner_replica(self) -> int | None:
+        """The replica whose copy of this 2-D Muon matrix is stepped (HSDP; 0 without)."""
+        return None if self.owner is None else self.owner // len(self.row_ranges)
+
     def matrices_on(self, rank: int) -> int:
-        """How many whole Muon matrices ``rank`` holds of this parameter."""
+        """How many whole Muon matrices shard rank ``rank`` holds of this parameter."""
         if self.spec.is_experts:
             return self.local_rows(rank)
-        return int(self.spec.muon and self.owner == rank)
+        return int(self.spec.muon and self.owner_shard == rank)
 
 
 @dataclass
 class Plan:
-    """The single source of truth on where parameters live, for one world size."""
+    """The single source of truth on where parameters live, for one world size.
+
+    ``world_size`` counts all ranks (``replicas x shard_size`` under HSDP); ``rank_cost``
+    and ``rank_bytes`` are per world rank (NS FLOPs it runs, bytes it holds).
+    """
 
     world_size: int
     unit_names: list[str]
@@ -135,6 +158,12 @@ class Plan:
     ns_steps: int = 5
     rank_cost: list[int] = field(default_factory=list)
     rank_bytes: list[int] = field(default_factory=list)
+    replicas: int = 1
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks per shard group: the ranks a unit's flat buffer is split over."""
+        return self.world_size // self.replicas
 
     def unit_params(self, unit: int) -> list[Placement]:
         return [pl for pl in self.placements.values() if pl.spec.unit == unit]
@@ -147,11 +176,15 @@ class Plan:
 
     @property
     def lower_bound(self) -> float:
-        """No assignment of whole matrices can beat ``max(largest matrix, total / P)``."""
+        """No assignment of whole matrices can beat ``max(largest matrix, total / P)``
+        (under HSDP, expert NS runs on every replica: counted ``replicas`` times)."""
         costs = self.muon_costs
         if not costs:
             return 0.0
-        return max(max(costs), sum(costs) / self.world_size)
+        work = sum(ns_flops(pl.spec.matrix_shape, self.ns_steps) * pl.spec.matrices
+                   * (self.replicas if pl.spec.is_experts else 1)
+                   for pl in self.placements.values() if pl.spec.muon)
+        return max(max(costs), work / self.world_size)
 
     @property
     def imbalance(self) -> float:
@@ -188,17 +221,18 @@ def _distinct_costs(items: list[int], costs: list[int]) -> list[int]:
 
 
 def _assign(costs: list[int], sizes: list[int], world_size: int,
-            base_bytes: list[int]) -> list[int]:
+            base_bytes: list[int], base_load: list[int] | None = None) -> list[int]:
     """Owners for items, minimising the largest per-rank cost (ties: fewer bytes).
 
     Longest-processing-time first, then a bounded local search that moves or swaps items
-    off the most loaded rank while that lowers the maximum.
+    off the most loaded rank while that lowers the maximum. ``base_load``: cost each rank
+    carries already (HSDP: the experts of its shard rank).
     """
     owner = [0] * len(costs)
-    load = [0] * world_size
+    load = list(base_load) if base_load is not None else [0] * world_size
     mem = list(base_bytes)
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], -sizes[i], i))
-    heap = [(0, mem[r], r) for r in range(world_size)]
+    heap = [(load[r], mem[r], r) for r in range(world_size)]
     heapq.heapify(heap)
     for i in order:
         _, _, r = heapq.heappop(heap)
@@ -249,16 +283,26 @@ def _assign(costs: list[int], sizes: list[int], world_size: int,
 
 
 def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[str],
-              ns_steps: int = 5) -> Plan:
+              ns_steps: int = 5, shard_size: int | None = None) -> Plan:
     """Place every parameter: even ones by rows, Muon matrices whole on balanced owners.
 
     Every Muon matrix is one item of the assignment, each expert of an expert stack
     included, so the experts' NS cost and the 2-D matrices' balance together. Rank r then
     holds the contiguous range of a stack's experts that matches how many of them the
     assignment gave it (the experts of one stack are interchangeable).
+
+    ``shard_size`` (HSDP; default ``world_size``, i.e. no replicas): storage is planned over
+    the ``shard_size`` ranks of one shard group, the same in every replica. Expert stacks are
+    assigned over the shard group (they run on every replica); then each 2-D matrix gets a
+    world-rank owner among all ``world_size`` ranks, on top of the expert load of its shard
+    rank, so NS is balanced over the whole world.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    S = world_size if shard_size is None else shard_size
+    if S < 1 or world_size % S:
+        raise ValueError(f"shard_size must divide world_size, got {shard_size} for {world_size}")
+    R = world_size // S
     for s in specs:
         if s.muon and len(s.shape) not in (2, 3):
             raise ValueError(f"parameter '{s.name}' is marked as a Muon matrix but has "
@@ -267,13 +311,13 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
     # An empty matrix has nothing for Muon to do: plan it as an (empty) even parameter.
     specs = [replace(s, muon=False) if s.muon and s.numel == 0 else s for s in specs]
     placements: dict[str, Placement] = {}
-    base_bytes = [0] * world_size
+    base_bytes = [0] * S  # per shard rank
     rotate = 0
     for s in specs:
         if s.muon:
             continue
-        ranges = _even_ranges(s.rows, world_size, rotate)
-        rotate = (rotate + s.rows % world_size) % world_size
+        ranges = _even_ranges(s.rows, S, rotate)
+        rotate = (rotate + s.rows % S) % S
         placements[s.name] = Placement(s, None, ranges)
         for r, (a, b) in enumerate(ranges):
             base_bytes[r] += (b - a) * s.row_numel * s.itemsize
@@ -282,28 +326,46 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
     item_spec = [i for i, s in enumerate(muon) for _ in range(s.matrices)]
     costs = [ns_flops(muon[i].matrix_shape, ns_steps) for i in item_spec]
     sizes = [math.prod(muon[i].matrix_shape) * muon[i].itemsize for i in item_spec]
-    owners = _assign(costs, sizes, world_size, base_bytes)
-    counts = [[0] * world_size for _ in muon]  # per Muon parameter, matrices per rank
+    if R == 1:  # one assignment over all matrices and experts, as they run once
+        owners = _assign(costs, sizes, S, base_bytes)
+    else:  # experts over the shard ranks first, then 2-D matrices over the world
+        owners = [0] * len(item_spec)
+        experts = [k for k, i in enumerate(item_spec) if muon[i].is_experts]
+        shard_load, shard_bytes = [0] * S, list(base_bytes)
+        for k, r in zip(experts, _assign([costs[k] for k in experts],
+                                         [sizes[k] for k in experts], S, base_bytes)):
+            owners[k] = r
+            shard_load[r] += costs[k]
+            shard_bytes[r] += sizes[k]
+        mats = [k for k, i in enumerate(item_spec) if not muon[i].is_experts]
+        world_owners = _assign([costs[k] for k in mats], [sizes[k] for k in mats], world_size,
+                               [shard_bytes[w % S] for w in range(world_size)],
+                               [shard_load[w % S] for w in range(world_size)])
+        for k, w in zip(mats, world_owners):
+            owners[k] = w
+    counts = [[0] * world_size for _ in muon]  # per Muon parameter, matrices per owner
     rank_cost = [0] * world_size
-    rank_bytes = list(base_bytes)
+    held = list(base_bytes)  # per shard rank
     for i, c, b, r in zip(item_spec, costs, sizes, owners):
         counts[i][r] += 1
-        rank_cost[r] += c
-        rank_bytes[r] += b
+        held[r % S] += b
+        for w in (range(r, world_size, S) if muon[i].is_experts else (r,)):
+            rank_cost[w] += c  # an expert runs on every replica of its shard rank
     for s, per_rank in zip(muon, counts):
         if s.is_experts:
             ranges, start = [], 0
-            for n in per_rank:
+            for n in per_rank[:S]:
                 ranges.append((start, start + n))
                 start += n
             placements[s.name] = Placement(s, None, ranges)
         else:
-            r = per_rank.index(1)
-            ranges = [(0, 0)] * world_size
-            ranges[r] = (0, s.rows)
-            placements[s.name] = Placement(s, r, ranges)
+            w = per_rank.index(1)
+            ranges = [(0, 0)] * S
+            ranges[w % S] = (0, s.rows)
+            placements[s.name] = Placement(s, w, ranges)
     ordered = {s.name: placements[s.name] for s in specs}
-    return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes)
+    rank_bytes = [held[w % S] for w in range(world_size)]
+    return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes, R)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -315,10 +377,14 @@ def _fmt_bytes(n: float) -> str:
 
 
 def format_report(plan: Plan, max_rows: int = 32) -> str:
-    """A readable table: per rank, the matrices owned, bytes held, NS cost, balance."""
-    P = plan.world_size
-    owned = [0] * P  # Muon matrices per rank, each expert counted
-    muon_bytes = [0] * P
+    """A readable table: per rank, the matrices owned, bytes held, NS cost, balance.
+
+    Under HSDP each row is a world rank with its (replica, shard rank): "matrices" are the
+    ones whose NS it runs (its owned 2-D matrices plus its shard rank's experts), "Muon
+    bytes" what it stores (every matrix of its shard rank, whichever replica steps it)."""
+    P, S, R = plan.world_size, plan.shard_size, plan.replicas
+    owned = [0] * P  # Muon matrices whose NS each world rank runs, each expert counted
+    muon_bytes = [0] * S  # Muon bytes stored per shard rank
     n_experts = n_stacks = n_even = 0
     for pl in plan.placements.values():
         if not pl.spec.muon:
@@ -328,36 +394,48 @@ def format_report(plan: Plan, max_rows: int = 32) -> str:
         if pl.spec.is_experts:
             n_stacks += 1
             n_experts += pl.spec.matrices
-            for r in range(P):
-                owned[r] += pl.matrices_on(r)
+            for w in range(P):
+                owned[w] += pl.matrices_on(w % S)
+            for r in range(S):
                 muon_bytes[r] += pl.matrices_on(r) * matrix_bytes
         else:
             owned[pl.owner] += 1
-            muon_bytes[pl.owner] += matrix_bytes
+            muon_bytes[pl.owner_shard] += matrix_bytes
     total_cost = sum(plan.rank_cost)
     mean_cost = total_cost / P
-    n_muon = sum(owned)
+    n_muon = sum(1 for pl in plan.placements.values() if pl.owner is not None) + n_experts
     experts = (f", {n_experts} of them experts of {n_stacks} 3-D parameters (experts split "
                "over ranks, each whole)") if n_stacks else ""
+    if R == 1:
+        head = f"MatrixFSDP plan: {P} ranks"
+        cols = "| rank | matrices | Muon bytes | even bytes | bytes held | NS GFLOP | NS cost / mean |"
+    else:
+        head = (f"MatrixFSDP plan (HSDP): {P} ranks = {R} replicas x {S} shard ranks; each 2-D "
+                f"matrix is stored on one shard rank of every replica and stepped (NS) by one "
+                f"world rank; experts run on every replica")
+        cols = ("| rank | (replica, shard) | matrices (NS here) | Muon bytes | even bytes | "
+                "bytes held | NS GFLOP | NS cost / mean |")
     lines = [
-        f"MatrixFSDP plan: {P} ranks, {len(plan.unit_names)} units, "
+        f"{head}, {len(plan.unit_names)} units, "
         f"{n_muon} Muon matrices (whole on one owner){experts}, "
         f"{n_even} even-sharded parameters",
         "",
-        "| rank | matrices | Muon bytes | even bytes | bytes held | NS GFLOP | NS cost / mean |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        cols,
+        "|---:" * cols.count(" | ") + "|---:|",
     ]
     ranks = list(range(P))
     if P > max_rows:  # show the heaviest ranks, the summary covers the rest
         ranks = sorted(sorted(ranks, key=lambda r: -plan.rank_cost[r])[:max_rows])
     for r in ranks:
         share = plan.rank_cost[r] / mean_cost if mean_cost else 0.0
+        where = f"| ({r // S}, {r % S}) " if R > 1 else ""
         lines.append(
-            f"| {r} | {owned[r]} | {_fmt_bytes(muon_bytes[r])} | "
-            f"{_fmt_bytes(plan.rank_bytes[r] - muon_bytes[r])} | "
+            f"| {r} {where}| {owned[r]} | {_fmt_bytes(muon_bytes[r % S])} | "
+            f"{_fmt_bytes(plan.rank_bytes[r] - muon_bytes[r % S])} | "
             f"{_fmt_bytes(plan.rank_bytes[r])} | {plan.rank_cost[r] / 1e9:.2f} | {share:.3f} |")
     if len(ranks) < P:
-        lines.append(f"| ... | ({P - len(ranks)} lighter ranks not shown) | | | | | |")
+        lines.append(f"| ... | ({P - len(ranks)} lighter ranks not shown) |" + " |" * (
+            cols.count(" | ") - 1))
     idle = sum(1 for c in plan.rank_cost if c == 0)
     mean_bytes = sum(plan.rank_bytes) / P
     lines += [
@@ -370,6 +448,11 @@ def format_report(plan: Plan, max_rows: int = 32) -> str:
         f"{max(plan.rank_bytes) / mean_bytes if mean_bytes else 1.0:.3f})",
         f"Ranks owning no Muon matrix: {idle}",
     ]
+    if R > 1:
+        lines.append(
+            f"NS work per rank: mean {mean_cost / 1e9:.2f} GFLOP = total / {P} world ranks "
+            f"(a plain HSDP that repeats NS on every replica: total / {S} = "
+            f"{total_cost / S / 1e9:.2f} GFLOP per rank)")
     return "\n".join(lines)
 
 
@@ -412,10 +495,12 @@ def is_muon_matrix(fqn: str, param: nn.Parameter, owner: nn.Module, in_root_unit
 
 
 def plan_module(root: nn.Module, units: Sequence[nn.Module], world_size: int,
-                muon_filter: MuonFilter | None = None, ns_steps: int = 5) -> Plan:
+                muon_filter: MuonFilter | None = None, ns_steps: int = 5,
+                shard_size: int | None = None) -> Plan:
     """Plan a model from its shapes alone (it may live on the meta device).
 
     ``units`` are the modules ``fully_shard`` would be called on, the root included.
+    ``shard_size``: HSDP with ``world_size // shard_size`` replicas (see :func:`make_plan`).
     """
     unit_set = {id(m) for m in units} | {id(root)}
     named = [(n, m) for n, m in root.named_modules() if id(m) in unit_set]
@@ -426,4 +511,4 @@ def plan_module(root: nn.Module, units: Sequence[nn.Module], world_size: int,
             p = owner._parameters[attr]
             muon = is_muon_matrix(fqn, p, owner, ui == 0, muon_filter)
             specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, muon))
-    return make_plan(specs, world_size, [n or "<root>" for n, _ in named], ns_steps)
+    return make_plan(specs, world_size, [n or "<root>" for n, _ in named], ns_steps, shard_size)
