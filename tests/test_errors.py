@@ -82,9 +82,11 @@ def test_torch_optimizer_params_replaced_after_it_was_built(world1):
         opt.step()
 
 
-def test_two_dimensional_mesh(world1):
-    mesh = init_device_mesh("cpu", (1, 1))
-    with pytest.raises(NotImplementedError, match=r"1-D mesh, got a 2-D mesh of shape \(1, 1\)"):
+def test_three_dimensional_mesh(world1):
+    """1-D meshes and 2-D (replicate, shard) ones (HSDP) are taken; 3-D ones are refused."""
+    mesh = init_device_mesh("cpu", (1, 1, 1))
+    with pytest.raises(NotImplementedError, match=r"2-D \(replicate, shard\) mesh for HSDP, "
+                                                  r"got a 3-D mesh of shape \(1, 1, 1\)"):
         mf.fully_shard(nn.Linear(4, 4), mesh=mesh)
 
 

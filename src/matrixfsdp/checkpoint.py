@@ -41,10 +41,13 @@ from .runtime import Root, get_root
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameter name -> full tensor (and buffers), on every rank.
 
-    A collective: every rank must call it. Names are those of the unsharded model, so the
-    result loads into a plain ``nn.Module`` with ``load_state_dict``.
+    A collective: every rank must call it (under HSDP it first broadcasts the matrices
+    stepped since the last forward, so every replica returns the same). Names are those of
+    the unsharded model, so the result loads into a plain ``nn.Module`` with
+    ``load_state_dict``.
     """
     root = get_root(model)
+    root.sync_replicas()  # HSDP: every replica holds the stepped matrices (no-op otherwise)
     out: dict[str, torch.Tensor] = {}
     for unit in root.units:
         lay = unit.layout

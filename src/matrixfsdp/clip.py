@@ -8,6 +8,10 @@ Here every element is counted once: a local ``sum |g|^p`` (``max |g|`` for inf) 
 rank's pieces, one all-reduce over the root's process group, then the root. Parameters that
 are not MatrixFSDP shards are taken to be replicated (identical on every rank) and are
 added once, after the all-reduce.
+
+HSDP: the all-reduce spans the whole mesh. A 2-D Muon matrix has a gradient on its owner
+world rank only; the other pieces (row shards, experts) are averaged over the replicas and
+identical on each, so only replica 0 counts them.
 """
 
 from __future__ import annotations
@@ -79,16 +83,18 @@ def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) ->
         stat = _local_stat(plain_grads, p, acc, device, foreach)
         return stat if math.isinf(p) else stat.pow(1.0 / p)
     device = sharded[0].device
-    local = _local_stat([q.grad for q in sharded if q.grad is not None], p, acc, device, foreach)
+    counted = [q.grad for q in sharded if q.grad is not None
+               and (root.groups.replica == 0 or q._mf_placement.owner is not None)]
+    local = _local_stat(counted, p, acc, device, foreach)
     if math.isinf(p):
         # A MAX all-reduce need not propagate NaN (max(nan, x) may give x), so NaN travels
         # as a separate flag in the same call.
         nan = local.isnan()
         buf = torch.stack([torch.where(nan, torch.zeros_like(local), local), nan.to(acc)])
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=root.group)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=root.groups.world)
         total = torch.where(buf[1] > 0, torch.full_like(buf[0], math.nan), buf[0])
         return torch.maximum(total, _local_stat(plain_grads, p, acc, device, foreach))
-    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=root.group)
+    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=root.groups.world)
     return (local + _local_stat(plain_grads, p, acc, device, foreach)).pow(1.0 / p)
 
 
@@ -101,7 +107,7 @@ def _nonfinite(params, sharded, plain, root) -> list[str]:
         for q in sharded:
             if q.grad is not None and q.grad.numel():
                 flags[index[q._mf_placement.spec.name]] = (~torch.isfinite(q.grad).all()).to(torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=root.group)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=root.groups.world)
         names = [order[i] for i in flags.nonzero().flatten().tolist()]
     for i, q in enumerate(params):  # replicated: the same verdict on every rank, no collective
         if (getattr(q, "_mf_placement", None) is None and q.grad is not None

@@ -13,6 +13,14 @@ pre-2.13 names), which need no extra buffer.
 Every call is counted in a :class:`CommStats`: calls, payload bytes (the size of the
 unsharded buffer, as FSDP2 counts its all-gather output and reduce-scatter input) and the
 bytes this rank actually sends.
+
+HSDP adds three collectives across the replicate dimension (``R`` replicas), each over a
+contiguous run of a shard segment, counted as ``replicate_allreduce`` (mean of the
+replicated pieces), ``replicate_reduce`` (mean of a replica's matrices, to that replica
+only) and ``replicate_broadcast`` (those matrices back from it after the step). Their
+payload is the tensor passed; their ``sent_bytes`` are what a bandwidth-optimal algorithm
+moves per rank (ring all-reduce ``2 (R-1)/R n``, reduce and broadcast ``(R-1)/R n`` each),
+so a reduce plus a broadcast sends what an all-reduce of the same tensor sends.
 """
 
 from __future__ import annotations
@@ -168,6 +176,53 @@ def reduce_v(full: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
             out.div_(P)
     pending = Pending(work, epilogue, keep=(full, recv, out),
                       ready_at=delay.ready_at(sent) if delay else 0.0)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def _bus(n: int, R: int, factor: int) -> int:
+    return factor * n * (R - 1) // R
+
+
+def replicate_allreduce(t: torch.Tensor, group: dist.ProcessGroup,
+                        stats: CommStats | None = None, async_op: bool = False) -> Pending:
+    """``t`` = mean of ``t`` over the ranks of ``group`` (in place; one division after the
+    sum, so equal tensors on every replica come back bit-identical)."""
+    R = dist.get_world_size(group)
+    if stats is not None:
+        n = t.numel() * t.element_size()
+        stats.add("replicate_allreduce", n, _bus(n, R, 2))
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    pending = Pending(work, lambda: t.div_(R))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def replicate_reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup,
+                     stats: CommStats | None = None, async_op: bool = False) -> Pending:
+    """On global rank ``dst``: ``t`` = mean of ``t`` over the ranks of ``group``. Elsewhere
+    ``t`` is left undefined (the backend may use it as scratch)."""
+    R = dist.get_world_size(group)
+    if stats is not None:
+        n = t.numel() * t.element_size()
+        stats.add("replicate_reduce", n, _bus(n, R, 1))
+    work = dist.reduce(t, dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    pending = Pending(work, (lambda: t.div_(R)) if dist.get_rank() == dst else None)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def replicate_broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup,
+                        stats: CommStats | None = None, async_op: bool = False) -> Pending:
+    """``t`` = global rank ``src``'s ``t`` on every rank of ``group`` (in place)."""
+    if stats is not None:
+        n = t.numel() * t.element_size()
+        stats.add("replicate_broadcast", n, _bus(n, dist.get_world_size(group), 1))
+    work = dist.broadcast(t, src, group=group, async_op=async_op)
+    pending = Pending(work)
     if not async_op:
         pending.wait()
     return pending

@@ -7,6 +7,9 @@ debug=True)`` each gather and reduce is preceded by a tiny all-gather of the sig
 ``(step, unit, phase)``; every rank compares all signatures and raises the same error,
 naming each rank's position, when they differ, and raises after ``timeout`` seconds when
 some rank never arrives. Off by default: it adds one small collective per collective.
+Under HSDP the check runs over every rank of the 2-D mesh (the shard groups and the
+replicate groups all pair up by order), once per unit before each phase, the replicate
+reduce and broadcast included.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import torch.distributed as dist
 
 from .comm import all_gather_single
 
-PHASES = ("forward gather", "backward gather", "gradient reduce")
-FORWARD_GATHER, BACKWARD_GATHER, REDUCE = range(3)
+PHASES = ("forward gather", "backward gather", "gradient reduce",
+          "replicate reduce", "replicate broadcast")
+FORWARD_GATHER, BACKWARD_GATHER, REDUCE, REPLICATE_REDUCE, REPLICATE_BROADCAST = range(5)
 
 
 class CollectiveCheck:
-    """Compares ``(step, unit index, phase)`` across the ranks of ``group``."""
+    """Compares ``(step, unit index, phase)`` across the ranks of ``group`` (the whole mesh)."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, unit_names: list[str],
                  timeout: float = 30.0):

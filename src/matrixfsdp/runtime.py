@@ -38,7 +38,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .comm import CommStats, LinkDelay, Pending, gather_v, reduce_v
-from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, CollectiveCheck
+from .debug import (
+    BACKWARD_GATHER,
+    FORWARD_GATHER,
+    REDUCE,
+    REPLICATE_BROADCAST,
+    REPLICATE_REDUCE,
+    CollectiveCheck,
+)
+from .hsdp import MeshGroups, broadcast_from_owners, reduce_across_replicas
 from .layout import UnitLayout, unit_layout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .overlap import Schedule
@@ -114,18 +122,22 @@ class Root:
     end-of-backward callback)."""
 
     def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh,
-                 debug: bool = False, overlap: bool = True):
+                 debug: bool = False, overlap: bool = True, groups: MeshGroups | None = None):
         self.module = module
         self.units = units  # pre-order: the root unit first
         self.plan = plan
         self.mesh = mesh
-        self.group = mesh.get_group()
-        self.rank = dist.get_rank(self.group)
+        # HSDP: ``group``/``rank`` are the shard group and this rank in it (where the
+        # buffers are split); ``groups`` adds the replicate group and the whole world.
+        self.groups = groups or MeshGroups.from_mesh(mesh)
+        self.group = self.groups.shard
+        self.rank = self.groups.shard_rank
         self.world_size = mesh.size()
         self.stats = CommStats()
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
         self.in_backward = False
-        self.check = CollectiveCheck(self.group, _mesh_device(mesh), [u.name for u in units]) \
+        self.check = CollectiveCheck(self.groups.world, _mesh_device(mesh),
+                                     [u.name for u in units]) \
             if debug and self.world_size > 1 else None
         self.schedule = Schedule(enabled=overlap)
         self.delay: LinkDelay | None = None  # a slower network, for tests and the bench
@@ -150,6 +162,12 @@ class Root:
     def before_collective(self, unit: Unit, phase: int) -> None:
         if self.check is not None:
             self.check(unit.index, phase)
+
+    def sync_replicas(self) -> None:
+        """HSDP: broadcast every matrix a replica stepped to the other replicas now, rather
+        than at its unit's next gather (before reading parameters outside forward)."""
+        for u in self.units:
+            u.sync_replicas()
 
     def queue_final_callback(self) -> None:
         if not self.in_backward:
@@ -215,6 +233,7 @@ class Unit:
         self.calls_done = 0  # of those, done in the current backward pass
         self.new_step = False  # a backward pass ended since the last forward
         self.in_backward = False  # unsharded for backward, post-backward not yet run
+        self.needs_broadcast = False  # HSDP: replicas stepped their matrices since the gather
 
     # ---- parameter movement -------------------------------------------------------------
     @torch.no_grad()
@@ -229,6 +248,7 @@ class Unit:
             if buf.untyped_storage().size() != nbytes:
                 buf.untyped_storage().resize_(nbytes)
         if lay.numel:  # a unit may hold no parameter of its own (all in child units)
+            self.sync_replicas()  # HSDP: the matrices stepped last step, before they travel
             root.before_collective(self, phase)
             segment = self.local.to(self.precision.param)  # a copy only under a policy
             self._gather = gather_v(segment, self.flat, lay.seg_sizes, root.group, root.stats,
@@ -253,6 +273,15 @@ class Unit:
                 dst[pc.row_start:pc.row_stop].view(-1).copy_(
                     self.flat[pc.offset:pc.offset + pc.numel])
         self.is_unsharded = True
+
+    @torch.no_grad()
+    def sync_replicas(self) -> None:
+        """HSDP: the matrices each replica stepped, from it to the other replicas."""
+        if self.needs_broadcast:
+            self.root.before_collective(self, REPLICATE_BROADCAST)
+            broadcast_from_owners(self.local, self.layout.replica_runs[self.root.rank],
+                                  self.root.groups, self.root.stats)
+            self.needs_broadcast = False
 
     def reshard(self) -> None:
         if self._gather is not None:  # never free a buffer a gather still writes into
@@ -372,6 +401,13 @@ class Unit:
         root.before_collective(self, REDUCE)
         pending = reduce_v(full, out, lay.seg_sizes, root.group, root.stats, async_op=True,
                            delay=root.delay)
+        if lay.replica_runs is not None:  # HSDP: then average over the replicas too
+            self.needs_broadcast = lay.has_replica_owned
+
+            def across_replicas() -> None:
+                root.before_collective(self, REPLICATE_REDUCE)
+                reduce_across_replicas(out, lay.replica_runs[root.rank], root.groups, root.stats)
+            pending.then(across_replicas)
 
         def attach() -> None:  # once the reduce is done: this rank's pieces become .grad
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
@@ -380,8 +416,8 @@ class Unit:
                 p = self.sharded[i]
                 view = grad[offset:offset + pc.numel].view(p.shape)
                 offset += pc.numel
-                if not p.requires_grad:
-                    continue  # frozen: no .grad, as in torch
+                if not p.requires_grad or not root.groups.steps_here(p._mf_placement):
+                    continue  # frozen: no .grad, as in torch; HSDP: another replica steps it
                 if p.grad is None:
                     p.grad = view
                 else:
@@ -431,8 +467,9 @@ def _grad_to_empty_shard(shard: nn.Parameter, param: nn.Parameter) -> None:
 def _materialize(root_unit: Unit) -> Root:
     """Plan all units under ``root_unit`` at once and shard their parameters."""
     mesh = root_unit.mesh
-    P = mesh.size()
-    rank = mesh.get_local_rank()
+    P = mesh.size()  # all ranks of the mesh; buffers are split over its shard dim
+    groups = MeshGroups.from_mesh(mesh)
+    rank = groups.shard_rank
     device = _mesh_device(mesh)
     named_units = _unit_modules(root_unit.module)
     units = [u for _, u in named_units]
@@ -450,7 +487,10 @@ def _materialize(root_unit: Unit) -> Root:
             f"averaged over these {P} ranks only and nothing synchronises them with the other "
             "ranks. Right if those train other parts of the model (pipeline stages); wrong if "
             "they are data-parallel replicas (e.g. mesh2d['shard'] passed for HSDP): replicas "
-            "would train apart silently. HSDP (a 2-D mesh) is not supported yet", stacklevel=2)
+            "would train apart silently. For HSDP pass the 2-D mesh itself, "
+            "fully_shard(module, mesh=mesh2d) with mesh2d = init_device_mesh(device, "
+            "(replicas, shard), mesh_dim_names=('replicate', 'shard')); see docs/hsdp.md",
+            stacklevel=2)
     root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
     for u in units[1:]:
         u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
@@ -502,9 +542,9 @@ def _materialize(root_unit: Unit) -> Root:
                                  f"{tuple(p.shape)}; Muon needs 2-D matrices or 3-D "
                                  "(experts, m, n) stacks of expert matrices")
             specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
-    plan = make_plan(specs, P, [u.name for u in units])
+    plan = make_plan(specs, P, [u.name for u in units], shard_size=groups.shard_size)
     root = Root(root_unit.module, units, plan, mesh, debug=root_unit.debug,
-                overlap=root_unit.overlap)
+                overlap=root_unit.overlap, groups=groups)
     root.aliases = aliases
 
     for ui, u in enumerate(units):
@@ -593,7 +633,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
 
     Args:
         mesh: a 1-D device mesh over the data-parallel ranks (default: all ranks on the
-            current accelerator, or CPU).
+            current accelerator, or CPU), or a 2-D ``(replicate, shard)`` mesh for HSDP
+            (as FSDP2: sharded over dim 1, replicated over dim 0; each Muon matrix is
+            stepped by one replica and broadcast to the others, see docs/hsdp.md).
         reshard_after_forward: free the unsharded parameters after forward and gather
             them again in backward. None: True for blocks, False for the root.
         muon_filter: ``(fqn, param) -> bool`` deciding which parameters are Muon matrices;
@@ -623,10 +665,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 "(the model was used, or an optimizer built, before this call). Call "
                 "fully_shard on every block and then on the root before anything else")
     mesh = mesh or default_mesh()
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise NotImplementedError(
-            f"matrixfsdp: fully_shard needs a 1-D mesh, got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)}; HSDP (2-D meshes) is not supported yet")
+            f"matrixfsdp: fully_shard needs a 1-D mesh or a 2-D (replicate, shard) mesh for "
+            f"HSDP, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
     unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug, overlap)
     module._mf_unit = unit
     for mod, attr, _ in _owned_params(module, ""):

@@ -1,0 +1,105 @@
+"""HSDP: the groups of a 2-D ``(replicate, shard)`` mesh, and what crosses the replicate dim.
+
+A unit's parameters are sharded over the ranks of a shard group, identically in every
+replica (the plan's storage is per shard rank). Each 2-D Muon matrix also has one owner
+*replica*, so one world rank in all runs its NS (the plan balances those over the world):
+
+* backward, right after the shard group's reduce-v, per unit: the replicated run of this
+  rank's segment (even parameters, expert stacks) is all-reduced (mean) across replicas,
+  as in FSDP2's HSDP; the run of matrices stepped by replica i is *reduced* (mean) to
+  replica i only. Only there do those matrices get a ``.grad``, so only there does the
+  optimizer step them (and keep momentum).
+* the unit's next gather (its next forward, or :func:`sync_replicas` for a checkpoint):
+  first each replica's run is *broadcast* from it to the other replicas, then the shard
+  group gathers as usual. Never inside ``optimizer.step()``.
+
+A reduce plus a broadcast moves what an all-reduce of the same tensor moves, so the bytes
+across the replicate dimension equal plain HSDP's, while NS runs once in the world instead
+of once per replica (docs/hsdp.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .comm import CommStats, Pending, replicate_allreduce, replicate_broadcast, replicate_reduce
+from .plan import Placement
+
+
+@dataclass
+class MeshGroups:
+    """The process groups of a 1-D mesh (``replicas == 1``) or a 2-D ``(replicate, shard)``
+    one, and this rank's place in them. ``world_rank = replica * shard_size + shard_rank``
+    is the rank the plan uses for owners; ``peers[i]`` is the global rank of this shard
+    rank in replica i."""
+
+    shard: dist.ProcessGroup
+    shard_rank: int
+    shard_size: int
+    replicate: dist.ProcessGroup | None
+    replica: int
+    replicas: int
+    world: dist.ProcessGroup  # every rank of the mesh (debug checks, gradient norms)
+    peers: list[int]
+
+    @property
+    def world_rank(self) -> int:
+        return self.replica * self.shard_size + self.shard_rank
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> MeshGroups:
+        if mesh.ndim == 1:
+            g = mesh.get_group()
+            return cls(g, dist.get_rank(g), dist.get_world_size(g), None, 0, 1, g,
+                       [dist.get_rank()])
+        if mesh.ndim != 2:
+            raise NotImplementedError(
+                f"matrixfsdp: a {mesh.ndim}-D mesh; fully_shard takes a 1-D mesh or a 2-D "
+                "(replicate, shard) mesh for HSDP")
+        shard, rep = mesh.get_group(1), mesh.get_group(0)
+        ranks = sorted(mesh.mesh.flatten().tolist())
+        if ranks == list(range(dist.get_world_size())):
+            world = dist.group.WORLD
+        else:  # the mesh is part of the world (e.g. one pipeline stage): its own group
+            world = dist.new_group(ranks, use_local_synchronization=True)
+        R = dist.get_world_size(rep)
+        return cls(shard, dist.get_rank(shard), dist.get_world_size(shard), rep,
+                   dist.get_rank(rep), R, world, [dist.get_global_rank(rep, i) for i in range(R)])
+
+    def steps_here(self, placement: Placement) -> bool:
+        """Whether this rank's copy of the parameter gets a gradient and is stepped: every
+        replicated one, and a 2-D Muon matrix only in its owner replica."""
+        return placement.owner is None or placement.owner_replica == self.replica
+
+
+def reduce_across_replicas(out: torch.Tensor, runs: list[tuple[int, int]], groups: MeshGroups,
+                           stats: CommStats | None = None) -> None:
+    """``out`` is this rank's segment of gradients, averaged over its shard group. Average
+    it over the replicas: the replicated run (``runs[0]``) on every replica, the run of
+    matrices stepped by replica i (``runs[1 + i]``) on replica i only."""
+    pending: list[Pending] = []
+    start, n = runs[0]
+    if n:
+        pending.append(replicate_allreduce(out[start:start + n], groups.replicate, stats,
+                                           async_op=True))
+    for i, (start, n) in enumerate(runs[1:]):
+        if n:
+            pending.append(replicate_reduce(out[start:start + n], groups.peers[i],
+                                            groups.replicate, stats, async_op=True))
+    for p in pending:
+        p.wait()
+
+
+def broadcast_from_owners(local: torch.Tensor, runs: list[tuple[int, int]], groups: MeshGroups,
+                          stats: CommStats | None = None) -> None:
+    """Copy the matrices each replica stepped (``runs[1 + i]`` of this rank's ``local``
+    segment) from replica i to the others, in place."""
+    pending = [replicate_broadcast(local[start:start + n], groups.peers[i], groups.replicate,
+                                   stats, async_op=True)
+               for i, (start, n) in enumerate(runs[1:]) if n]
+    for p in pending:
+        p.wait()
