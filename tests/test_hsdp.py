@@ -1,0 +1,244 @@
+"""HSDP on a 2-D (replicate, shard) mesh: exact against torch's single-process optimizers,
+each Muon matrix stepped by one world rank, replicas bit-identical, no collective in the
+step, and the bytes across the replicate dimension equal to FSDP2 HSDP's."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+from _dist import spawn
+from reference import batches, build_model, is_muon_name, rank_slice, train_reference
+from test_parity import ADAMW, MUON, ODD, STEP_MARK, _count_collectives, _groups
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import matrixfsdp as mf
+from matrixfsdp.bench.harness import _RANGE, _analyse_profile
+from matrixfsdp.models import PRESETS, GPTConfig
+from matrixfsdp.plan import format_report, plan_module
+
+STEPS, PER_RANK, SEQ = 4, 2, 16
+DIMS = ("replicate", "shard")
+BIT = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)  # torch's default eps
+# Every dim divisible by 2: FSDP2 pads no shard, so its bytes compare exactly with ours.
+EVEN = dict(vocab_size=256, d_model=32, n_heads=4, n_layers=2, d_mlp=64, seq_len=16)
+
+
+def _shard(model, mesh, debug=False):
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh, debug=debug)
+    return model
+
+
+def _replicas_equal(root) -> bool:
+    """Every unit's local segment is bit-identical across the replicas (same shard rank)."""
+    g = root.groups
+    if g.replicas == 1:
+        return True
+    for u in root.units:
+        copies = [torch.empty_like(u.local) for _ in range(g.replicas)]
+        dist.all_gather(copies, u.local, group=g.replicate)
+        if not all(torch.equal(c, copies[0]) for c in copies):
+            return False
+    return True
+
+
+def _train(rank, job):
+    """One HSDP run; returns what rank 0 saves (other ranks assert their own checks)."""
+    R, S = job["shape"]
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=DIMS)
+    model = _shard(build_model("gpt", GPTConfig(**ODD)), mesh, job.get("debug", False))
+    root = mf.get_root(model)
+    world_rank = root.groups.world_rank
+    assert world_rank == rank  # init_device_mesh: replicate-major, as the plan counts
+    ns_dtype = torch.float32 if job["ns_fp32"] else torch.bfloat16
+    opt = mf.Muon(_groups(model, MUON, job["adamw"], ns_dtype))
+    data = batches(STEPS, R * S, PER_RANK, SEQ)
+    identical = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for x in data:
+            x = rank_slice(x, rank, PER_RANK, job["same_data"])
+            loss = model.loss(x[:, :-1], x[:, 1:])
+            # The forward broadcast the matrices stepped last step: replicas agree again.
+            identical.append(_replicas_equal(root))
+            loss.backward()
+            for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank
+                pl = p._mf_placement
+                if pl.owner is not None:
+                    assert (p.grad is not None) == (pl.owner == world_rank), pl.spec.name
+            with record_function(STEP_MARK):
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+    inside, other = _count_collectives(prof.events())
+    for p in model.parameters():  # momentum only on the owning world rank
+        pl = p._mf_placement
+        if pl.owner is not None:
+            has = "momentum_buffer" in opt.state.get(p, {})
+            assert has == (pl.owner == world_rank), f"momentum of {pl.spec.name} on {rank}"
+    state = mf.full_state_dict(model)  # broadcasts the last step's matrices first
+    flat = torch.cat([v.reshape(-1) for v in state.values()])
+    every = [torch.empty_like(flat) for _ in range(R * S)]
+    dist.all_gather(every, flat)
+    assert all(torch.equal(f, flat) for f in every), "ranks hold different parameters"
+    assert all(identical), f"replicas differ after a step's broadcast on rank {rank}: {identical}"
+    stats = mf.comm_stats(model).summary()
+    return dict(params=state, step_collectives=inside, other_collectives=other, stats=stats)
+
+
+def _bytes_across_replicas(rank, world):
+    """One profiled step (after one warm-up step) of FSDP2 HSDP and of ours, same model.
+    Returns per system the payload of each replicate-dim op kind (profiler rule)."""
+    from torch.distributed.fsdp import fully_shard as fsdp2_shard
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=DIMS)
+    x = torch.randint(0, 256, (PER_RANK, SEQ + 1), generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for system in ("fsdp2", "ours"):
+        model = build_model("gpt", GPTConfig(**EVEN))
+        if system == "fsdp2":
+            for block in model.layers:
+                fsdp2_shard(block, mesh=mesh)
+            fsdp2_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        else:
+            _shard(model, mesh)
+            opt = mf.Muon(mf.muon_param_groups(model))
+        for profiled in (False, True):
+            if profiled and system == "ours":
+                mf.comm_stats(model).reset()
+            ctx = profile(activities=[ProfilerActivity.CPU], record_shapes=True) if profiled \
+                else contextlib.nullcontext()
+            with ctx as prof:
+                with record_function(_RANGE + "forward"):
+                    loss = model.loss(x[:, :-1], x[:, 1:])
+                with record_function(_RANGE + "backward"):
+                    loss.backward()
+                with record_function(_RANGE + "step"):
+                    opt.step()
+                    opt.zero_grad()
+        ops: dict[str, int] = {}
+        for phase in _analyse_profile(prof, world, torch.device("cpu"))["collectives"].values():
+            for name, rec in phase["ops"].items():
+                if name in ("c10d::allreduce_", "c10d::reduce_", "c10d::broadcast_"):
+                    ops[name] = ops.get(name, 0) + rec["bytes"]
+        out[system] = ops
+        if system == "ours":
+            out["ours_stats"] = mf.comm_stats(model).summary()
+    return out
+
+
+def _worker(rank, world, jobs, out_dir):
+    results = {}
+    for name, job in jobs.items():
+        results[name] = _bytes_across_replicas(rank, world) if job == "bytes" else _train(rank, job)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _reference(job):
+    R, S = job["shape"]
+    data = batches(STEPS, R * S, PER_RANK, SEQ)
+    if job["same_data"]:
+        data = [x[:PER_RANK] for x in data]
+    return train_reference(GPTConfig(**ODD), data, muon_kw=MUON, adamw_kw=job["adamw"],
+                           ns_fp32=job["ns_fp32"], rule=is_muon_name)
+
+
+def _check_run(name, job, ours):
+    assert ours["step_collectives"] == 0, f"{name}: optimizer.step() issued collectives"
+    assert ours["other_collectives"] > 0
+    ref = _reference(job)
+    assert list(ours["params"]) == list(ref)
+    worst = max((ours["params"][n] - p).abs().max().item() for n, p in ref.items())
+    if job["same_data"]:
+        for n, p in ref.items():
+            assert torch.equal(ours["params"][n], p), f"{name}: {n} differs ({worst:.2e})"
+    else:
+        for n, p in ref.items():
+            torch.testing.assert_close(ours["params"][n], p, rtol=1e-6, atol=1e-6,
+                                       msg=lambda m, n=n: f"{name}: {n}: {m}")
+    print(f"{name}: max |ours - torch| = {worst:.3g}")
+    return worst
+
+
+DIFF = dict(same_data=False, ns_fp32=True, adamw=ADAMW)
+SAME = dict(same_data=True, ns_fp32=False, adamw=BIT)
+
+
+def test_hsdp_four_ranks_exact_bit_identical_and_bytes(tmp_path):
+    """2x2: different data within 1e-6 of torch (fp32 NS); equal data bit-identical (bf16
+    NS, default eps, debug mode on); and the replicate-dim bytes vs FSDP2 HSDP."""
+    jobs = {"2x2 different data": {**DIFF, "shape": (2, 2)},
+            "2x2 equal data": {**SAME, "shape": (2, 2), "debug": True},
+            "bytes": "bytes"}
+    spawn(_worker, 4, jobs, str(tmp_path))
+    r0 = torch.load(tmp_path / "rank0.pt")
+    for name, job in jobs.items():
+        if job != "bytes":
+            _check_run(name, job, r0[name])
+    # Across the replicate dim: FSDP2 all-reduces every shard; we all-reduce the row
+    # shards, reduce each matrix to its owner replica and broadcast it back. With R = 2 an
+    # all-reduce of n bytes moves 2n(R-1)/R = n per rank, a reduce or broadcast n/2.
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt")["bytes"] for r in range(4)]
+    fsdp2 = sum(b["fsdp2"].get("c10d::allreduce_", 0) for b in per_rank)
+    ours_ar = sum(b["ours"].get("c10d::allreduce_", 0) for b in per_rank)
+    ours_rb = sum(b["ours"].get("c10d::reduce_", 0) + b["ours"].get("c10d::broadcast_", 0)
+                  for b in per_rank)
+    assert set(per_rank[0]["fsdp2"]) == {"c10d::allreduce_"}, per_rank[0]["fsdp2"]
+    assert ours_rb > 0
+    print(f"replicate-dim payload, all ranks, one step: FSDP2 HSDP all-reduce {fsdp2} B; "
+          f"ours all-reduce {ours_ar} B + reduce/broadcast {ours_rb} B; wire bytes "
+          f"(ring, R=2): FSDP2 {fsdp2} B, ours {ours_ar + ours_rb // 2} B")
+    assert ours_ar + ours_rb // 2 == fsdp2
+    for b in per_rank:  # our counters agree with the profiler
+        stats = b["ours_stats"]
+        assert stats["replicate_allreduce"]["payload_bytes"] == b["ours"].get("c10d::allreduce_", 0)
+        rb = stats.get("replicate_reduce", {}).get("payload_bytes", 0) + \
+            stats.get("replicate_broadcast", {}).get("payload_bytes", 0)
+        assert rb == b["ours"].get("c10d::reduce_", 0) + b["ours"].get("c10d::broadcast_", 0)
+
+
+def test_hsdp_two_ranks_2x1_and_1x2(tmp_path):
+    """2x1 (pure replication: each matrix reduced to one replica, broadcast back) and 1x2
+    (a 2-D mesh with one replica: plain sharding) within 1e-6 of torch; 2x1 with equal
+    data bit-identical."""
+    jobs = {"2x1 different data": {**DIFF, "shape": (2, 1)},
+            "1x2 different data": {**DIFF, "shape": (1, 2)},
+            "2x1 equal data": {**SAME, "shape": (2, 1)}}
+    spawn(_worker, 2, jobs, str(tmp_path))
+    r0 = torch.load(tmp_path / "rank0.pt")
+    for name, job in jobs.items():
+        _check_run(name, job, r0[name])
+    assert "replicate_reduce" not in r0["1x2 different data"]["stats"]
+    assert r0["2x1 different data"]["stats"]["replicate_broadcast"]["calls"] > 0
+
+
+def test_plan_balances_ns_over_the_whole_world():
+    """Owners are world ranks: NS per rank is total / (replicas x shard), and each matrix
+    is stored on its owner's shard rank in every replica."""
+    cfg = GPTConfig(d_model=32, n_heads=2, n_layers=2, d_mlp=64, seq_len=8)
+    with torch.device("meta"):
+        model = build_model("gpt", cfg)
+    flat = plan_module(model, list(model.layers), 2)
+    hsdp = plan_module(model, list(model.layers), 4, shard_size=2)
+    assert hsdp.replicas == 2 and hsdp.shard_size == 2
+    assert sum(hsdp.rank_cost) == sum(flat.rank_cost)  # the same NS, done once in the world
+    assert max(hsdp.rank_cost) * 4 == sum(hsdp.rank_cost)  # 12 matrices, 3 per world rank
+    for pl in hsdp.placements.values():
+        assert len(pl.row_ranges) == 2
+        if pl.owner is not None:
+            assert pl.row_ranges[pl.owner % 2] == (0, pl.spec.rows)
+    text = format_report(hsdp)
+    assert "4 ranks = 2 replicas x 2 shard ranks" in text and "| 3 | (1, 1) | 3 |" in text
+
+
+def test_cli_plan_with_shard_size(capsys):
+    from matrixfsdp.cli import main
+    main(["plan", "--model", "llama3-405b", "--world-size", "4096", "--shard-size", "8",
+          "--max-rows", "4"])
+    text = capsys.readouterr().out
+    assert "4096 ranks = 512 replicas x 8 shard ranks" in text
+    assert "NS work per rank" in text
+    assert PRESETS["llama3-405b"].n_layers == 126
