@@ -66,6 +66,8 @@ def _train(rank, job):
             # The forward broadcast the matrices stepped last step: replicas agree again.
             identical.append(_replicas_equal(root))
             loss.backward()
+            if job.get("clip"):  # the global norm: each element once over the 2-D mesh
+                mf.clip_grad_norm_(model.parameters(), job["clip"])
             for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank
                 pl = p._mf_placement
                 if pl.owner is not None:
@@ -130,10 +132,61 @@ def _bytes_across_replicas(rank, world):
     return out
 
 
+def _train_moe(rank):
+    """Expert stacks under HSDP 2x2: split by whole experts in the shard group, averaged
+    over the replicas, stepped on every replica (test_moe's model and reference)."""
+    import test_moe as moe
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS)
+    model = moe.build("hand")
+    for block in moe.blocks(model, "hand"):
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    root = mf.get_root(model)
+    adamw = {f"adamw_{k}": v for k, v in moe.ADAMW.items() if k != "lr"}
+    opt = mf.Muon(mf.muon_param_groups(model, **moe.MUON, ns_dtype=torch.float32,
+                                       adamw_lr=moe.ADAMW["lr"], **adamw))
+    identical = []
+    for x in moe.global_batches(4):
+        loss = moe.loss_fn(model, "hand", x[rank * moe.PER_RANK:(rank + 1) * moe.PER_RANK])
+        identical.append(_replicas_equal(root))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        pl = p._mf_placement
+        if pl.spec.is_experts:  # momentum wherever the shard rank holds experts, every replica
+            has = "momentum_buffer" in opt.state.get(p, {})
+            assert has == (pl.matrices_on(root.rank) > 0), pl.spec.name
+    assert all(identical), identical
+    return dict(params=mf.full_state_dict(model), stats=mf.comm_stats(model).summary())
+
+
+def _diverge(rank):
+    """Rank 3 skips block 1 at step 2 under HSDP with debug on: every rank must raise."""
+    from test_debug import CFG, SkippingGPT
+    torch.manual_seed(0)
+    model = SkippingGPT(CFG)
+    model.skip_rank, model.skip_step = 3, 2
+    _shard(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS), debug=True)
+    opt = mf.Muon(mf.muon_param_groups(model))
+    x = torch.randint(0, 256, (2, 9))
+    try:
+        for step in range(4):
+            model.step = step
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def _worker(rank, world, jobs, out_dir):
+    run = {"bytes": lambda: _bytes_across_replicas(rank, world), "moe": lambda: _train_moe(rank),
+           "diverge": lambda: _diverge(rank)}
     results = {}
     for name, job in jobs.items():
-        results[name] = _bytes_across_replicas(rank, world) if job == "bytes" else _train(rank, job)
+        results[name] = run[job]() if isinstance(job, str) else _train(rank, job)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -143,7 +196,7 @@ def _reference(job):
     if job["same_data"]:
         data = [x[:PER_RANK] for x in data]
     return train_reference(GPTConfig(**ODD), data, muon_kw=MUON, adamw_kw=job["adamw"],
-                           ns_fp32=job["ns_fp32"], rule=is_muon_name)
+                           ns_fp32=job["ns_fp32"], rule=is_muon_name, clip=job.get("clip"))
 
 
 def _check_run(name, job, ours):
@@ -168,16 +221,28 @@ SAME = dict(same_data=True, ns_fp32=False, adamw=BIT)
 
 
 def test_hsdp_four_ranks_exact_bit_identical_and_bytes(tmp_path):
-    """2x2: different data within 1e-6 of torch (fp32 NS); equal data bit-identical (bf16
-    NS, default eps, debug mode on); and the replicate-dim bytes vs FSDP2 HSDP."""
-    jobs = {"2x2 different data": {**DIFF, "shape": (2, 2)},
+    """2x2: different data within 1e-6 of torch (fp32 NS, global-norm clipping); equal data
+    bit-identical (bf16 NS, default eps, debug mode on); expert stacks within 1e-6; the
+    replicate-dim bytes vs FSDP2 HSDP; debug mode names a diverging rank on every rank."""
+    jobs = {"2x2 different data": {**DIFF, "shape": (2, 2), "clip": 0.25},
             "2x2 equal data": {**SAME, "shape": (2, 2), "debug": True},
-            "bytes": "bytes"}
+            "bytes": "bytes", "moe": "moe", "diverge": "diverge"}
     spawn(_worker, 4, jobs, str(tmp_path))
     r0 = torch.load(tmp_path / "rank0.pt")
     for name, job in jobs.items():
-        if job != "bytes":
+        if not isinstance(job, str):
             _check_run(name, job, r0[name])
+    # Experts: split over the shard group, all-reduced over the replicas.
+    import test_moe as moe
+    ref, _ = moe.train_reference("hand", moe.global_batches(4))
+    worst = max((r0["moe"]["params"][n] - p).abs().max().item() for n, p in ref.items())
+    for n, p in ref.items():
+        torch.testing.assert_close(r0["moe"]["params"][n], p, rtol=1e-6, atol=1e-6,
+                                   msg=lambda m, n=n: f"moe 2x2: {n}: {m}")
+    print(f"moe 2x2 different data: max |ours - torch| = {worst:.3g}")
+    for r in range(4):  # debug mode: the same error on every rank, naming rank 3's position
+        message = torch.load(tmp_path / f"rank{r}.pt")["diverge"]
+        assert "ranks diverged" in message and "rank 3: step 2, unit 'layers.2'" in message, message
     # Across the replicate dim: FSDP2 all-reduces every shard; we all-reduce the row
     # shards, reduce each matrix to its owner replica and broadcast it back. With R = 2 an
     # all-reduce of n bytes moves 2n(R-1)/R = n per rank, a reduce or broadcast n/2.

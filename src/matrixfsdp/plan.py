@@ -411,8 +411,8 @@ def format_report(plan: Plan, max_rows: int = 32) -> str:
         cols = "| rank | matrices | Muon bytes | even bytes | bytes held | NS GFLOP | NS cost / mean |"
     else:
         head = (f"MatrixFSDP plan (HSDP): {P} ranks = {R} replicas x {S} shard ranks; each 2-D "
-                f"matrix is stored on one shard rank of every replica and stepped (NS) by one "
-                f"world rank; experts run on every replica")
+                "matrix is stored on one shard rank of every replica and stepped (NS) by one "
+                "world rank" + ("; experts run on every replica" if n_stacks else ""))
         cols = ("| rank | (replica, shard) | matrices (NS here) | Muon bytes | even bytes | "
                 "bytes held | NS GFLOP | NS cost / mean |")
     lines = [
