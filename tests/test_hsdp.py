@@ -13,6 +13,7 @@ from _dist import spawn
 from reference import batches, build_model, is_muon_name, rank_slice, train_reference
 from test_parity import ADAMW, MUON, ODD, STEP_MARK, _count_collectives, _groups
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
@@ -27,10 +28,10 @@ BIT = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)  # torch's d
 EVEN = dict(vocab_size=256, d_model=32, n_heads=4, n_layers=2, d_mlp=64, seq_len=16)
 
 
-def _shard(model, mesh, debug=False):
+def _shard(model, mesh, debug=False, mp=None):
     for block in model.layers:
-        mf.fully_shard(block, mesh=mesh)
-    mf.fully_shard(model, mesh=mesh, debug=debug)
+        mf.fully_shard(block, mesh=mesh, mp_policy=mp)
+    mf.fully_shard(model, mesh=mesh, debug=debug, mp_policy=mp)
     return model
 
 
@@ -51,7 +52,9 @@ def _train(rank, job):
     """One HSDP run; returns what rank 0 saves (other ranks assert their own checks)."""
     R, S = job["shape"]
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=DIMS)
-    model = _shard(build_model("gpt", GPTConfig(**ODD)), mesh, job.get("debug", False))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if job.get("bf16") else None
+    model = _shard(build_model("gpt", GPTConfig(**ODD)), mesh, job.get("debug", False), mp)
     root = mf.get_root(model)
     world_rank = root.groups.world_rank
     assert world_rank == rank  # init_device_mesh: replicate-major, as the plan counts
@@ -268,14 +271,18 @@ def test_hsdp_four_ranks_exact_bit_identical_and_bytes(tmp_path):
 def test_hsdp_two_ranks_2x1_and_1x2(tmp_path):
     """2x1 (pure replication: each matrix reduced to one replica, broadcast back) and 1x2
     (a 2-D mesh with one replica: plain sharding) within 1e-6 of torch; 2x1 with equal
-    data bit-identical."""
+    data bit-identical; 2x1 under a bf16 MixedPrecisionPolicy keeps the replicas identical
+    (the fp32 masters are what is broadcast)."""
     jobs = {"2x1 different data": {**DIFF, "shape": (2, 1)},
             "1x2 different data": {**DIFF, "shape": (1, 2)},
-            "2x1 equal data": {**SAME, "shape": (2, 1)}}
+            "2x1 equal data": {**SAME, "shape": (2, 1)},
+            "2x1 bf16 policy": {**DIFF, "shape": (2, 1), "bf16": True}}
     spawn(_worker, 2, jobs, str(tmp_path))
     r0 = torch.load(tmp_path / "rank0.pt")
     for name, job in jobs.items():
-        _check_run(name, job, r0[name])
+        if not job.get("bf16"):  # (under a bf16 policy: trains, replicas identical, owners only)
+            _check_run(name, job, r0[name])
+    assert r0["2x1 bf16 policy"]["step_collectives"] == 0
     assert "replicate_reduce" not in r0["1x2 different data"]["stats"]
     assert r0["2x1 different data"]["stats"]["replicate_broadcast"]["calls"] > 0
 
