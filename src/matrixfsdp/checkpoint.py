@@ -150,18 +150,24 @@ def get_state_dict(model: nn.Module, optimizer: Muon | None = None) -> dict[str,
       every rank holds (replicated: DCP writes one copy).
     * ``optim`` (if ``optimizer`` is given), shaped like torch's ``get_state_dict``:
       ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``. Muon
-      parameters hold ``momentum_buffer``, placed like the matrix (written by its owner);
+      parameters hold ``momentum_buffer``, placed like the matrix (written by its owner;
+      under HSDP by its owner world rank only, the other replicas propose nothing);
       AdamW ones ``exp_avg`` / ``exp_avg_sq`` placed like the rows, and ``step``, a 0-d
       tensor equal on every rank holding rows (replicated). Frozen parameters have no state.
       State the optimizer lacks is created first (``Muon.init_state``: zeros, as the first
       step would create them), so a fresh optimizer can be loaded into.
 
+    Under HSDP the matrices stepped since the last forward are first broadcast to the
+    other replicas (a collective then), so replicas propose identical pieces and DCP keeps
+    one of each.
+
     Values view the live tensors: ``dcp.load(state, checkpoint_id=...)`` writes into the
     model and the optimizer in place, from a checkpoint saved at any world size; then call
     :func:`set_state_dict` (it restores the hyperparameters and checks every placement).
-    No communication.
+    No communication (except the HSDP broadcast above).
     """
     root = get_root(model)
+    root.sync_replicas()  # HSDP: every replica holds the stepped matrices (no-op otherwise)
     shards: dict[int, RowShard] = {}
     state: dict[str, Any] = {}
     for e in _entries(model):
@@ -200,7 +206,9 @@ def _optim_state(optimizer: Muon, root: Root) -> dict[str, Any]:
                     if t is not None:  # only where this rank holds rows
                         entry[key] = t
                     continue
-                if t is None:  # this rank holds no element of it (init_state made the rest)
+                if not root.groups.steps_here(pl):  # HSDP: another replica writes it
+                    t = p.new_empty((0, *p.shape[1:]))
+                elif t is None:  # this rank holds no element of it (init_state made the rest)
                     t = torch.empty(p.shape, dtype=p.dtype, device=p.device)
                 entry[key] = RowShard.of(t, pl, root.rank)
             state[name] = entry
@@ -336,9 +344,9 @@ def _load_optim(optimizer: Muon, root: Root, osd: dict[str, Any]) -> None:
     for name, (group, p) in where.items():
         saved = osd["state"].get(name)
         held = optimizer.state.get(p, {})
-        if not saved or not p.numel():
-            optimizer.state.pop(p, None)  # nothing saved, or this rank holds none of it
-            continue
+        if not saved or not p.numel() or not root.groups.steps_here(p._mf_placement):
+            optimizer.state.pop(p, None)  # nothing saved, this rank holds none of it, or
+            continue  # (HSDP) another replica steps it
         new: dict[str, Any] = {}
         for key, value in saved.items():
             old = held.get(key)

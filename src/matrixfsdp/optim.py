@@ -247,7 +247,7 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             fused = group.get("fused")
             for p in group["params"]:
-                if not p.requires_grad or not p.numel() or self.state.get(p):
+                if not p.requires_grad or not p.numel() or self.state.get(p) or not _steps_here(p):
                     continue
                 state = self.state[p]
                 if group["use_muon"]:
@@ -371,6 +371,12 @@ def _no_state(p: torch.Tensor) -> str:
         return (f"no state (this rank holds the empty placeholder {tuple(p.shape)}; the matrix "
                 f"is owned by rank {pl.owner})")
     return f"no state (this rank holds none of it: {tuple(p.shape)})"
+
+
+def _steps_here(p: torch.Tensor) -> bool:
+    """HSDP: False for a matrix this rank holds but another replica steps (no state here)."""
+    unit = getattr(p, "_mf_unit", None)
+    return unit is None or unit.root is None or unit.root.groups.steps_here(p._mf_placement)
 
 
 def _scalar_dtype() -> torch.dtype:
