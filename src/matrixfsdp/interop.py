@@ -159,7 +159,7 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     """
     root = get_root(model)
     full = full_state_dict(model)
-    if root.rank == 0:
+    if root.groups.world_rank == 0:  # one writer, also under HSDP (one per replica otherwise)
         model.save_pretrained(save_directory, state_dict=full, **kwargs)
     if dist.is_initialized():
-        dist.barrier(group=root.group)
+        dist.barrier(group=root.groups.world)
