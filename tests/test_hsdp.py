@@ -269,12 +269,13 @@ SAME = dict(same_data=True, ns_fp32=False, adamw=BIT)
 
 
 def test_hsdp_four_ranks_exact_bit_identical_and_bytes(tmp_path):
-    """2x2: different data within 1e-6 of torch (fp32 NS, global-norm clipping); equal data
-    bit-identical (bf16 NS, default eps, debug mode on); expert stacks within 1e-6; the
-    replicate-dim bytes vs FSDP2 HSDP; a DCP checkpoint resumes bit-identically and loads on a
-    1-D mesh; debug mode names a diverging rank on every rank."""
+    """2x2 and 4x1: different data within 1e-6 of torch (fp32 NS, 2x2 with global-norm
+    clipping); 2x2 equal data bit-identical (bf16 NS, default eps, debug mode on); expert
+    stacks within 1e-6; the replicate-dim bytes vs FSDP2 HSDP; a DCP checkpoint resumes
+    bit-identically and loads on a 1-D mesh; debug mode names a diverging rank everywhere."""
     jobs = {"2x2 different data": {**DIFF, "shape": (2, 2), "clip": 0.25},
             "2x2 equal data": {**SAME, "shape": (2, 2), "debug": True},
+            "4x1 different data": {**DIFF, "shape": (4, 1)},
             "bytes": "bytes", "moe": "moe", "checkpoint": "checkpoint", "diverge": "diverge"}
     spawn(_worker, 4, jobs, str(tmp_path))
     r0 = torch.load(tmp_path / "rank0.pt")
