@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from _dist import spawn
 from reference import reference_ns_fp32
+from test_parity import STEP_MARK, _count_collectives
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -21,8 +22,6 @@ from matrixfsdp.plan import ParamSpec, format_report, make_plan, ns_flops, plan_
 STEPS, PER_RANK, SEQ, VOCAB = 3, 2, 8, 256
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)  # eps: see test_parity
-STEP_MARK = "matrixfsdp_test.optimizer_step"
-COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
 
 
 # ---- models ------------------------------------------------------------------------------
@@ -137,19 +136,6 @@ def train_reference(kind: str, data) -> tuple[dict, dict]:
 
 
 # ---- the distributed run --------------------------------------------------------------------
-def _count_collectives(events) -> tuple[int, int]:
-    """(collectives inside an optimizer step, all others), as in test_parity."""
-    steps = [e.time_range for e in events if e.name == STEP_MARK]
-    inside = other = 0
-    for e in events:
-        if e.name.startswith(COLLECTIVE_PREFIXES):
-            if any(s.start <= e.time_range.start <= s.end for s in steps):
-                inside += 1
-            else:
-                other += 1
-    return inside, other
-
-
 def train_sharded(kind: str, rank: int, world_size: int) -> dict:
     model = build(kind)
     mesh = init_device_mesh("cpu", (world_size,))
