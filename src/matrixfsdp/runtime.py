@@ -464,41 +464,15 @@ def _grad_to_empty_shard(shard: nn.Parameter, param: nn.Parameter) -> None:
         shard.grad = torch.zeros_like(shard)
 
 
-def _materialize(root_unit: Unit) -> Root:
-    """Plan all units under ``root_unit`` at once and shard their parameters."""
-    mesh = root_unit.mesh
-    P = mesh.size()  # all ranks of the mesh; buffers are split over its shard dim
-    groups = MeshGroups.from_mesh(mesh)
-    rank = groups.shard_rank
-    device = _mesh_device(mesh)
-    named_units = _unit_modules(root_unit.module)
-    units = [u for _, u in named_units]
-    for index, (name, u) in enumerate(named_units):
-        u.name, u.index = name or "<root>", index
-        if u.root is not None:
-            raise ValueError(f"matrixfsdp: unit '{name}' was already planned as part of another root")
-        if u.mesh is not mesh and (u.mesh.mesh.tolist() != mesh.mesh.tolist()
-                                   or u.mesh.device_type != mesh.device_type):
-            raise ValueError(f"matrixfsdp: unit '{name}' uses a different mesh than the root "
-                             f"({u.mesh} vs {mesh}); one model needs one mesh")
-    if dist.is_initialized() and dist.get_world_size() > P:
-        warnings.warn(
-            f"matrixfsdp: the mesh covers {P} of the {dist.get_world_size()} ranks; gradients are "
-            f"averaged over these {P} ranks only and nothing synchronises them with the other "
-            "ranks. Right if those train other parts of the model (pipeline stages); wrong if "
-            "they are data-parallel replicas (e.g. mesh2d['shard'] passed for HSDP): replicas "
-            "would train apart silently. For HSDP pass the 2-D mesh itself, "
-            "fully_shard(module, mesh=mesh2d) with mesh2d = init_device_mesh(device, "
-            "(replicas, shard), mesh_dim_names=('replicate', 'shard')); see docs/hsdp.md",
-            stacklevel=2)
-    root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
-    for u in units[1:]:
-        u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
-    muon_filter = root_unit.muon_filter
+def _collect_params(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None
+                    ) -> tuple[list[list[nn.Parameter]], list[ParamSpec], dict[str, str]]:
+    """Each unit's parameters (and where they are registered), checked, and their specs.
 
-    # Collect and check parameters, per unit.
-    # A tensor registered at several places (tied weights) is one parameter of one unit:
-    # planned, gathered and reduced once, registered at every place.
+    A tensor registered at several places (tied weights) is one parameter of one unit:
+    planned, gathered and reduced once, registered at every place. Returns the parameters
+    per unit, the specs for the planner, and {other name: planned name} of tied ones.
+    """
+    units = [u for _, u in named_units]
     seen: dict[int, tuple[int, str, int]] = {}  # id -> (unit index, first name, index)
     aliases: dict[str, str] = {}
     specs: list[ParamSpec] = []
@@ -542,69 +516,111 @@ def _materialize(root_unit: Unit) -> Root:
                                  f"{tuple(p.shape)}; Muon needs 2-D matrices or 3-D "
                                  "(experts, m, n) stacks of expert matrices")
             specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
+    return originals, specs, aliases
+
+
+def _shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: Root,
+                rank: int, device: torch.device) -> None:
+    """Give unit ``u`` its storage (this rank's segment ``local``, the gather targets ``flat``
+    and ``even``), its sharded and unsharded parameters, and register the shards."""
+    lay = unit_layout(plan, ui)
+    u.layout, u.root = lay, root
+    dtype = params[0].dtype if params else torch.float32
+    u.precision = prec = Precision.resolve(u.mp_policy, dtype)
+    with torch.no_grad():
+        u.local = torch.empty(lay.seg_sizes[rank], dtype=dtype, device=device)
+        u.flat = torch.empty(lay.numel, dtype=prec.param, device=device)
+        u._even_index, even_numel = {}, 0
+        for i, p in enumerate(params):
+            if not lay.whole_on_one_rank(i):
+                u._even_index[i] = even_numel
+                even_numel += p.numel()
+        u.even = torch.empty(even_numel, dtype=prec.param, device=device)
+        # A model built on the meta device gets uninitialised shards on the mesh device,
+        # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
+        u.needs_init = any(p.device.type == "meta" for p in params)
+        offset = 0
+        for i, pc in lay.local_pieces(rank):
+            if not u.needs_init:
+                src = params[i].detach().reshape(params[i].shape[0] if params[i].dim() else 1, -1)
+                u.local[offset:offset + pc.numel].copy_(src[pc.row_start:pc.row_stop].reshape(-1))
+            offset += pc.numel
+    u.sharded, u.unsharded = [], []
+    local_offsets = {i: 0 for i in range(len(params))}
+    offset = 0
+    for i, pc in lay.local_pieces(rank):
+        local_offsets[i] = offset
+        offset += pc.numel
+    for i, (p, pl) in enumerate(zip(params, lay.placements)):
+        shape = pl.local_shape(rank)
+        n = math.prod(shape)
+        sp = nn.Parameter(u.local[local_offsets[i]:local_offsets[i] + n].view(shape),
+                          requires_grad=p.requires_grad)
+        sp._mf_placement = pl
+        sp._mf_unit = u
+        u.sharded.append(sp)
+        if i in u._even_index:
+            full = _alias(u.even, u._even_index[i], tuple(p.shape))
+        else:
+            start = lay.pieces[i][0].offset if lay.pieces[i] else 0
+            full = _alias(u.flat, start, tuple(p.shape))
+        up = nn.Parameter(full, requires_grad=p.requires_grad)
+        if not pl.spec.numel:  # nothing to reduce: its empty grad goes to the shard
+            up.register_post_accumulate_grad_hook(functools.partial(_grad_to_empty_shard, sp))
+        u.unsharded.append(up)
+        p._mf_replaced = sp
+    u._register(u.sharded)
+    u.flat.untyped_storage().resize_(0)
+    u.even.untyped_storage().resize_(0)
+    for name, buf in list(u.module.named_buffers()):
+        if buf.device != device and buf.device.type != "meta":
+            raise ValueError(f"matrixfsdp: buffer '{name}' of unit '{u.name}' is on "
+                             f"{buf.device}, the mesh on {device}; move the model first")
+    for mod in {id(m): m for m in [u.module, *(m for m, _ in u.refs)]}.values():
+        mod.register_state_dict_pre_hook(_refuse_state_dict)
+        mod.register_load_state_dict_pre_hook(_refuse_state_dict)
+
+
+def _materialize(root_unit: Unit) -> Root:
+    """Plan all units under ``root_unit`` at once and shard their parameters."""
+    mesh = root_unit.mesh
+    P = mesh.size()  # all ranks of the mesh; buffers are split over its shard dim
+    groups = MeshGroups.from_mesh(mesh)
+    rank = groups.shard_rank
+    device = _mesh_device(mesh)
+    named_units = _unit_modules(root_unit.module)
+    units = [u for _, u in named_units]
+    for index, (name, u) in enumerate(named_units):
+        u.name, u.index = name or "<root>", index
+        if u.root is not None:
+            raise ValueError(f"matrixfsdp: unit '{name}' was already planned as part of another root")
+        if u.mesh is not mesh and (u.mesh.mesh.tolist() != mesh.mesh.tolist()
+                                   or u.mesh.device_type != mesh.device_type):
+            raise ValueError(f"matrixfsdp: unit '{name}' uses a different mesh than the root "
+                             f"({u.mesh} vs {mesh}); one model needs one mesh")
+    if dist.is_initialized() and dist.get_world_size() > P:
+        warnings.warn(
+            f"matrixfsdp: the mesh covers {P} of the {dist.get_world_size()} ranks; gradients are "
+            f"averaged over these {P} ranks only and nothing synchronises them with the other "
+            "ranks. Right if those train other parts of the model (pipeline stages); wrong if "
+            "they are data-parallel replicas (e.g. mesh2d['shard'] passed for HSDP): replicas "
+            "would train apart silently. For HSDP pass the 2-D mesh itself, "
+            "fully_shard(module, mesh=mesh2d) with mesh2d = init_device_mesh(device, "
+            "(replicas, shard), mesh_dim_names=('replicate', 'shard')); see docs/hsdp.md",
+            stacklevel=2)
+    root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
+    for u in units[1:]:
+        u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
+    muon_filter = root_unit.muon_filter
+
+    originals, specs, aliases = _collect_params(named_units, muon_filter)
     plan = make_plan(specs, P, [u.name for u in units], shard_size=groups.shard_size)
     root = Root(root_unit.module, units, plan, mesh, debug=root_unit.debug,
                 overlap=root_unit.overlap, groups=groups)
     root.aliases = aliases
 
     for ui, u in enumerate(units):
-        lay = unit_layout(plan, ui)
-        u.layout, u.root = lay, root
-        params = originals[ui]
-        dtype = params[0].dtype if params else torch.float32
-        u.precision = prec = Precision.resolve(u.mp_policy, dtype)
-        with torch.no_grad():
-            u.local = torch.empty(lay.seg_sizes[rank], dtype=dtype, device=device)
-            u.flat = torch.empty(lay.numel, dtype=prec.param, device=device)
-            u._even_index, even_numel = {}, 0
-            for i, p in enumerate(params):
-                if not lay.whole_on_one_rank(i):
-                    u._even_index[i] = even_numel
-                    even_numel += p.numel()
-            u.even = torch.empty(even_numel, dtype=prec.param, device=device)
-            # A model built on the meta device gets uninitialised shards on the mesh device,
-            # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
-            u.needs_init = any(p.device.type == "meta" for p in params)
-            offset = 0
-            for i, pc in lay.local_pieces(rank):
-                if not u.needs_init:
-                    src = params[i].detach().reshape(params[i].shape[0] if params[i].dim() else 1, -1)
-                    u.local[offset:offset + pc.numel].copy_(src[pc.row_start:pc.row_stop].reshape(-1))
-                offset += pc.numel
-        u.sharded, u.unsharded = [], []
-        local_offsets = {i: 0 for i in range(len(params))}
-        offset = 0
-        for i, pc in lay.local_pieces(rank):
-            local_offsets[i] = offset
-            offset += pc.numel
-        for i, (p, pl) in enumerate(zip(params, lay.placements)):
-            shape = pl.local_shape(rank)
-            n = math.prod(shape)
-            sp = nn.Parameter(u.local[local_offsets[i]:local_offsets[i] + n].view(shape),
-                              requires_grad=p.requires_grad)
-            sp._mf_placement = pl
-            sp._mf_unit = u
-            u.sharded.append(sp)
-            if i in u._even_index:
-                full = _alias(u.even, u._even_index[i], tuple(p.shape))
-            else:
-                start = lay.pieces[i][0].offset if lay.pieces[i] else 0
-                full = _alias(u.flat, start, tuple(p.shape))
-            up = nn.Parameter(full, requires_grad=p.requires_grad)
-            if not pl.spec.numel:  # nothing to reduce: its empty grad goes to the shard
-                up.register_post_accumulate_grad_hook(functools.partial(_grad_to_empty_shard, sp))
-            u.unsharded.append(up)
-            p._mf_replaced = sp
-        u._register(u.sharded)
-        u.flat.untyped_storage().resize_(0)
-        u.even.untyped_storage().resize_(0)
-        for name, buf in list(u.module.named_buffers()):
-            if buf.device != device and buf.device.type != "meta":
-                raise ValueError(f"matrixfsdp: buffer '{name}' of unit '{u.name}' is on "
-                                 f"{buf.device}, the mesh on {device}; move the model first")
-        for mod in {id(m): m for m in [u.module, *(m for m, _ in u.refs)]}.values():
-            mod.register_state_dict_pre_hook(_refuse_state_dict)
-            mod.register_load_state_dict_pre_hook(_refuse_state_dict)
+        _shard_unit(u, ui, originals[ui], plan, root, rank, device)
     global _PENDING
     _PENDING = [r for r in _PENDING if r() is not None and r().root is None]
     return root
