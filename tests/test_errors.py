@@ -17,8 +17,8 @@ def _mesh():
     return init_device_mesh("cpu", (1,))
 
 
-def _shard(model, **root_kw):
-    mesh = _mesh()
+def _shard(model, mesh=None, **root_kw):
+    mesh = mesh or _mesh()
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     return mf.fully_shard(model, mesh=mesh, **root_kw)
@@ -142,3 +142,32 @@ def test_parameters_replaced_after_fully_shard(world1, change):
         model.layers[0].mlp.fc.weight.data = torch.zeros(24, 16)
     with pytest.raises(RuntimeError, match=r"parameter '.*' no longer views MatrixFSDP's storage"):
         model(torch.zeros(1, 4, dtype=torch.long))
+
+
+def _torch_matrix_optimizers(rank, world_size, out_dir):
+    import os
+    model = _shard(GPT(CFG), mesh=init_device_mesh("cpu", (world_size,)))
+    x = torch.randint(0, 256, (2, 9))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    errors = []
+    for make in (lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2]),
+                 lambda ps: torch.optim.Adafactor(ps), lambda ps: torch.optim.LBFGS(ps)):
+        opt = make(list(model.parameters()))
+        try:
+            opt.step() if not isinstance(opt, torch.optim.LBFGS) else opt.step(lambda: 0.0)
+            errors.append("")
+        except RuntimeError as e:
+            errors.append(str(e))
+    torch.optim.AdamW(model.parameters()).step()  # element-wise: right on shards, allowed
+    torch.save(errors, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_torch_matrix_optimizers_on_shards_are_refused(tmp_path):
+    """torch.optim.Muon / Adafactor on a row shard (or L-BFGS on any shard) would step one
+    rank's piece, not the matrix: a silent difference from one process, refused on every
+    rank; element-wise optimizers such as AdamW stay allowed."""
+    from _dist import spawn
+    spawn(_torch_matrix_optimizers, 2, str(tmp_path))
+    for rank in range(2):
+        errors = torch.load(tmp_path / f"rank{rank}.pt")
+        assert all("from this rank's piece" in e and "matrixfsdp.Muon" in e for e in errors), errors

@@ -69,6 +69,9 @@ def _train(rank, job):
             # The forward broadcast the matrices stepped last step: replicas agree again.
             identical.append(_replicas_equal(root))
             loss.backward()
+            if job.get("eval_between"):  # a gather between backward and step (metrics)
+                with torch.no_grad():
+                    model.loss(x[:, :-1], x[:, 1:])
             if job.get("clip"):  # the global norm: each element once over the 2-D mesh
                 mf.clip_grad_norm_(model.parameters(), job["clip"])
             for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank
@@ -270,10 +273,11 @@ SAME = dict(same_data=True, ns_fp32=False, adamw=BIT)
 
 def test_hsdp_four_ranks_exact_bit_identical_and_bytes(tmp_path):
     """2x2 and 4x1: different data within 1e-6 of torch (fp32 NS, 2x2 with global-norm
-    clipping); 2x2 equal data bit-identical (bf16 NS, default eps, debug mode on); expert
+    clipping and a no-grad forward between backward and step, which must not use up the
+    broadcast the step makes necessary); 2x2 equal data bit-identical (bf16 NS, default eps, debug mode on); expert
     stacks within 1e-6; the replicate-dim bytes vs FSDP2 HSDP; a DCP checkpoint resumes
     bit-identically and loads on a 1-D mesh; debug mode names a diverging rank everywhere."""
-    jobs = {"2x2 different data": {**DIFF, "shape": (2, 2), "clip": 0.25},
+    jobs = {"2x2 different data": {**DIFF, "shape": (2, 2), "clip": 0.25, "eval_between": True},
             "2x2 equal data": {**SAME, "shape": (2, 2), "debug": True},
             "4x1 different data": {**DIFF, "shape": (4, 1)},
             "bytes": "bytes", "moe": "moe", "checkpoint": "checkpoint", "diverge": "diverge"}

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .comm import CommStats, LinkDelay, Pending, gather_v, reduce_v
 from .debug import (
@@ -234,6 +235,7 @@ class Unit:
         self.new_step = False  # a backward pass ended since the last forward
         self.in_backward = False  # unsharded for backward, post-backward not yet run
         self.needs_broadcast = False  # HSDP: replicas stepped their matrices since the gather
+        self.has_replica_owned = False  # HSDP: some matrix of this unit is stepped by one replica
 
     # ---- parameter movement -------------------------------------------------------------
     @torch.no_grad()
@@ -402,8 +404,6 @@ class Unit:
         pending = reduce_v(full, out, lay.seg_sizes, root.group, root.stats, async_op=True,
                            delay=root.delay)
         if lay.replica_runs is not None:  # HSDP: then average over the replicas too
-            self.needs_broadcast = lay.has_replica_owned
-
             def across_replicas() -> None:
                 root.before_collective(self, REPLICATE_REDUCE)
                 reduce_across_replicas(out, lay.replica_runs[root.rank], root.groups, root.stats)
@@ -462,6 +462,43 @@ def _grad_to_empty_shard(shard: nn.Parameter, param: nn.Parameter) -> None:
     param.grad = None
     if shard.grad is None:
         shard.grad = torch.zeros_like(shard)
+
+
+# torch optimizers whose update of an element depends on other elements: right on a whole
+# matrix (a Muon matrix on its owner), wrong on a row shard (Muon's Newton-Schulz,
+# Adafactor's row/column statistics), or on any shard at all (L-BFGS's global dot products).
+_ROW_SENSITIVE = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
+_GLOBAL = (torch.optim.LBFGS,)
+_guard_registered = False
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """A global optimizer step pre-hook (torch's public registry), for every optimizer:
+
+    * HSDP: a step changes the matrices one replica owns, on that replica only, so their
+      units must broadcast them before the next gather. Marked here, where replicas start
+      to differ: every rank steps the same parameters (placeholders included), so every
+      rank marks the same units, whatever ran between backward and step.
+    * torch.optim.Muon or Adafactor on a row shard, or L-BFGS on any shard, would compute
+      on one rank's piece and differ from one process silently: refused.
+      matrixfsdp.Muon does Muon exactly."""
+    checked = isinstance(optimizer, _ROW_SENSITIVE + _GLOBAL)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            pl = getattr(p, "_mf_placement", None)
+            if pl is None:
+                continue
+            if p._mf_unit.has_replica_owned:
+                p._mf_unit.needs_broadcast = True
+            if not checked or p.grad is None:
+                continue
+            if isinstance(optimizer, _GLOBAL) or tuple(p.shape) != pl.spec.shape:
+                raise RuntimeError(
+                    f"matrixfsdp: {type(optimizer).__name__} would step parameter "
+                    f"'{pl.spec.name}' from this rank's piece {tuple(p.shape)} of the full "
+                    f"{pl.spec.shape}, which differs from one process. Use matrixfsdp.Muon "
+                    "(Muon on whole matrices, AdamW on shards) with matrixfsdp.muon_param_groups"
+                    "(model), or an element-wise optimizer (AdamW, SGD, ...)")
 
 
 def _collect_params(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None
@@ -525,6 +562,7 @@ def _shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: 
     and ``even``), its sharded and unsharded parameters, and register the shards."""
     lay = unit_layout(plan, ui)
     u.layout, u.root = lay, root
+    u.has_replica_owned = lay.has_replica_owned
     dtype = params[0].dtype if params else torch.float32
     u.precision = prec = Precision.resolve(u.mp_policy, dtype)
     with torch.no_grad():
@@ -621,8 +659,11 @@ def _materialize(root_unit: Unit) -> Root:
 
     for ui, u in enumerate(units):
         _shard_unit(u, ui, originals[ui], plan, root, rank, device)
-    global _PENDING
+    global _PENDING, _guard_registered
     _PENDING = [r for r in _PENDING if r() is not None and r().root is None]
+    if not _guard_registered:
+        register_optimizer_step_pre_hook(_before_optimizer_step)
+        _guard_registered = True
     return root
 
 
