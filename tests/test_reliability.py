@@ -329,3 +329,18 @@ def test_hyperparameters_refused_exactly_where_torch_refuses(use_muon, kw):
     assert ours == theirs, f"torch {'refuses' if theirs else 'accepts'} {kw}, matrixfsdp does not"
     if any(isinstance(v, float) and math.isnan(v) for v in (*kw.values(), *kw.get("betas", ()))):
         assert theirs, f"torch accepts {kw}"  # the premise: torch refuses NaN
+
+
+def test_plan_digest_names_the_replica_that_steps_a_matrix():
+    """HSDP: the same storage with a matrix stepped by another world rank (another replica)
+    is another plan: optimizer state saved there would miss or carry that momentum."""
+    from types import SimpleNamespace
+
+    from matrixfsdp.optim import _plan_digest
+    from matrixfsdp.plan import ParamSpec, Placement
+
+    spec = ParamSpec("w", (4, 4), 4, 1, True)
+    ranges = [(0, 4), (0, 0)]
+    one, other = (SimpleNamespace(_mf_placement=Placement(spec, owner, ranges)) for owner in (0, 2))
+    assert _plan_digest([one]) != _plan_digest([other])
+    assert _plan_digest([one]) == _plan_digest([SimpleNamespace(_mf_placement=Placement(spec, 0, ranges))])

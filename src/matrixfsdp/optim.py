@@ -338,9 +338,9 @@ class Muon(torch.optim.Optimizer):
 def _world_size(params: Iterable[torch.Tensor]) -> int | None:
     """The world size the parameters are planned for (None: plain tensors, no plan)."""
     for p in params:
-        pl = getattr(p, "_mf_placement", None)
-        if pl is not None:
-            return len(pl.row_ranges)
+        unit = getattr(p, "_mf_unit", None)
+        if unit is not None and unit.root is not None:  # HSDP: replicas x shard size
+            return unit.root.groups.replicas * unit.root.groups.shard_size
     return None
 
 
@@ -354,11 +354,13 @@ def _rank_of(params: Iterable[torch.Tensor]) -> int:
 
 def _plan_digest(params: Iterable[torch.Tensor]) -> str:
     """A short digest of where each parameter lives on every rank (name, shape, Muon or
-    not, each rank's rows): equal digests mean every rank holds the same local tensors."""
+    not, each rank's rows, and the world rank that steps a matrix, which under HSDP also
+    names the replica): equal digests mean every rank holds and steps the same tensors."""
     h = hashlib.sha256()
     for p in params:
         pl = getattr(p, "_mf_placement", None)
-        key = (pl.spec.name, pl.spec.shape, pl.spec.muon) if pl is not None else tuple(p.shape)
+        key = (pl.spec.name, pl.spec.shape, pl.spec.muon, pl.owner) if pl is not None \
+            else tuple(p.shape)
         h.update(repr(key).encode())
         if pl is not None:
             h.update(array("q", [i for r in pl.row_ranges for i in r]).tobytes())
