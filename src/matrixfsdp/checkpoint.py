@@ -175,6 +175,9 @@ def get_state_dict(model: nn.Module, optimizer: Muon | None = None) -> dict[str,
             if id(e.tensor) not in shards:
                 shards[id(e.tensor)] = RowShard.of(e.tensor, _placement(e.tensor, e.name), root.rank)
             state[e.name] = shards[id(e.tensor)]
+        elif e.tensor.is_meta:  # a model built on meta: DCP loads into a real tensor
+            state[e.name] = torch.empty(e.tensor.shape, dtype=e.tensor.dtype,
+                                        device=root.units[0].local.device)
         else:
             state[e.name] = e.tensor.detach()
     out: dict[str, Any] = {"model": state}
@@ -295,7 +298,8 @@ def _load_model(model: nn.Module, root: Root, sd: dict[str, Any], strict: bool) 
             _copy(e.tensor, src)
             loaded.add(id(e.tensor))
         elif e.tensor.is_meta:  # a model built on meta: the buffer gets the loaded tensor
-            e.module._buffers[e.attr] = value.detach().to(e.tensor.dtype).clone()
+            e.module._buffers[e.attr] = value.detach().to(
+                device=root.units[0].local.device, dtype=e.tensor.dtype, copy=True)
         else:
             if tuple(value.shape) != tuple(e.tensor.shape):
                 raise ValueError(f"matrixfsdp.set_state_dict: buffer '{e.name}' has shape "

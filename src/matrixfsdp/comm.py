@@ -103,10 +103,11 @@ class Pending:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        delay = self._ready_at - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        self._ready_at = 0.0
+        if self._ready_at:  # a modelled slower link (tests, bench) only
+            delay = self._ready_at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            self._ready_at = 0.0
         epilogues, self._epilogues, self._keep = self._epilogues, [], ()
         for epilogue in epilogues:
             epilogue()

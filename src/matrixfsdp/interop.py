@@ -137,7 +137,8 @@ def load_full_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: b
             used.add(e.name)
             value = source.whole(e.name)
             if e.tensor.is_meta:
-                e.module._buffers[e.attr] = value.to(e.tensor.dtype)
+                e.module._buffers[e.attr] = value.to(device=root.units[0].local.device,
+                                                     dtype=e.tensor.dtype)
             else:
                 e.tensor.copy_(value)
     unexpected = sorted(set(source.shapes) - used)

@@ -137,6 +137,7 @@ class Root:
         self.stats = CommStats()
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
         self.in_backward = False
+        self.need_check = True  # check_registered at the next root forward
         self.check = CollectiveCheck(self.groups.world, _mesh_device(mesh),
                                      [u.name for u in units]) \
             if debug and self.world_size > 1 else None
@@ -186,6 +187,7 @@ class Root:
             unit.end_backward()
         self.schedule.end_step()
         self.in_backward = False
+        self.need_check = True
         if self.check is not None:
             self.check.step += 1
 
@@ -314,10 +316,11 @@ class Unit:
         if self.needs_init:
             raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
-        if self.new_step or not self.calls:  # once per step
-            if self.index == 0:
-                root.check_registered()
+        if self.new_step:
             self.calls, self.new_step = 0, False
+        if self.index == 0 and root.need_check:  # once per training step (each eval forward)
+            root.check_registered()
+            root.need_check = not torch.is_grad_enabled()
         recompute = root.in_backward and self.in_backward
         self.unshard()
         if not root.in_backward:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ import matrixfsdp as mf
 from matrixfsdp.cli import launch
 from matrixfsdp.comm import LinkDelay
 from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.ranks import device_for, sync
 
 
 def _time_steps(args, overlap: bool, gbps: float | None) -> tuple[float, int]:
@@ -35,8 +37,9 @@ def _time_steps(args, overlap: bool, gbps: float | None) -> tuple[float, int]:
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
                     d_mlp=4 * args.d_model, seq_len=args.seq)
-    model = GPT(cfg)
-    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
+    device = device_for(int(os.environ.get("LOCAL_RANK", dist.get_rank())))  # as launch chose
+    model = GPT(cfg).to(device)
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh, overlap=overlap)
@@ -46,11 +49,12 @@ def _time_steps(args, overlap: bool, gbps: float | None) -> tuple[float, int]:
     g = torch.Generator().manual_seed(dist.get_rank())
     times = []
     for _ in range(args.warmup + args.steps):
-        x = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
+        x = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(device)
         dist.barrier()
         root.stats.reset()
         t0 = time.perf_counter()
         model.loss(x[:, :-1], x[:, 1:]).backward()
+        sync(device)
         times.append(time.perf_counter() - t0)
         opt.step()
         opt.zero_grad()
@@ -66,8 +70,9 @@ def _rank(args) -> None:
         off, _ = _time_steps(args, False, gbps)
         rows.append(dict(gbps=gbps, on_ms=on * 1e3, off_ms=off * 1e3))
     # the slowest rank's times decide a step
+    device = device_for(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     flat = torch.tensor([free_on * 1e3, free_off * 1e3]
-                        + [v for r in rows for v in (r["on_ms"], r["off_ms"])])
+                        + [v for r in rows for v in (r["on_ms"], r["off_ms"])], device=device)
     every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flat)
     worst = torch.stack(every).max(dim=0).values.tolist()
