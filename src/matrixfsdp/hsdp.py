@@ -9,7 +9,8 @@ replica (the plan's storage is per shard rank). Each 2-D Muon matrix also has on
   as in FSDP2's HSDP; the run of matrices stepped by replica i is *reduced* (mean) to
   replica i only. Only there do those matrices get a ``.grad``, so only there does the
   optimizer step them (and keep momentum).
-* the unit's next gather (its next forward, or :func:`sync_replicas` for a checkpoint):
+* the unit's next gather after an optimizer step (its next forward, or
+  :func:`sync_replicas` for a checkpoint):
   first each replica's run is *broadcast* from it to the other replicas, then the shard
   group gathers as usual. Never inside ``optimizer.step()``.
 
