@@ -32,6 +32,7 @@ from torch import nn
 
 from .comm import gather_v
 from .dcp import RowShard
+from .layout import local_rows
 from .optim import PLAN_KEYS, Muon, _scalar_dtype
 from .plan import Placement
 from .runtime import Root, get_root
@@ -91,9 +92,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
             if tuple(full.shape) != spec.shape:
                 raise ValueError(f"parameter '{spec.name}': state dict has shape "
                                  f"{tuple(full.shape)}, the model {spec.shape}")
-            start, stop = p._mf_placement.row_ranges[root.rank]
-            rows = full.reshape(spec.rows, spec.row_numel)[start:stop]
-            p.view(-1).copy_(rows.reshape(-1))
+            p.copy_(local_rows(full, p._mf_placement, root.rank))
     buffers = dict(model.named_buffers())
     for name, buf in buffers.items():
         if name in state:
@@ -238,10 +237,7 @@ def _local_rows(value: Any, pl: Placement, rank: int, what: str) -> torch.Tensor
         if tuple(value.shape) != spec.shape:
             raise ValueError(f"matrixfsdp.set_state_dict: {what} has shape {tuple(value.shape)}, "
                              f"the model {spec.shape}")
-        if not spec.shape:
-            return value if pl.local_rows(rank) else value.new_empty(shape)
-        start, stop = pl.row_ranges[rank]
-        return value.reshape(spec.rows, spec.row_numel)[start:stop].view(shape)
+        return local_rows(value, pl, rank)
     raise TypeError(f"matrixfsdp.set_state_dict: {what} is a {type(value).__name__}, not a tensor")
 
 

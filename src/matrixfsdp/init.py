@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .layout import local_rows
 from .runtime import Root, get_root
 
 InitFn = Callable[[nn.Module], object]
@@ -262,10 +263,7 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
                 f"matrixfsdp.init_weights: the init of module '{mname}' wrote only part of parameter "
                 f"'{name}', or read its previous value. Each visit must write all of a parameter or "
                 "none of it, without reading it: no rank holds its previous value whole")
-        start, stop = p._mf_placement.row_ranges[root.rank]
-        if stop > start:
-            rows = value.detach().reshape(p._mf_placement.spec.rows, -1)[start:stop]
-            p.view(-1).copy_(rows.reshape(-1))
+        p.copy_(local_rows(value.detach(), p._mf_placement, root.rank))
         pending.pop(id(p), None)
     for attr, meta in meta_buffers.items():
         value = module._buffers.get(attr)

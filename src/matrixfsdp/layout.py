@@ -24,6 +24,7 @@ replica 0, then those of replica 1, ...: each group is one contiguous run
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .plan import Placement, Plan
 
@@ -69,6 +70,14 @@ class UnitLayout:
         """HSDP: some rank of the shard group holds a matrix stepped by one replica only."""
         return self.replica_runs is not None and any(
             n for runs in self.replica_runs for _, n in runs[1:])
+
+
+def local_rows(full: Any, placement: Placement, rank: int) -> Any:
+    """Rank's piece of the full tensor ``full`` (a view, shaped ``placement.local_shape``):
+    the rows of dim 0 it holds (a 0-d tensor counts as one row)."""
+    start, stop = placement.row_ranges[rank]
+    return full.reshape(placement.spec.rows, placement.spec.row_numel)[start:stop].view(
+        placement.local_shape(rank))
 
 
 def unit_layout(plan: Plan, unit: int) -> UnitLayout:

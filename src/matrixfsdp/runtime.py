@@ -48,7 +48,7 @@ from .debug import (
     CollectiveCheck,
 )
 from .hsdp import MeshGroups, broadcast_from_owners, reduce_across_replicas
-from .layout import UnitLayout, unit_layout
+from .layout import UnitLayout, local_rows, unit_layout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .overlap import Schedule
 from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
@@ -428,11 +428,9 @@ class Unit:
         root.schedule.add_reduce(pending.then(attach))
 
     def end_backward(self) -> None:
+        """After every unit's final ``post_backward`` (which resharded it): a new pass."""
         self.calls_done = 0
         self.new_step = True
-        self.in_backward = False
-        self.reshard()
-        self._register(self.sharded)
 
 
 def _is_unit(m: nn.Module) -> bool:
@@ -583,8 +581,8 @@ def _shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: 
         offset = 0
         for i, pc in lay.local_pieces(rank):
             if not u.needs_init:
-                src = params[i].detach().reshape(params[i].shape[0] if params[i].dim() else 1, -1)
-                u.local[offset:offset + pc.numel].copy_(src[pc.row_start:pc.row_stop].reshape(-1))
+                u.local[offset:offset + pc.numel].copy_(
+                    local_rows(params[i].detach(), lay.placements[i], rank).reshape(-1))
             offset += pc.numel
     u.sharded, u.unsharded = [], []
     local_offsets = {i: 0 for i in range(len(params))}
