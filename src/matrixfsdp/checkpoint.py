@@ -80,23 +80,12 @@ def persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into this rank's shards (no communication; every rank needs
-    ``state``). Raises ``KeyError``/``ValueError`` naming a missing or misshapen entry."""
-    root = get_root(model)
-    for unit in root.units:
-        for p in unit.sharded:
-            spec = p._mf_placement.spec
-            if spec.name not in state:
-                raise KeyError(f"state dict has no entry for parameter '{spec.name}'")
-            full = state[spec.name]
-            if tuple(full.shape) != spec.shape:
-                raise ValueError(f"parameter '{spec.name}': state dict has shape "
-                                 f"{tuple(full.shape)}, the model {spec.shape}")
-            p.copy_(local_rows(full, p._mf_placement, root.rank))
-    buffers = dict(model.named_buffers())
-    for name, buf in buffers.items():
-        if name in state:
-            buf.copy_(state[name])
+    """Copy full tensors (``full_state_dict``'s, or a plain model's ``state_dict()``) into
+    this rank's shards and the buffers; no communication, every rank needs ``state``. The
+    model part of :func:`set_state_dict`: tied parameters under either name, a meta-built
+    model's shards initialised. Raises ``ValueError`` naming a missing, unexpected or
+    misshapen entry."""
+    _load_model(model, get_root(model), state, strict=True)
 
 
 # ---- torch.distributed.checkpoint ---------------------------------------------------------
