@@ -23,7 +23,7 @@ replica 0, then those of replica 1, ...: each group is one contiguous run
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import Placement, Plan
@@ -52,6 +52,7 @@ class UnitLayout:
     # HSDP only: per shard rank, ``replicas + 1`` runs ``(start, numel)`` relative to its
     # segment: the replicated pieces, then the matrices stepped by replica 0, 1, ...
     replica_runs: list[list[tuple[int, int]]] | None = None
+    _local: dict[int, list[tuple[int, Piece]]] = field(default_factory=dict, repr=False)
 
     @property
     def numel(self) -> int:
@@ -61,9 +62,13 @@ class UnitLayout:
         return len(self.pieces[i]) == 1 and self.pieces[i][0].numel == self.placements[i].spec.numel
 
     def local_pieces(self, rank: int) -> list[tuple[int, Piece]]:
-        """(parameter index, piece) for the pieces rank holds, in segment order."""
-        return sorted(((i, p) for i, ps in enumerate(self.pieces) for p in ps if p.rank == rank),
-                      key=lambda ip: ip[1].offset)
+        """(parameter index, piece) for the pieces rank holds, in segment order (computed
+        once per rank: every gradient reduce walks it)."""
+        if rank not in self._local:
+            self._local[rank] = sorted(
+                ((i, p) for i, ps in enumerate(self.pieces) for p in ps if p.rank == rank),
+                key=lambda ip: ip[1].offset)
+        return self._local[rank]
 
     @property
     def has_replica_owned(self) -> bool:
