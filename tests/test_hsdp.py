@@ -274,9 +274,10 @@ SAME = dict(same_data=True, ns_fp32=False, adamw=BIT)
 def test_hsdp_four_ranks_exact_bit_identical_and_bytes(tmp_path):
     """2x2 and 4x1: different data within 1e-6 of torch (fp32 NS, 2x2 with global-norm
     clipping and a no-grad forward between backward and step, which must not use up the
-    broadcast the step makes necessary); 2x2 equal data bit-identical (bf16 NS, default eps, debug mode on); expert
-    stacks within 1e-6; the replicate-dim bytes vs FSDP2 HSDP; a DCP checkpoint resumes
-    bit-identically and loads on a 1-D mesh; debug mode names a diverging rank everywhere."""
+    broadcast the step makes necessary); 2x2 equal data bit-identical (bf16 NS, default
+    eps, debug mode on); expert stacks within 1e-6; the replicate-dim bytes vs FSDP2 HSDP;
+    a DCP checkpoint resumes bit-identically and loads on a 1-D mesh; debug mode names a
+    diverging rank everywhere."""
     jobs = {"2x2 different data": {**DIFF, "shape": (2, 2), "clip": 0.25, "eval_between": True},
             "2x2 equal data": {**SAME, "shape": (2, 2), "debug": True},
             "4x1 different data": {**DIFF, "shape": (4, 1)},
