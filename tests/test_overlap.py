@@ -71,3 +71,59 @@ def test_overlap_hides_communication_and_changes_no_number(tmp_path):
     assert paid[True] < 0.5 and paid[False] - paid[True] > 0.3, paid
     for n, p in r[(False, 0.0)][2].items():  # same data, same numbers, overlap or not
         assert torch.equal(r[(True, DELAY_S)][2][n], p), n
+
+
+HSDP_DELAY_S = 0.02
+
+
+def _hsdp_worker(rank, world_size, out_dir):
+    """A (2, 1) mesh: the shard groups have one rank, so every collective that leaves a
+    rank crosses the replicate dim (reduces in backward, broadcasts in the next forward)."""
+    out = {}
+    for overlap in (True, False):
+        for delay in (0.0, HSDP_DELAY_S):
+            torch.manual_seed(0)
+            model = GPT(CFG)
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+            for block in model.layers:
+                mf.fully_shard(block, mesh=mesh)
+            mf.fully_shard(model, mesh=mesh, overlap=overlap)
+            opt = mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=3e-3))
+            root = mf.get_root(model)
+            root.delay = LinkDelay(latency_s=delay) if delay else None
+            g = torch.Generator().manual_seed(rank)
+            times, kinds = [], {}
+            for _ in range(6):
+                x = torch.randint(0, 256, (8, CFG.seq_len + 1), generator=g)
+                torch.distributed.barrier()
+                root.stats.reset()
+                t0 = time.perf_counter()  # forward (the broadcasts) and backward (the reduces)
+                model.loss(x[:, :-1], x[:, 1:]).backward()
+                times.append(time.perf_counter() - t0)
+                kinds = dict(root.stats.calls)
+                opt.step()
+                opt.zero_grad()
+            out[(overlap, delay)] = (min(times[1:]), kinds, mf.full_state_dict(model))
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, "hsdp.pt"))
+
+
+def test_hsdp_replicate_dim_collectives_overlap_and_change_no_number(tmp_path):
+    spawn(_hsdp_worker, 2, str(tmp_path), timeout=300)
+    r = torch.load(tmp_path / "hsdp.pt")
+    kinds = r[(True, 0.0)][1]
+    assert kinds == r[(False, 0.0)][1], kinds
+    assert kinds.get("replicate_broadcast", 0) >= 4 and kinds.get("replicate_reduce", 0) >= 4, kinds
+    grew = {ov: r[(ov, HSDP_DELAY_S)][0] - r[(ov, 0.0)][0] for ov in (True, False)}
+    n_blocks = CFG.n_layers
+    print(f"replicate-dim collectives per step {kinds}; delay {HSDP_DELAY_S * 1e3:.0f} ms each: "
+          f"forward+backward grew by {grew[True] * 1e3:.0f} ms with overlap, "
+          f"{grew[False] * 1e3:.0f} ms without; step {r[(True, 0.0)][0] * 1e3:.0f} ms without delay")
+    # Synchronous: each block waits for its broadcast (forward) and its reduces (backward),
+    # so at least 2 x blocks delays are paid. Overlapped: the broadcasts travel together from
+    # the start of forward, the reduces behind earlier blocks' backward: about one delay in
+    # each direction plus the last unit's reduces.
+    assert grew[False] > 0.7 * 2 * n_blocks * HSDP_DELAY_S, grew
+    assert grew[True] < 0.5 * grew[False], grew
+    for n, p in r[(False, 0.0)][2].items():  # same data, same numbers, overlap or not
+        assert torch.equal(r[(True, HSDP_DELAY_S)][2][n], p), n

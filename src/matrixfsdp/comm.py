@@ -93,13 +93,22 @@ class Pending:
         self._epilogues = [epilogue] if epilogue is not None else []
         self._keep = keep
         self._ready_at = ready_at
+        self._parts: list[Pending] = []  # see :meth:`all`
 
     def then(self, epilogue) -> Pending:
         """Run ``epilogue()`` after the collective and the earlier epilogues."""
         self._epilogues.append(epilogue)
         return self
 
+    def done(self) -> bool:
+        """Whether :meth:`wait` would return without waiting (never blocks)."""
+        return ((self._work is None or self._work.is_completed())
+                and time.perf_counter() >= self._ready_at and all(p.done() for p in self._parts))
+
     def wait(self) -> None:
+        parts, self._parts = self._parts, []
+        for p in parts:
+            p.wait()
         if self._work is not None:
             self._work.wait()
             self._work = None
@@ -111,6 +120,13 @@ class Pending:
         epilogues, self._epilogues, self._keep = self._epilogues, [], ()
         for epilogue in epilogues:
             epilogue()
+
+    @classmethod
+    def all(cls, pendings: list[Pending]) -> Pending:
+        """One :class:`Pending` that finishes ``pendings`` in order."""
+        pending = cls(None)
+        pending._parts = list(pendings)
+        return pending
 
 
 def gather_v(segment: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
@@ -186,8 +202,13 @@ def _bus(n: int, R: int, factor: int) -> int:
     return factor * n * (R - 1) // R
 
 
+def _delayed(delay: LinkDelay | None, t: torch.Tensor, R: int, factor: int) -> float:
+    return delay.ready_at(_bus(t.numel() * t.element_size(), R, factor)) if delay else 0.0
+
+
 def replicate_allreduce(t: torch.Tensor, group: dist.ProcessGroup,
-                        stats: CommStats | None = None, async_op: bool = False) -> Pending:
+                        stats: CommStats | None = None, async_op: bool = False,
+                        delay: LinkDelay | None = None) -> Pending:
     """``t`` = mean of ``t`` over the ranks of ``group`` (in place; one division after the
     sum, so equal tensors on every replica come back bit-identical)."""
     R = dist.get_world_size(group)
@@ -195,14 +216,15 @@ def replicate_allreduce(t: torch.Tensor, group: dist.ProcessGroup,
         n = t.numel() * t.element_size()
         stats.add("replicate_allreduce", n, _bus(n, R, 2))
     work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    pending = Pending(work, lambda: t.div_(R))
+    pending = Pending(work, lambda: t.div_(R), keep=(t,), ready_at=_delayed(delay, t, R, 2))
     if not async_op:
         pending.wait()
     return pending
 
 
 def replicate_reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup,
-                     stats: CommStats | None = None, async_op: bool = False) -> Pending:
+                     stats: CommStats | None = None, async_op: bool = False,
+                     delay: LinkDelay | None = None) -> Pending:
     """On global rank ``dst``: ``t`` = mean of ``t`` over the ranks of ``group``. Elsewhere
     ``t`` is left undefined (the backend may use it as scratch)."""
     R = dist.get_world_size(group)
@@ -210,20 +232,23 @@ def replicate_reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup,
         n = t.numel() * t.element_size()
         stats.add("replicate_reduce", n, _bus(n, R, 1))
     work = dist.reduce(t, dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    pending = Pending(work, (lambda: t.div_(R)) if dist.get_rank() == dst else None)
+    pending = Pending(work, (lambda: t.div_(R)) if dist.get_rank() == dst else None,
+                      keep=(t,), ready_at=_delayed(delay, t, R, 1))
     if not async_op:
         pending.wait()
     return pending
 
 
 def replicate_broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup,
-                        stats: CommStats | None = None, async_op: bool = False) -> Pending:
+                        stats: CommStats | None = None, async_op: bool = False,
+                        delay: LinkDelay | None = None) -> Pending:
     """``t`` = global rank ``src``'s ``t`` on every rank of ``group`` (in place)."""
+    R = dist.get_world_size(group)
     if stats is not None:
         n = t.numel() * t.element_size()
-        stats.add("replicate_broadcast", n, _bus(n, dist.get_world_size(group), 1))
+        stats.add("replicate_broadcast", n, _bus(n, R, 1))
     work = dist.broadcast(t, src, group=group, async_op=async_op)
-    pending = Pending(work)
+    pending = Pending(work, keep=(t,), ready_at=_delayed(delay, t, R, 1))
     if not async_op:
         pending.wait()
     return pending

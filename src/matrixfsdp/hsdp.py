@@ -4,15 +4,18 @@ A unit's parameters are sharded over the ranks of a shard group, identically in 
 replica (the plan's storage is per shard rank). Each 2-D Muon matrix also has one owner
 *replica*, so one world rank in all runs its NS (the plan balances those over the world):
 
-* backward, right after the shard group's reduce-v, per unit: the replicated run of this
+* backward, once the shard group's reduce-v of a unit is done: the replicated run of this
   rank's segment (even parameters, expert stacks) is all-reduced (mean) across replicas,
   as in FSDP2's HSDP; the run of matrices stepped by replica i is *reduced* (mean) to
   replica i only. Only there do those matrices get a ``.grad``, so only there does the
-  optimizer step them (and keep momentum).
-* the unit's next gather after an optimizer step (its next forward, or
-  :func:`sync_replicas` for a checkpoint):
-  first each replica's run is *broadcast* from it to the other replicas, then the shard
-  group gathers as usual. Never inside ``optimizer.step()``.
+  optimizer step them (and keep momentum). These run asynchronously while the backward of
+  the units before it computes, and are waited for at the end of backward at the latest.
+* after an optimizer step, at the start of the next forward (the root unit's pre-forward):
+  each replica's run of every unit is *broadcast* from it to the other replicas, all units
+  at once, asynchronously; a unit's gather waits for its own broadcast only, so unit k's
+  broadcast travels while units before it compute. Never inside ``optimizer.step()``. A
+  gather outside forward (a checkpoint: :func:`sync_replicas`) starts and waits for it
+  itself. With ``overlap=False`` each unit broadcasts, synchronously, at its own gather.
 
 A reduce plus a broadcast moves what an all-reduce of the same tensor moves, so the bytes
 across the replicate dimension equal plain HSDP's, while NS runs once in the world instead
@@ -27,7 +30,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import CommStats, Pending, replicate_allreduce, replicate_broadcast, replicate_reduce
+from .comm import (
+    CommStats,
+    LinkDelay,
+    Pending,
+    replicate_allreduce,
+    replicate_broadcast,
+    replicate_reduce,
+)
 from .plan import Placement
 
 
@@ -78,29 +88,30 @@ class MeshGroups:
 
 
 def reduce_across_replicas(out: torch.Tensor, runs: list[tuple[int, int]], groups: MeshGroups,
-                           stats: CommStats | None = None) -> None:
-    """``out`` is this rank's segment of gradients, averaged over its shard group. Average
-    it over the replicas: the replicated run (``runs[0]``) on every replica, the run of
-    matrices stepped by replica i (``runs[1 + i]``) on replica i only."""
+                           stats: CommStats | None = None, delay: LinkDelay | None = None
+                           ) -> Pending:
+    """``out`` is this rank's segment of gradients, averaged over its shard group. Start
+    averaging it over the replicas: the replicated run (``runs[0]``) on every replica, the
+    run of matrices stepped by replica i (``runs[1 + i]``) on replica i only. Returns the
+    collectives in flight; ``out`` is final once they are waited for."""
     pending: list[Pending] = []
     start, n = runs[0]
     if n:
         pending.append(replicate_allreduce(out[start:start + n], groups.replicate, stats,
-                                           async_op=True))
+                                           async_op=True, delay=delay))
     for i, (start, n) in enumerate(runs[1:]):
         if n:
             pending.append(replicate_reduce(out[start:start + n], groups.peers[i],
-                                            groups.replicate, stats, async_op=True))
-    for p in pending:
-        p.wait()
+                                            groups.replicate, stats, async_op=True, delay=delay))
+    return Pending.all(pending)
 
 
 def broadcast_from_owners(local: torch.Tensor, runs: list[tuple[int, int]], groups: MeshGroups,
-                          stats: CommStats | None = None) -> None:
-    """Copy the matrices each replica stepped (``runs[1 + i]`` of this rank's ``local``
-    segment) from replica i to the others, in place."""
-    pending = [replicate_broadcast(local[start:start + n], groups.peers[i], groups.replicate,
-                                   stats, async_op=True)
-               for i, (start, n) in enumerate(runs[1:]) if n]
-    for p in pending:
-        p.wait()
+                          stats: CommStats | None = None, delay: LinkDelay | None = None
+                          ) -> Pending:
+    """Start copying the matrices each replica stepped (``runs[1 + i]`` of this rank's
+    ``local`` segment) from replica i to the others, in place. Nothing may read or write
+    those rows of ``local`` until the returned collectives are waited for."""
+    return Pending.all([replicate_broadcast(local[start:start + n], groups.peers[i],
+                                            groups.replicate, stats, async_op=True, delay=delay)
+                        for i, (start, n) in enumerate(runs[1:]) if n])

@@ -141,7 +141,7 @@ class Root:
         self.check = CollectiveCheck(self.groups.world, _mesh_device(mesh),
                                      [u.name for u in units]) \
             if debug and self.world_size > 1 else None
-        self.schedule = Schedule(enabled=overlap)
+        self.schedule = Schedule(enabled=overlap, polling=self.check is None)
         self.delay: LinkDelay | None = None  # a slower network, for tests and the bench
 
     def check_registered(self) -> None:
@@ -165,9 +165,16 @@ class Root:
         if self.check is not None:
             self.check(unit.index, phase)
 
+    def start_broadcasts(self) -> None:
+        """HSDP: start broadcasting every matrix a replica stepped to the other replicas
+        (each unit's gather waits for its own)."""
+        for u in self.units:
+            u.start_broadcast()
+
     def sync_replicas(self) -> None:
         """HSDP: broadcast every matrix a replica stepped to the other replicas now, rather
         than at its unit's next gather (before reading parameters outside forward)."""
+        self.start_broadcasts()
         for u in self.units:
             u.sync_replicas()
 
@@ -183,6 +190,8 @@ class Root:
         for unit in reversed(self.units):
             unit.post_backward()
         self.schedule.finish_reduces()  # every .grad is in place before backward() returns
+        for unit in self.units:  # a unit this forward did not use: its broadcast ends here
+            unit.finish_broadcast()
         for unit in self.units:
             unit.end_backward()
         self.schedule.end_step()
@@ -220,6 +229,7 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None  # None: the recorded order decides
         self.backward_prefetch: list[Unit] | None = None
         self._gather: Pending | None = None  # a gather in flight (prefetched)
+        self._broadcast: Pending | None = None  # HSDP: a broadcast from owners in flight
         # filled by _materialize
         self.refs: list[tuple[nn.Module, str]] = []  # where parameters are registered
         self.ref_param: list[int] = []  # refs[k] holds parameter ref_param[k] (tied: repeats)
@@ -279,13 +289,24 @@ class Unit:
         self.is_unsharded = True
 
     @torch.no_grad()
-    def sync_replicas(self) -> None:
-        """HSDP: the matrices each replica stepped, from it to the other replicas."""
+    def start_broadcast(self) -> None:
+        """HSDP: start sending the matrices each replica stepped to the other replicas."""
         if self.needs_broadcast:
-            self.root.before_collective(self, REPLICATE_BROADCAST)
-            broadcast_from_owners(self.local, self.layout.replica_runs[self.root.rank],
-                                  self.root.groups, self.root.stats)
+            root = self.root
+            root.before_collective(self, REPLICATE_BROADCAST)
+            self._broadcast = broadcast_from_owners(self.local, self.layout.replica_runs[root.rank],
+                                                    root.groups, root.stats, delay=root.delay)
             self.needs_broadcast = False
+
+    def finish_broadcast(self) -> None:
+        if self._broadcast is not None:
+            self._broadcast.wait()
+            self._broadcast = None
+
+    def sync_replicas(self) -> None:
+        """HSDP: the matrices each replica stepped are on every replica when this returns."""
+        self.start_broadcast()
+        self.finish_broadcast()
 
     def reshard(self) -> None:
         if self._gather is not None:  # never free a buffer a gather still writes into
@@ -318,9 +339,12 @@ class Unit:
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
         if self.new_step:
             self.calls, self.new_step = 0, False
-        if self.index == 0 and root.need_check:  # once per training step (each eval forward)
-            root.check_registered()
-            root.need_check = not torch.is_grad_enabled()
+        if self.index == 0:
+            if root.need_check:  # once per training step (each eval forward)
+                root.check_registered()
+                root.need_check = not torch.is_grad_enabled()
+            if root.schedule.enabled:  # HSDP: every broadcast travels while forward runs
+                root.start_broadcasts()
         recompute = root.in_backward and self.in_backward
         self.unshard()
         if not root.in_backward:
@@ -364,6 +388,7 @@ class Unit:
         self.root.queue_final_callback()
         if not self.in_backward:
             self.in_backward = True
+            self.root.schedule.poll()  # HSDP: start the replicate-dim reduces that can start
             self.unshard()
             for unit in self.root.schedule.backward_targets(self):
                 unit.prefetch(BACKWARD_GATHER)
@@ -406,11 +431,6 @@ class Unit:
         root.before_collective(self, REDUCE)
         pending = reduce_v(full, out, lay.seg_sizes, root.group, root.stats, async_op=True,
                            delay=root.delay)
-        if lay.replica_runs is not None:  # HSDP: then average over the replicas too
-            def across_replicas() -> None:
-                root.before_collective(self, REPLICATE_REDUCE)
-                reduce_across_replicas(out, lay.replica_runs[root.rank], root.groups, root.stats)
-            pending.then(across_replicas)
 
         def attach() -> None:  # once the reduce is done: this rank's pieces become .grad
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
@@ -425,7 +445,16 @@ class Unit:
                     p.grad = view
                 else:
                     p.grad.add_(view)
-        root.schedule.add_reduce(pending.then(attach))
+        if lay.replica_runs is None:
+            root.schedule.add_reduce(pending.then(attach))
+            return
+
+        def across_replicas() -> None:  # HSDP: then average over the replicas too
+            root.before_collective(self, REPLICATE_REDUCE)
+            root.schedule.add_follow_up(reduce_across_replicas(
+                out, lay.replica_runs[root.rank], root.groups, root.stats, delay=root.delay
+            ).then(attach))
+        root.schedule.add_reduce(pending.then(across_replicas))
 
     def end_backward(self) -> None:
         """After every unit's final ``post_backward`` (which resharded it): a new pass."""
@@ -489,8 +518,10 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
             pl = getattr(p, "_mf_placement", None)
             if pl is None:
                 continue
-            if p._mf_unit.has_replica_owned:
-                p._mf_unit.needs_broadcast = True
+            unit = p._mf_unit
+            if unit.has_replica_owned:
+                unit.finish_broadcast()  # one in flight (a unit forward skipped) ends first
+                unit.needs_broadcast = True
             if not checked or p.grad is None:
                 continue
             if isinstance(optimizer, _GLOBAL) or tuple(p.shape) != pl.spec.shape:
