@@ -48,3 +48,34 @@ def test_bench_link_sweep_runs(tmp_path):
     assert [r["gbps"] for r in result["rows"]] == [0.1, 1.0]
     assert all(r["on_ms"] > 0 and r["off_ms"] > 0 for r in result["rows"])
     assert (tmp_path / "link.md").exists()
+
+
+def test_bench_hsdp_mode_runs_and_matches_fsdp2_hsdp_bytes(tmp_path):
+    """`matrixfsdp bench --replicas 2`: FSDP2 HSDP beside MatrixFSDP's on a (2, 1) mesh; the
+    replicate-dim bytes sent are FSDP2 HSDP's, the step issues no collective, and each
+    matrix's NS runs on one rank of the world."""
+    from matrixfsdp.bench.report import replicate_dim_bytes
+
+    rc = main(["--world-size", "2", "--replicas", "2", "--layers", "1", "--d-model", "32",
+               "--heads", "2", "--mlp", "64", "--seq", "16", "--batch", "2", "--steps", "1",
+               "--warmup", "1", "--out", str(tmp_path)])
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    systems = results["systems"]
+    assert set(systems) == {"fsdp2_adamw", "fsdp2_torch_muon", "matrixfsdp"}
+    assert all(s["status"] == "ok" for s in systems.values()), systems
+    ours, fsdp2 = (replicate_dim_bytes(systems[n], 2) for n in ("matrixfsdp", "fsdp2_adamw"))
+    assert fsdp2["wire"] > 0 and ours["wire"] == fsdp2["wire"], (ours, fsdp2)
+    assert ours["c10d::reduce_"] > 0 and ours["c10d::broadcast_"] > 0
+    m = systems["matrixfsdp"]
+    assert m["exactness"]["ok"] and m["collectives"]["step"]["calls"] == 0
+    owned = m["matrixfsdp"]["ns_owned_matrices_per_rank"]
+    assert len(owned) == 2 and min(owned) > 0, owned  # split over the replicas, not repeated
+    assert "Across the replicate dim" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_hsdp_refuses_systems_without_hsdp(capsys):
+    import pytest
+    with pytest.raises(SystemExit):
+        main(["--world-size", "2", "--replicas", "2", "--systems", "fsdp2_dist_muon"])
+    assert "do not run with --replicas 2" in capsys.readouterr().err

@@ -8,6 +8,9 @@ from typing import Any
 
 SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "fsdp2_dist_muon",
                             "fsdp2_muon_fsdp2", "matrixfsdp")
+# HSDP mode (``--replicas R``): the systems that run on a 2-D (replicate, shard) mesh.
+# DistMuon's HSDP support is an open torchtitan PR; muon-fsdp2 handles 1-D meshes only.
+HSDP_SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "matrixfsdp")
 BASELINE = "fsdp2_adamw"  # the ratios' denominator for forward+backward, bytes and memory
 MUON_REFERENCE = "fsdp2_torch_muon"  # torch's Muon: the reference semantics
 PHASES: tuple[str, ...] = ("forward", "backward", "step")
@@ -38,6 +41,7 @@ class BenchConfig:
     batch: int  # sequences per rank per step
     dtype: str  # parameter dtype
     mp: str = "fp32"  # "bf16": MixedPrecisionPolicy(bf16 params, fp32 reduce) for every system
+    replicas: int = 1  # > 1: HSDP, every system on a (replicas, world / replicas) mesh
     vocab: int = 256
     lr: float = 0.02  # Muon
     weight_decay: float = 0.1  # Muon
@@ -50,6 +54,10 @@ class BenchConfig:
     device_type: str = "cpu"
     timeout_s: float = PG_TIMEOUT_S  # process-group timeout, seconds
     backend: str = "gloo"
+
+    @property
+    def shard_size(self) -> int:
+        return self.world_size // self.replicas
 
     def model_config(self):
         from matrixfsdp.models import GPTConfig

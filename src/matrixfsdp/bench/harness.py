@@ -52,16 +52,19 @@ Collectives (:func:`.measure.collective_payload_bytes`, identical for every syst
     sees it:
 
     * all-gather family (``_allgather_base_``, ``allgather_``, ``allgather_coalesced_``,
-      ``allgather_into_tensor_coalesced_``) and ``gather_``: world size x this rank's
+      ``allgather_into_tensor_coalesced_``) and ``gather_``: group size x this rank's
       input tensor(s) (= the all-gather output);
     * reduce-scatter family (``_reduce_scatter_base_``, ``reduce_scatter_``,
-      ``reduce_scatter_tensor_coalesced_``) and ``scatter_``: world size x this rank's
-      output tensor(s) (= the reduce-scatter input);
+      ``reduce_scatter_tensor_coalesced_``) and ``scatter_``: group size x this rank's
+      output tensor(s) (= the reduce-scatter input). The group is the world, or under
+      HSDP the shard group (where every system's all-gathers and reduce-scatters run);
     * all-to-all (``alltoall_base_``, ``alltoall_``): this rank's input tensor (what it
       sends, its own part included); with uneven splits this varies by rank, and its
       mean over ranks is the size of the gathered buffer;
     * ``allreduce_``, ``allreduce_coalesced_``, ``broadcast_``, ``reduce_``, ``send``,
-      ``recv_``, ``recv_any_source_``: the tensor(s) passed;
+      ``recv_``, ``recv_any_source_``: the tensor(s) passed (under HSDP these are the
+      replicate-dim collectives, tabled separately with their bytes on the wire: a ring
+      all-reduce of n bytes sends 2n(R-1)/R per rank, a reduce or broadcast n(R-1)/R);
     * ``barrier`` / ``monitored_barrier_``: 0 bytes; any other ``c10d::`` op: its first
       argument's tensor(s), and its name is listed under ``unknown_ops``.
 
@@ -99,6 +102,13 @@ MatrixFSDP balance
     owner-computes step can beat on this machine with this plan. ``ns_limit_cpu_ms`` is the same in process
     CPU time, to compare with the step's CPU time when other load shares the cores.
 
+HSDP (``--replicas R``)
+    Every system on an ``(R, world / R)`` mesh, ``mesh_dim_names=("replicate", "shard")``:
+    FSDP2's HSDP for the FSDP2 systems (all-reduce of every gradient shard across replicas,
+    the optimizer on every replica), MatrixFSDP's (reduce to the owner replica, NS once in
+    the world, broadcast back in the next forward). Only the systems of
+    :data:`.config.HSDP_SYSTEMS` run: DistMuon and muon-fsdp2 take 1-D meshes.
+
 Outputs in ``--out``: ``results.json`` (everything), ``results.md`` (the tables, also
 printed), ``phases.png`` (stacked forward/backward/step medians; skipped with a warning
 when matplotlib is missing).
@@ -124,7 +134,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..ranks import positive_float
-from .config import EXACT_BOUND, PG_TIMEOUT_S, PRESETS, SYSTEMS, BenchConfig
+from .config import EXACT_BOUND, HSDP_SYSTEMS, PG_TIMEOUT_S, PRESETS, SYSTEMS, BenchConfig
 from .report import write_results
 from .run import rank_main
 
@@ -143,8 +153,11 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
                    help="ranks (default: 4 on CPU, the GPU count with CUDA)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system first")
-    p.add_argument("--systems", default=",".join(SYSTEMS),
-                   help=f"comma list out of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=None,
+                   help=f"comma list out of {','.join(SYSTEMS)} (default: all; with --replicas: "
+                        f"{','.join(HSDP_SYSTEMS)})")
+    p.add_argument("--replicas", type=int, default=1, metavar="R",
+                   help="HSDP: run every system on a (R, world-size / R) (replicate, shard) mesh")
     p.add_argument("--out", default="runs/bench", help="output directory")
     p.add_argument("--timeout", type=positive_float, default=PG_TIMEOUT_S, metavar="SECONDS",
                    help=f"process-group timeout (default {PG_TIMEOUT_S})")
@@ -160,14 +173,18 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     preset = a.preset or "cpu"
     if preset == "gpu" and not cuda:
         p.error("--preset gpu needs CUDA")
-    systems = [s.strip() for s in a.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
+    known = SYSTEMS if a.replicas == 1 else HSDP_SYSTEMS
+    systems = [s.strip() for s in (a.systems or ",".join(known)).split(",") if s.strip()]
+    unknown = [s for s in systems if s not in known]
     if unknown or not systems:
-        p.error(f"unknown systems {unknown}; choose from {','.join(SYSTEMS)}")
+        hsdp = f" with --replicas {a.replicas} (HSDP)" if a.replicas > 1 else ""
+        p.error(f"systems {unknown} do not run{hsdp}; choose from {','.join(known)}")
     world = a.world_size or (torch.cuda.device_count() if cuda else 4)
     if world < 1 or (cuda and world > torch.cuda.device_count()):
         p.error(f"--world-size {world}: need 1..{torch.cuda.device_count() if cuda else 'N'} "
                 "(one GPU per rank)")
+    if a.replicas < 1 or world % a.replicas:
+        p.error(f"--replicas {a.replicas} must be >= 1 and divide --world-size {world}")
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     sizes = {k: (v if getattr(a, k, None) is None else getattr(a, k))
@@ -177,7 +194,7 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     return BenchConfig(world_size=world, steps=a.steps, warmup=a.warmup,
                        systems=[s for s in SYSTEMS if s in systems], out=a.out, preset=preset,
                        device_type="cuda" if cuda else "cpu", backend="nccl" if cuda else "gloo",
-                       timeout_s=a.timeout, mp=a.mp,
+                       timeout_s=a.timeout, mp=a.mp, replicas=a.replicas,
                        **sizes)
 
 

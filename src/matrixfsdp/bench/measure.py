@@ -143,7 +143,9 @@ def _meta_bytes(arg: Any) -> int:
 
 
 def collective_payload_bytes(op: str, inputs: Sequence[Any], world_size: int) -> tuple[int, bool]:
-    """Payload of one ``c10d::<op>`` call (rule in the harness docstring).
+    """Payload of one ``c10d::<op>`` call (rule in the harness docstring). ``world_size`` is
+    the size of the group the all-gathers and reduce-scatters run in (the shard group under
+    HSDP).
 
     ``inputs`` are the profiler's recorded arguments (tensor metadata with ``sizes`` and
     ``dtype``, or lists of them). Returns ``(bytes, known_op)``.

@@ -98,6 +98,23 @@ def _coll(res: dict[str, Any], ph: str) -> str:
     return f"{c['calls']:g} / {c['bytes'] / MIB:.1f}"
 
 
+_REPLICATE_OPS = {"c10d::allreduce_": 2, "c10d::reduce_": 1, "c10d::broadcast_": 1}  # ring factor
+
+
+def replicate_dim_bytes(res: dict[str, Any], replicas: int) -> dict[str, float]:
+    """HSDP: the replicate-dim collectives of one system's profiled step, per rank (mean
+    over ranks): payload per op kind, and ``wire`` = the bytes a rank sends in a ring (an
+    all-reduce of n bytes 2n(R-1)/R, a reduce or broadcast n(R-1)/R)."""
+    out = {op: 0.0 for op in _REPLICATE_OPS}
+    for ph in PHASES:
+        per_rank = res["collectives"][ph]["per_rank"]
+        for rec in per_rank:
+            for op in _REPLICATE_OPS:
+                out[op] += rec["ops"].get(op, {}).get("bytes", 0) / len(per_rank)
+    out["wire"] = sum(out[op] * f * (replicas - 1) / replicas for op, f in _REPLICATE_OPS.items())
+    return out
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """The two tables (and the run's settings) as Markdown."""
     cfg, systems = results["config"], results["systems"]
@@ -120,8 +137,10 @@ def render_markdown(results: dict[str, Any]) -> str:
 
     peers = [med(n, "step") for n in ("fsdp2_dist_muon", "fsdp2_muon_fsdp2") if n in ok]
     best_peer = min(peers) if peers else None
+    R = cfg.get("replicas", 1)
+    hsdp = f" as HSDP ({R} replicas x {cfg['world_size'] // R})" if R > 1 else ""
     lines = [
-        f"MatrixFSDP benchmark: {cfg['world_size']} ranks on {results['device']} "
+        f"MatrixFSDP benchmark: {cfg['world_size']} ranks{hsdp} on {results['device']} "
         f"({cfg['backend']}), GPT {cfg['layers']} layers, d_model {cfg['d_model']}, "
         f"{cfg['heads']} heads, MLP {cfg['mlp']}, seq {cfg['seq']}, batch {cfg['batch']}/rank, "
         f"{cfg['dtype']}{mp}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps "
@@ -177,6 +196,36 @@ def render_markdown(results: dict[str, Any]) -> str:
             f"| {_ratio(step, m['ns_limit_ms'])} | {_ratio(max(cpu), m['ns_limit_cpu_ms'])} "
             f"| {'yes' if m['comm_stats_matches_profiler'] else 'NO'} |",
         ]
+    if R > 1 and ok:
+        base = replicate_dim_bytes(ok[BASELINE], R)["wire"] if BASELINE in ok else None
+        lines += [
+            "",
+            "Across the replicate dim (HSDP), MiB per rank per step, one profiled step: payload "
+            "per collective kind, and bytes each rank sends in a ring (all-reduce 2n(R-1)/R, "
+            "reduce and broadcast n(R-1)/R). The first table counts payloads, where a reduce plus "
+            "a broadcast count a matrix twice and an all-reduce once though both send the same: "
+            "compare bytes sent here. NS matrices per rank: MatrixFSDP steps each "
+            "matrix on its owner world rank only; FSDP2 + torch Muon runs every matrix's NS on "
+            "every rank.",
+            "",
+            "| system | all_reduce | reduce | broadcast | sent (ring) | sent vs fsdp2_adamw "
+            "| NS matrices per rank |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        n_muon = None
+        if "matrixfsdp" in ok:
+            n_muon = sum(ok["matrixfsdp"]["matrixfsdp"]["ns_owned_matrices_per_rank"])
+        for name, s in ok.items():
+            b = replicate_dim_bytes(s, R)
+            ns = "—"
+            if name == "matrixfsdp":
+                ns = ", ".join(str(k) for k in s["matrixfsdp"]["ns_owned_matrices_per_rank"])
+            elif name == MUON_REFERENCE and n_muon is not None:
+                ns = f"{n_muon} (all)"
+            lines.append(
+                f"| {name} | {b['c10d::allreduce_'] / MIB:.2f} | {b['c10d::reduce_'] / MIB:.2f} "
+                f"| {b['c10d::broadcast_'] / MIB:.2f} | {b['wire'] / MIB:.2f} "
+                f"| {_ratio(b['wire'], base)} | {ns} |")
     failed = [n for n, s in ok.items() if s.get("exactness") and not s["exactness"]["ok"]]
     if failed:
         lines += ["", f"**Exactness check failed** (max abs diff > {EXACT_BOUND:g}): "

@@ -102,15 +102,19 @@ def run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device, dat
     profiled step, and for MatrixFSDP its plan, own collective counts and NS limit) and
     the full parameters at the end (empty unless ``keep_params``).
     """
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.profiler import ProfilerActivity, profile
 
     res: dict[str, Any] = {"rank": rank}
     gc.collect()
     before = set(live_storages(device)) if device.type == "cpu" else set()
     group = dist.new_group(list(range(cfg.world_size)), timeout=timedelta(seconds=cfg.timeout_s))
-    mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
-    system = build_system(name, cfg, mesh, device)
+    if cfg.replicas > 1:  # HSDP: replicate-major, as init_device_mesh lays out the world
+        mesh = init_device_mesh(device.type, (cfg.replicas, cfg.shard_size),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
+    system = build_system(name, cfg, mesh, device, group)
     steps = iter(data)
     for _ in range(cfg.warmup):
         train_step(system, *next(steps), device)
@@ -152,7 +156,8 @@ def run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device, dat
                  profile_memory=device.type == "cpu") as prof:
         train_step(system, *next(steps), device, annotate=True, after_step=after_step,
                    phase_hook=phase_hook if stats is not None else None)
-    res.update(analyse_profile(prof, cfg.world_size, device))
+    # all-gathers and reduce-scatters run in the shard group (every rank under HSDP too)
+    res.update(analyse_profile(prof, cfg.shard_size, device))
     del prof
     res["state_bytes"] = state.get("bytes", 0)
     if device.type == "cpu":

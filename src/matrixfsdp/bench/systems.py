@@ -46,13 +46,15 @@ def split_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]
     return muon, adamw
 
 
-def build_system(name: str, cfg: BenchConfig, mesh: Any, device: torch.device) -> System:
-    """System ``name`` on this rank, over the 1-D ``mesh`` (the system's own group)."""
+def build_system(name: str, cfg: BenchConfig, mesh: Any, device: torch.device,
+                 group: dist.ProcessGroup) -> System:
+    """System ``name`` on this rank, over ``mesh``: 1-D, or 2-D ``(replicate, shard)`` for
+    HSDP (FSDP2's HSDP for the FSDP2 systems). ``group`` (the whole mesh) is the system's
+    own group for the harness's barriers."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from matrixfsdp.models import GPT
 
-    group = mesh.get_group()
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(device=device, dtype=getattr(torch, cfg.dtype))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
