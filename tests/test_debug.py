@@ -73,6 +73,41 @@ def test_debug_mode_names_the_diverging_rank_on_every_rank(tmp_path):
         assert float(elapsed) < 30, elapsed
 
 
+def _frozen_apart(rank, world_size, out_dir):
+    """Rank 1 freezes one more matrix than rank 0: their gradient reduces differ in size."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if rank == 1:
+        model.layers[1].attn.q.weight.requires_grad_(False)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh, debug=True)
+    x = torch.randint(0, 256, (2, 9))
+    try:
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        message = "no error"
+    except RuntimeError as e:
+        message = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_debug_mode_names_ranks_that_froze_different_parameters(tmp_path):
+    """Frozen parameters are planned apart (never Muon) and leave the gradient reduce, so
+    ranks must freeze the same ones: the gathers have the same size but pieces in other
+    places. Debug mode compares each collective's size and layout checksum and names both
+    ranks' on every rank, at the first gather that differs (the first forward)."""
+    spawn(_frozen_apart, 2, str(tmp_path), timeout=120)
+    for rank in range(2):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "ranks diverged" in message and "froze the model" in message, message
+        where = re.findall(r"step 0, unit '([^']+)', forward gather of (\d+) elements, "
+                           r"layout (\w+)", message)  # the plan moves other owners too
+        assert len(where) == 2 and where[0][0] == where[1][0], message
+        assert where[0][2] != where[1][2], message
+
+
 def _sub_mesh(rank, world_size, out_dir):
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = GPT(CFG)

@@ -23,6 +23,8 @@ replica 0, then those of replica 1, ...: each group is one contiguous run
 
 from __future__ import annotations
 
+import functools
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,8 @@ class UnitLayout:
     # segment: the replicated pieces, then the matrices stepped by replica 0, 1, ...
     replica_runs: list[list[tuple[int, int]]] | None = None
     _local: dict[int, list[tuple[int, Piece]]] = field(default_factory=dict, repr=False)
+    _subsets: dict[tuple[bool, ...], tuple[UnitLayout, list[int]]] = field(
+        default_factory=dict, repr=False)
 
     @property
     def numel(self) -> int:
@@ -70,6 +74,25 @@ class UnitLayout:
                 key=lambda ip: ip[1].offset)
         return self._local[rank]
 
+    def subset(self, keep: tuple[bool, ...]) -> tuple[UnitLayout, list[int]]:
+        """The layout of the parameters ``keep`` selects alone (the gradient reduce's, when
+        some are frozen: they do not travel), and their indices in this one. Cached."""
+        if all(keep):
+            return self, list(range(len(self.placements)))
+        if keep not in self._subsets:
+            index = [i for i, k in enumerate(keep) if k]
+            replicas = len(self.replica_runs[0]) - 1 if self.replica_runs is not None else 1
+            self._subsets[keep] = (layout_of([self.placements[i] for i in index],
+                                             len(self.seg_sizes), replicas), index)
+        return self._subsets[keep]
+
+    @functools.cached_property
+    def digest(self) -> int:
+        """A checksum of where every piece lives: equal on two ranks only if they planned
+        this unit alike (debug mode compares it before each collective)."""
+        where = [(pl.spec.name, pl.spec.shape, pl.row_ranges) for pl in self.placements]
+        return zlib.crc32(repr((self.seg_sizes, where, self.replica_runs)).encode())
+
     @property
     def has_replica_owned(self) -> bool:
         """HSDP: some rank of the shard group holds a matrix stepped by one replica only."""
@@ -86,8 +109,11 @@ def local_rows(full: Any, placement: Placement, rank: int) -> Any:
 
 
 def unit_layout(plan: Plan, unit: int) -> UnitLayout:
-    placements = plan.unit_params(unit)
-    P, R = plan.shard_size, plan.replicas
+    return layout_of(plan.unit_params(unit), plan.shard_size, plan.replicas)
+
+
+def layout_of(placements: list[Placement], P: int, R: int) -> UnitLayout:
+    """The rank-major layout of ``placements`` over ``P`` shard ranks (``R`` replicas)."""
     pieces: list[list[Piece]] = [[] for _ in placements]
     seg_sizes, seg_offsets = [], []
     runs: list[list[tuple[int, int]]] = []

@@ -161,9 +161,9 @@ class Root:
                         "before fully_shard (or use a MixedPrecisionPolicy); for a model built "
                         "on meta, call matrixfsdp.init_weights(model) instead of to_empty")
 
-    def before_collective(self, unit: Unit, phase: int) -> None:
+    def before_collective(self, unit: Unit, phase: int, layout: UnitLayout | None = None) -> None:
         if self.check is not None:
-            self.check(unit.index, phase)
+            self.check(unit.index, phase, *((layout.numel, layout.digest) if layout else (0, 0)))
 
     def start_broadcasts(self) -> None:
         """HSDP: start broadcasting every matrix a replica stepped to the other replicas
@@ -263,7 +263,7 @@ class Unit:
                 buf.untyped_storage().resize_(nbytes)
         if lay.numel:  # a unit may hold no parameter of its own (all in child units)
             self.sync_replicas()  # HSDP: the matrices stepped last step, before they travel
-            root.before_collective(self, phase)
+            root.before_collective(self, phase, lay)
             segment = self.local.to(self.precision.param)  # a copy only under a policy
             self._gather = gather_v(segment, self.flat, lay.seg_sizes, root.group, root.stats,
                                     async_op=True, delay=root.delay)
@@ -293,7 +293,7 @@ class Unit:
         """HSDP: start sending the matrices each replica stepped to the other replicas."""
         if self.needs_broadcast:
             root = self.root
-            root.before_collective(self, REPLICATE_BROADCAST)
+            root.before_collective(self, REPLICATE_BROADCAST, self.layout)
             self._broadcast = broadcast_from_owners(self.local, self.layout.replica_runs[root.rank],
                                                     root.groups, root.stats, delay=root.delay)
             self.needs_broadcast = False
@@ -415,32 +415,38 @@ class Unit:
         self.in_backward = False
 
     def _reduce(self, grads: list[torch.Tensor | None]) -> None:
-        root, lay, prec = self.root, self.layout, self.precision
+        root, prec = self.root, self.precision
+        # Frozen parameters do not travel (as in FSDP2): the reduce has the layout of the
+        # trainable ones. Every rank must freeze the same parameters (debug mode checks).
+        lay, index = self.layout.subset(tuple(p.requires_grad for p in self.sharded))
+        if not lay.numel:
+            return
         full = self.flat.new_empty(lay.numel, dtype=prec.reduce)
-        if any(g is None for g in grads):  # frozen, or unused in this pass
+        if any(grads[i] is None for i in index):  # unused in this pass
             full.zero_()
-        for i, g in enumerate(grads):
+        for j, i in enumerate(index):
+            g = grads[i]
             if g is None:
                 continue
             g2 = g.reshape(g.shape[0], -1) if g.dim() else g.reshape(1, 1)
-            for pc in lay.pieces[i]:
+            for pc in lay.pieces[j]:
                 full[pc.offset:pc.offset + pc.numel].view(pc.row_stop - pc.row_start, -1).copy_(
                     g2[pc.row_start:pc.row_stop])
         self.reshard()  # the unsharded params are not needed any more
-        out = full.new_empty(self.local.numel())
-        root.before_collective(self, REDUCE)
+        out = full.new_empty(lay.seg_sizes[root.rank])
+        root.before_collective(self, REDUCE, lay)
         pending = reduce_v(full, out, lay.seg_sizes, root.group, root.stats, async_op=True,
                            delay=root.delay)
 
         def attach() -> None:  # once the reduce is done: this rank's pieces become .grad
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
             offset = 0
-            for i, pc in lay.local_pieces(root.rank):
-                p = self.sharded[i]
+            for j, pc in lay.local_pieces(root.rank):
+                p = self.sharded[index[j]]
                 view = grad[offset:offset + pc.numel].view(p.shape)
                 offset += pc.numel
-                if not p.requires_grad or not root.groups.steps_here(p._mf_placement):
-                    continue  # frozen: no .grad, as in torch; HSDP: another replica steps it
+                if not root.groups.steps_here(p._mf_placement):
+                    continue  # HSDP: another replica steps it
                 if p.grad is None:
                     p.grad = view
                 else:
@@ -450,7 +456,7 @@ class Unit:
             return
 
         def across_replicas() -> None:  # HSDP: then average over the replicas too
-            root.before_collective(self, REPLICATE_REDUCE)
+            root.before_collective(self, REPLICATE_REDUCE, lay)
             root.schedule.add_follow_up(reduce_across_replicas(
                 out, lay.replica_runs[root.rank], root.groups, root.stats, delay=root.delay
             ).then(attach))
