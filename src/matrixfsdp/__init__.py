@@ -12,6 +12,7 @@ from .checkpoint import (
     load_full_state_dict,
     save_checkpoint,
     set_state_dict,
+    wait_for_checkpoint,
 )
 from .clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .dcp import RowShard
@@ -33,7 +34,7 @@ __all__ = ["clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard", "g
            "make_plan", "Muon", "muon_param_groups", "nonfinite_grad_names", "Plan", "plan_of",
            "plan_report", "RowShard", "save_checkpoint", "save_pretrained",
            "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch", "set_state_dict",
-           "shard_model", "total_grad_norm", "zeropower_via_newtonschulz"]
+           "shard_model", "total_grad_norm", "wait_for_checkpoint", "zeropower_via_newtonschulz"]
 __version__ = "0.1.0"
 
 

@@ -355,7 +355,16 @@ def _save(args, model, opt, sched, meta: dict):
             time.sleep(600)
     return mf.save_checkpoint(_train_state(model, opt, sched, meta),
                               mf.checkpoint.checkpoint_dir(_checkpoint_root(args), step),
-                              before_commit=stall)
+                              before_commit=stall, async_save=getattr(args, "async_save", False))
+
+
+def _report_save(bar, saved) -> None:
+    """One line per committed checkpoint (rank 0)."""
+    if dist.get_rank() == 0:
+        waited = saved.blocking_seconds
+        bar.write(f"checkpoint {saved.path}: {saved.bytes / 2**20:.2f} MiB in {saved.seconds:.2f} s"
+                  + (f" (the loop waited {waited:.2f} s)" if waited is not None and waited < saved.seconds
+                     else ""))
 
 
 def _train(args) -> None:
@@ -389,7 +398,8 @@ def _train(args) -> None:
     losses += history.get("losses", [])
     norms += history.get("norms", [])
     skipped += history.get("skipped", [])
-    saves = []
+    saves, pending = [], None  # committed checkpoints; an asynchronous save in flight
+    step_wall_ms, save_steps = [], []  # each whole step with its save's blocking part (rank 0's)
     if start >= args.steps:
         if rank == 0:
             print(f"the checkpoint is at step {start}, --steps is {args.steps}: nothing to train")
@@ -435,11 +445,22 @@ def _train(args) -> None:
             rss.append(_rss_mib())
         every = getattr(args, "save_every", 0)
         if every and ((step + 1) % every == 0 or step + 1 == args.steps):
-            saves.append(_save(args, model, opt, sched, {
-                "step": step + 1, "world_size": world, "losses": losses, "norms": norms, "skipped": skipped}))
-            if rank == 0:
-                bar.write(f"checkpoint {saves[-1].path}: {saves[-1].bytes / 2**20:.2f} MiB in "
-                          f"{saves[-1].seconds:.2f} s")
+            if pending is not None:  # the previous asynchronous save: wait for it (the next save would)
+                saves.append(pending.result())
+                _report_save(bar, saves[-1])
+            saved = _save(args, model, opt, sched, {
+                "step": step + 1, "world_size": world, "losses": losses, "norms": norms, "skipped": skipped})
+            save_steps.append(step + 1)
+            if isinstance(saved, mf.checkpoint.AsyncCheckpoint):
+                pending = saved  # staged: training goes on while it writes and commits
+            else:
+                saves.append(saved)
+                _report_save(bar, saved)
+        step_wall_ms.append((time.perf_counter() - t0) * 1e3)
+
+    if pending is not None:  # the last asynchronous save: committed before the run ends
+        saves.append(pending.result())
+        _report_save(bar, saves[-1])
 
     with torch.no_grad():
         x = batch_at(corpus, 0, rank, world, args.batch, args.seq, args.seed, "val").to(device)
@@ -472,8 +493,11 @@ def _train(args) -> None:
             summary["resumed_from"] = {"path": str(resumed), "step": start,
                                        "world_size": history.get("world_size")}
         if saves:
-            summary["checkpoints"] = [{"path": str(c.path), "seconds": c.seconds, "bytes": c.bytes}
-                                      for c in saves]
+            summary["checkpoints"] = [{"path": str(c.path), "seconds": c.seconds, "bytes": c.bytes,
+                                       "blocking_seconds": c.blocking_seconds} for c in saves]
+            summary["async_save"] = bool(getattr(args, "async_save", False))
+        summary["step_wall_ms"] = step_wall_ms  # rank 0, from `start`; a save's blocking part included
+        summary["save_steps"] = save_steps
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "summary.json").write_text(json.dumps(_finite_or_none(summary), indent=2, allow_nan=False))
@@ -558,6 +582,8 @@ def _validate_train(tr: argparse.ArgumentParser, args) -> None:
         problem = writable_dir_error(args.out)
         if problem:
             tr.error(problem)
+    if getattr(args, "async_save", False) and not args.save_every:
+        tr.error("--async-save needs --save-every N (it changes how those checkpoints are written)")
     if getattr(args, "resume", None) and not Path(args.resume).is_dir():
         tr.error(f"--resume {args.resume}: no such directory")
 
@@ -614,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="save a checkpoint (torch.distributed.checkpoint, by parameter name) every N "
                          "steps and at the last step, into <out>/checkpoints/step_<N>; a directory is "
                          "complete or ignored")
+    tr.add_argument("--async-save", action="store_true",
+                    help="with --save-every: stage each checkpoint to CPU memory and write it in the "
+                         "background (torch.distributed.checkpoint.async_save) while training goes on")
     tr.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                     help="continue from the latest complete checkpoint in DIR (default "
                          "<out>/checkpoints), saved at any --ranks; none there: start at step 0")

@@ -28,10 +28,18 @@ It is a tensor subclass only because DCP's lookups (``find_state_dict_object``) 
 full tensor on any rank). Use ``.local`` for this rank's piece, ``matrixfsdp.set_state_dict``
 to load it, ``matrixfsdp.full_state_dict`` for full tensors. Pickling it is refused:
 ``torch.save`` would store one rank's rows under the full name.
+
+For ``dcp.async_save`` a state must first be *staged*: copied, so that training can change
+the live tensors while a background thread writes. torch's default stager copies tensors
+through tensor operations (``new_empty``, storages), which a ``RowShard`` refuses, so
+:class:`RowShardStager` (used by ``matrixfsdp.save_checkpoint(..., async_save=True)``)
+stages it: each ``RowShard`` becomes a ``RowShard`` of a CPU copy of ``.local`` with the same
+shape and offsets, every other tensor a CPU copy, every other value a deep copy.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -42,6 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from .plan import Placement
 
@@ -96,11 +105,11 @@ class RowShard(torch.Tensor):
         chunk = self._chunk()
         if chunk is None:
             return []
+        props = TensorProperties.create_from_tensor(self.local)
+        props.pin_memory = False  # the tensor's, not a (pinned) staging copy's
         return [WriteItem(
             index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(chunk=chunk,
-                                        properties=TensorProperties.create_from_tensor(self.local),
-                                        size=self.shape))]
+            tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.shape))]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         chunk = self._chunk()
@@ -139,3 +148,74 @@ class RowShard(torch.Tensor):
         stop = start + (self.local.shape[0] if self.local.dim() else self.local.numel())
         return (f"RowShard({self.fqn!r}, shape={tuple(self.shape)}, rows {start}:{stop}, "
                 f"{self.dtype}, {self.device})")
+
+
+# ---- staging for dcp.async_save ---------------------------------------------------------------
+def _cpu_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """A CPU copy of ``t``. From an accelerator: into pinned memory, non-blocking (the caller
+    synchronizes once for all copies)."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    out.copy_(t, non_blocking=pin)
+    return out
+
+
+def stage_state(state: Any) -> Any:
+    """A copy of ``state`` (nested dicts, lists and tuples of :class:`RowShard` s, tensors and
+    plain values) that no later change to the live tensors can reach, in CPU memory.
+
+    A ``RowShard`` becomes a ``RowShard`` of a CPU copy of ``.local`` with the same shape and
+    offsets (so DCP plans and writes exactly the chunks the live one would), a tensor a CPU
+    copy, any other value a ``copy.deepcopy``. An object met twice (a tied parameter under
+    two names) is copied once. From an accelerator, ``RowShard`` rows go to pinned memory
+    and the copies are awaited before this returns. The memory cost is one CPU copy of this
+    rank's rows (parameters and optimizer state): each element once over all ranks.
+    """
+    memo: dict[int, Any] = {}
+    devices: set[torch.device] = set()
+
+    def stage(obj: Any) -> Any:
+        if id(obj) in memo:
+            return memo[id(obj)]
+        if isinstance(obj, RowShard):
+            pin = obj.local.device.type != "cpu" and torch.accelerator.is_available()
+            if pin:
+                devices.add(obj.local.device)
+            out: Any = RowShard(_cpu_copy(obj.local, pin), tuple(obj.shape), obj.offsets, obj.fqn)
+        elif isinstance(obj, torch.Tensor):
+            out = _cpu_copy(obj, False)
+        elif isinstance(obj, dict):
+            out = {k: stage(v) for k, v in obj.items()}
+        elif isinstance(obj, list):
+            out = [stage(v) for v in obj]
+        elif type(obj) is tuple:
+            out = tuple(stage(v) for v in obj)
+        else:
+            out = copy.deepcopy(obj)
+        memo[id(obj)] = out
+        return out
+
+    staged = stage(state)
+    for device in devices:  # the non-blocking copies into pinned memory have landed
+        torch.accelerator.synchronize(device)
+    return staged
+
+
+class RowShardStager(AsyncStager):
+    """The stager ``dcp.async_save`` gets from ``matrixfsdp.save_checkpoint``: stages with
+    :func:`stage_state`, in the calling thread, before ``async_save`` returns (so the
+    checkpoint holds the values at the time of the call, whatever training does next).
+    Nothing to synchronize or close afterwards."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return stage_state(state_dict)
+
+    def synchronize_staging(self) -> None:  # staging is done when stage returns
+        pass
+
+    def close(self) -> None:
+        pass
