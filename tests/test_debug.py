@@ -33,6 +33,20 @@ class SkippingGPT(GPT):
         return self.head(self.norm(x))
 
 
+def train_until_error(model, opt, steps=4) -> str:
+    """Train ``model`` (a :class:`SkippingGPT`) on one batch; the error message, or "no error"."""
+    x = torch.randint(0, 256, (2, 9))
+    try:
+        for step in range(steps):
+            model.step = step
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def _diverge(rank, world_size, debug, out_dir):
     torch.manual_seed(0)
     model = SkippingGPT(CFG)
@@ -42,17 +56,8 @@ def _diverge(rank, world_size, debug, out_dir):
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh, debug=debug)
     opt = mf.Muon(mf.muon_param_groups(model))
-    x = torch.randint(0, 256, (2, 9))
     t0 = time.monotonic()
-    try:
-        for step in range(4):
-            model.step = step
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
-        message = "no error"
-    except RuntimeError as e:
-        message = str(e)
+    message = train_until_error(model, opt)
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
         f.write(f"{time.monotonic() - t0:.1f}\n{message}")
 

@@ -169,22 +169,12 @@ def _train_moe(rank):
 
 def _diverge(rank):
     """Rank 3 skips block 1 at step 2 under HSDP with debug on: every rank must raise."""
-    from test_debug import CFG, SkippingGPT
+    from test_debug import CFG, SkippingGPT, train_until_error
     torch.manual_seed(0)
     model = SkippingGPT(CFG)
     model.skip_rank, model.skip_step = 3, 2
     _shard(model, init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS), debug=True)
-    opt = mf.Muon(mf.muon_param_groups(model))
-    x = torch.randint(0, 256, (2, 9))
-    try:
-        for step in range(4):
-            model.step = step
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    return train_until_error(model, mf.Muon(mf.muon_param_groups(model)))
 
 
 def _checkpoint(rank, out_dir):
