@@ -202,8 +202,21 @@ def _bus(n: int, R: int, factor: int) -> int:
     return factor * n * (R - 1) // R
 
 
-def _delayed(delay: LinkDelay | None, t: torch.Tensor, R: int, factor: int) -> float:
-    return delay.ready_at(_bus(t.numel() * t.element_size(), R, factor)) if delay else 0.0
+def _replicate_op(kind: str, t: torch.Tensor, group: dist.ProcessGroup, factor: int, issue,
+                  mean: bool, stats: CommStats | None, async_op: bool,
+                  delay: LinkDelay | None) -> Pending:
+    """Count, issue (``issue(async_op)`` returns the work) and wrap one replicate-dim
+    collective on ``t`` in place; ``mean``: divide by the group size once it is done.
+    ``factor``: a ring sends ``factor * n (R-1)/R`` bytes per rank (2 for an all-reduce)."""
+    R = dist.get_world_size(group)
+    sent = _bus(t.numel() * t.element_size(), R, factor)
+    if stats is not None:
+        stats.add(kind, t.numel() * t.element_size(), sent)
+    pending = Pending(issue(async_op), (lambda: t.div_(R)) if mean else None, keep=(t,),
+                      ready_at=delay.ready_at(sent) if delay else 0.0)
+    if not async_op:
+        pending.wait()
+    return pending
 
 
 def replicate_allreduce(t: torch.Tensor, group: dist.ProcessGroup,
@@ -211,15 +224,10 @@ def replicate_allreduce(t: torch.Tensor, group: dist.ProcessGroup,
                         delay: LinkDelay | None = None) -> Pending:
     """``t`` = mean of ``t`` over the ranks of ``group`` (in place; one division after the
     sum, so equal tensors on every replica come back bit-identical)."""
-    R = dist.get_world_size(group)
-    if stats is not None:
-        n = t.numel() * t.element_size()
-        stats.add("replicate_allreduce", n, _bus(n, R, 2))
-    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    pending = Pending(work, lambda: t.div_(R), keep=(t,), ready_at=_delayed(delay, t, R, 2))
-    if not async_op:
-        pending.wait()
-    return pending
+    return _replicate_op(
+        "replicate_allreduce", t, group, 2,
+        lambda a: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=a),
+        True, stats, async_op, delay)
 
 
 def replicate_reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup,
@@ -227,28 +235,17 @@ def replicate_reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup,
                      delay: LinkDelay | None = None) -> Pending:
     """On global rank ``dst``: ``t`` = mean of ``t`` over the ranks of ``group``. Elsewhere
     ``t`` is left undefined (the backend may use it as scratch)."""
-    R = dist.get_world_size(group)
-    if stats is not None:
-        n = t.numel() * t.element_size()
-        stats.add("replicate_reduce", n, _bus(n, R, 1))
-    work = dist.reduce(t, dst, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    pending = Pending(work, (lambda: t.div_(R)) if dist.get_rank() == dst else None,
-                      keep=(t,), ready_at=_delayed(delay, t, R, 1))
-    if not async_op:
-        pending.wait()
-    return pending
+    return _replicate_op(
+        "replicate_reduce", t, group, 1,
+        lambda a: dist.reduce(t, dst, op=dist.ReduceOp.SUM, group=group, async_op=a),
+        dist.get_rank() == dst, stats, async_op, delay)
 
 
 def replicate_broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup,
                         stats: CommStats | None = None, async_op: bool = False,
                         delay: LinkDelay | None = None) -> Pending:
     """``t`` = global rank ``src``'s ``t`` on every rank of ``group`` (in place)."""
-    R = dist.get_world_size(group)
-    if stats is not None:
-        n = t.numel() * t.element_size()
-        stats.add("replicate_broadcast", n, _bus(n, R, 1))
-    work = dist.broadcast(t, src, group=group, async_op=async_op)
-    pending = Pending(work, keep=(t,), ready_at=_delayed(delay, t, R, 1))
-    if not async_op:
-        pending.wait()
-    return pending
+    return _replicate_op(
+        "replicate_broadcast", t, group, 1,
+        lambda a: dist.broadcast(t, src, group=group, async_op=a),
+        False, stats, async_op, delay)
