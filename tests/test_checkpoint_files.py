@@ -127,3 +127,29 @@ def test_load_unsharded_files_and_save_pretrained(tmp_path):
         changed += not torch.equal(t, expected[n])
     assert changed > len(expected) // 2, "the step changed the weights that were saved"
     assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+
+
+def _unwritable(rank, world, tmp):
+    blocker = os.path.join(tmp, "a_file")  # a file where the checkpoint's parent should be
+    message = "no error"
+    for async_save in (False, True):
+        try:
+            mf.save_checkpoint({"x": torch.zeros(2)}, os.path.join(blocker, "step_1"),
+                               async_save=async_save)
+        except RuntimeError as e:
+            message = str(e)
+        with open(os.path.join(tmp, f"rank{rank}_{async_save}.txt"), "w") as f:
+            f.write(message)
+    torch.distributed.barrier()  # still in step: nobody was left in a collective
+
+
+def test_a_checkpoint_directory_rank_0_cannot_create_fails_on_every_rank(tmp_path):
+    """Rank 0 creates the directory; when it cannot, every rank raises the same error
+    (before: rank 0 raised, the others went on into the save's collectives and crashed on a
+    closed connection)."""
+    (tmp_path / "a_file").write_text("")
+    spawn(_unwritable, 2, str(tmp_path), timeout=120)
+    for rank in range(2):
+        for async_save in (False, True):
+            message = (tmp_path / f"rank{rank}_{async_save}.txt").read_text()
+            assert "failed on its rank 0" in message and "a_file" in message, message

@@ -391,42 +391,50 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _commit(tmp: Path, path: Path, group, t0: float) -> int:
-    """After every rank of ``group`` wrote into ``tmp``: rank 0 writes the marker, fsyncs and
-    renames ``tmp`` to ``path``. Returns the bytes written; an error on rank 0 is raised on
-    every rank (no rank is left waiting for a commit that failed)."""
-    _barrier(group)
+def _on_rank0(fn: Callable[[], Any], group, what: str) -> Any:
+    """``fn()`` on rank 0 of ``group``, its result (or its error) handed to every rank: one
+    rank's failure (an unwritable directory, a full disk) raises the same error on every
+    rank instead of leaving the others in the next collective. Also a barrier."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    info: list[Any] = [0, None]
+    info: list[Any] = [None, None]
     if rank == 0:
         try:
-            info[0] = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
-            world = dist.get_world_size(group) if dist.is_initialized() else 1
-            marker = tmp / COMPLETE
-            with open(marker, "w") as f:
-                json.dump({"world_size": world, "bytes": info[0], "seconds": time.perf_counter() - t0,
-                           "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_dir(tmp)
-            old = path.with_name(f".{path.name}.old")
-            if path.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.rename(path, old)
-            os.rename(tmp, path)
-            _fsync_dir(path.parent)
-            shutil.rmtree(old, ignore_errors=True)
+            info[0] = fn()
         except Exception as e:  # noqa: BLE001 (told to every rank, then raised)
-            info[1] = f"{type(e).__name__}: {e}"
             if not dist.is_initialized():
                 raise
+            info[1] = f"{type(e).__name__}: {e}"
     if dist.is_initialized():
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(info, src=src, group=group)
     if info[1] is not None:
-        raise RuntimeError(f"matrixfsdp.save_checkpoint: the commit of {path} failed on its rank 0: "
-                           f"{info[1]}")
-    return int(info[0])
+        raise RuntimeError(f"matrixfsdp.save_checkpoint: {what} failed on its rank 0: {info[1]}")
+    return info[0]
+
+
+def _commit(tmp: Path, path: Path, group, t0: float) -> int:
+    """After every rank of ``group`` wrote into ``tmp``: rank 0 writes the marker, fsyncs and
+    renames ``tmp`` to ``path``. Returns the bytes written, on every rank."""
+    def commit() -> int:
+        nbytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
+        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        with open(tmp / COMPLETE, "w") as f:
+            json.dump({"world_size": world, "bytes": nbytes, "seconds": time.perf_counter() - t0,
+                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = path.with_name(f".{path.name}.old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return nbytes
+
+    _barrier(group)  # every rank has written
+    return int(_on_rank0(commit, group, f"the commit of {path}"))
 
 
 # ---- asynchronous saves ----------------------------------------------------------------------
@@ -547,11 +555,11 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
     wait_for_checkpoint()
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial")
-    rank = dist.get_rank(process_group) if dist.is_initialized() else 0
-    if rank == 0:
+
+    def make_dir() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this name that died before its commit
         tmp.mkdir(parents=True)
-    _barrier(process_group)
+    _on_rank0(make_dir, process_group, f"creating {tmp}")
     if not async_save:
         dcp.save(state, checkpoint_id=str(tmp), process_group=process_group)
         if before_commit is not None:
