@@ -20,12 +20,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import matrixfsdp as mf
 from matrixfsdp.checkpoint import AsyncCheckpoint, is_complete
 from matrixfsdp.dcp import RowShard, stage_state
+from matrixfsdp.param import placement_of
 
 
 def _snapshot(model, opt, sched):
     """Everything a checkpoint holds, as copies: full parameters (a collective), this rank's
     optimizer state by name, the schedule."""
-    state = {p._mf_placement.spec.name: {k: v.clone() for k, v in opt.state.get(p, {}).items()}
+    state = {placement_of(p).spec.name: {k: v.clone() for k, v in opt.state.get(p, {}).items()}
              for g in opt.param_groups for p in g["params"]}
     return dict(model=mf.full_state_dict(model), optim=state, sched=sched.state_dict(),
                 lr=[g["lr"] for g in opt.param_groups])

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import matrixfsdp as mf
 from matrixfsdp.dcp import RowShard
 from matrixfsdp.models import GPTConfig
+from matrixfsdp.param import placement_of
 from matrixfsdp.plan import ParamSpec, Placement
 
 SEQ = 16
@@ -180,12 +181,12 @@ def _resume_worker(rank, world, tmp):
             assert a.dtype == torch.float32 and torch.equal(a, b), f"{tag} {n}"
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             st1, st2 = o1.state.get(p1, {}), o2.state.get(p2, {})
-            assert st1.keys() == st2.keys(), (tag, p1._mf_placement.spec.name)
+            assert st1.keys() == st2.keys(), (tag, placement_of(p1).spec.name)
             for k in st1:
                 assert st1[k].dtype == torch.float32 and torch.equal(st1[k], st2[k]), \
-                    f"{tag} {p1._mf_placement.spec.name} {k}"
-            if p1._mf_placement.spec.muon:
-                assert ("momentum_buffer" in st1) == (p1._mf_placement.owner == rank)
+                    f"{tag} {placement_of(p1).spec.name} {k}"
+            if placement_of(p1).spec.muon:
+                assert ("momentum_buffer" in st1) == (placement_of(p1).owner == rank)
         assert s1.state_dict() == s2.state_dict()
         assert [g["lr"] for g in o1.param_groups] == [g["lr"] for g in o2.param_groups]
 
@@ -208,8 +209,8 @@ def _chain_worker(rank, world, tmp, phase):
     if phase:
         _load(model, opt, sched, os.path.join(tmp, f"ckpt{phase - 1}"))
         for p in model.parameters():  # momentum moved to each matrix's new owner
-            if p._mf_placement.spec.muon:
-                assert ("momentum_buffer" in opt.state.get(p, {})) == (p._mf_placement.owner == rank)
+            if placement_of(p).spec.muon:
+                assert ("momentum_buffer" in opt.state.get(p, {})) == (placement_of(p).owner == rank)
         # the loaded state, saved again as it is: must equal the checkpoint it came from
         dcp.save(_state(model, opt, sched), checkpoint_id=os.path.join(tmp, f"reloaded{phase}"))
     _train(model, opt, sched, data, range(start, start + PHASES[phase][1]), rank, world)
@@ -232,7 +233,7 @@ def _moe_phase(rank, world, tmp, phase, data):
         dcp.load(state, checkpoint_id=os.path.join(tmp, f"moe{phase - 1}"))
         mf.set_state_dict(model, opt, state)
         for p in model.parameters():
-            if p._mf_placement.spec.is_experts:  # momentum follows the experts this rank holds
+            if placement_of(p).spec.is_experts:  # momentum follows the experts this rank holds
                 assert ("momentum_buffer" in opt.state.get(p, {})) == (p.numel() > 0)
         dcp.save(mf.get_state_dict(model, opt), checkpoint_id=os.path.join(tmp, f"moe_reloaded{phase}"))
     x = data[phase][rank * (GLOBAL // world):(rank + 1) * (GLOBAL // world), :9]

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.param import placement_of
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -63,7 +64,7 @@ def _worker(rank, world, tmp):
         model = r.pop("model")
         full = safetensors_torch.load_file(os.path.join(tmp, "big.safetensors"))
         for p in model.parameters():  # each shard holds exactly its rows of the file
-            pl = p._mf_placement
+            pl = placement_of(p)
             a, b = pl.row_ranges[rank]
             assert torch.equal(p.detach(), full[pl.spec.name][a:b]), (kind, pl.spec.name)
         out[kind] = r

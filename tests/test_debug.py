@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.param import placement_of
 
 CFG = GPTConfig(d_model=16, n_heads=2, n_layers=3, d_mlp=24, seq_len=8)
 
@@ -147,7 +148,7 @@ def _nonfinite(rank, world_size, out_dir):
     if rank == 1:  # a NaN in one rank's piece of one gradient only
         p = next(p for p in model.parameters() if p.grad is not None and p.numel())
         p.grad.view(-1)[0] = float("nan")
-        injected = p._mf_placement.spec.name
+        injected = placement_of(p).spec.name
     norm = mf.total_grad_norm(model.parameters())
     skipped = not bool(torch.isfinite(norm))
     names = mf.nonfinite_grad_names(model.parameters()) if skipped else []

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
+from matrixfsdp.param import placement_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,7 +72,7 @@ def _worker(rank, world_size, case, out_path):
     opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=ns_dtype, adamw_lr=ADAMW["lr"],
                                        adamw_betas=ADAMW["betas"], adamw_eps=ADAMW["eps"],
                                        adamw_weight_decay=ADAMW["weight_decay"]))
-    muon_names = sorted(p._mf_placement.spec.name for g in opt.param_groups if g["use_muon"]
+    muon_names = sorted(placement_of(p).spec.name for g in opt.param_groups if g["use_muon"]
                         for p in g["params"])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for x in batches(STEPS, world_size, PER_RANK, SEQ):

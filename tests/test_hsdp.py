@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 import matrixfsdp as mf
 from matrixfsdp.bench.measure import RANGE_PREFIX, analyse_profile
 from matrixfsdp.models import PRESETS, GPTConfig
+from matrixfsdp.param import placement_of
 from matrixfsdp.plan import format_report, plan_module
 
 STEPS, PER_RANK, SEQ = 4, 2, 16
@@ -75,7 +76,7 @@ def _train(rank, job):
             if job.get("clip"):  # the global norm: each element once over the 2-D mesh
                 mf.clip_grad_norm_(model.parameters(), job["clip"])
             for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank
-                pl = p._mf_placement
+                pl = placement_of(p)
                 if pl.owner is not None:
                     assert (p.grad is not None) == (pl.owner == world_rank), pl.spec.name
             with record_function(STEP_MARK):
@@ -83,7 +84,7 @@ def _train(rank, job):
             opt.zero_grad(set_to_none=True)
     inside, other = _count_collectives(prof.events())
     for p in model.parameters():  # momentum only on the owning world rank
-        pl = p._mf_placement
+        pl = placement_of(p)
         if pl.owner is not None:
             has = "momentum_buffer" in opt.state.get(p, {})
             assert has == (pl.owner == world_rank), f"momentum of {pl.spec.name} on {rank}"
@@ -159,7 +160,7 @@ def _train_moe(rank):
         opt.step()
         opt.zero_grad(set_to_none=True)
     for p in model.parameters():
-        pl = p._mf_placement
+        pl = placement_of(p)
         if pl.spec.is_experts:  # momentum wherever the shard rank holds experts, every replica
             has = "momentum_buffer" in opt.state.get(p, {})
             assert has == (pl.matrices_on(root.rank) > 0), pl.spec.name
@@ -204,7 +205,7 @@ def _checkpoint(rank, out_dir):
         mf.set_state_dict(model, opt, state)
         world_rank = mf.get_root(model).groups.world_rank
         for p in model.parameters():
-            pl = p._mf_placement
+            pl = placement_of(p)
             if pl.owner is not None:
                 assert ("momentum_buffer" in opt.state.get(p, {})) == (pl.owner == world_rank)
         train(model, opt, range(2, 4))

@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.optim import adjusted_lr
+from matrixfsdp.param import placement_of
 from matrixfsdp.plan import ParamSpec, format_report, make_plan, ns_flops, plan_module
 
 STEPS, PER_RANK, SEQ, VOCAB = 3, 2, 8, 256
@@ -154,7 +155,7 @@ def train_sharded(kind: str, rank: int, world_size: int) -> dict:
     inside, other = _count_collectives(prof.events())
     momentum, ranges = {}, {}
     for p in model.parameters():
-        pl = p._mf_placement
+        pl = placement_of(p)
         if not pl.spec.muon:
             assert "momentum_buffer" not in opt.state.get(p, {}), pl.spec.name
             continue

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.models import GPTConfig
+from matrixfsdp.param import placement_of
 
 STEPS, PER_RANK, SEQ = 10, 2, 16
 # Shapes divisible by none of 2, 3, 4, 8: d_model 35 (5 heads of 7), MLP 55, 17 positions.
@@ -96,7 +97,7 @@ def _train_worker(rank, world_size, case, out_path):
     step_collectives, other_collectives = _count_collectives(prof.events())
     owners = {}
     for p in model.parameters():
-        pl = p._mf_placement
+        pl = placement_of(p)
         if pl.spec.muon:
             has_state = "momentum_buffer" in opt.state.get(p, {})
             assert has_state == (pl.owner == rank), f"momentum of {pl.spec.name} on rank {rank}"

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.param import placement_of
 from matrixfsdp.plan import ParamSpec, make_plan
 
 CFG = dict(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=24, seq_len=8)
@@ -238,7 +239,7 @@ def _empty_train(rank: int, world_size: int, muon_filter) -> dict:
     muon_names = {n for n, p in named.items() if any(p is q for q in groups[0]["params"])}
     assert muon_names == {"layers.0.fc.weight", "layers.1.fc.weight"}, muon_names
     for n in EMPTY:  # never a Muon matrix, whatever the filter says: planned as an even parameter
-        assert not named[n]._mf_placement.spec.muon and named[n].numel() == 0, n
+        assert not placement_of(named[n]).spec.muon and named[n].numel() == 0, n
     return mf.full_state_dict(model)
 
 
@@ -341,6 +342,9 @@ def test_plan_digest_names_the_replica_that_steps_a_matrix():
 
     spec = ParamSpec("w", (4, 4), 4, 1, True)
     ranges = [(0, 4), (0, 0)]
-    one, other = (SimpleNamespace(_mf_placement=Placement(spec, owner, ranges)) for owner in (0, 2))
+
+    def param(owner):
+        return SimpleNamespace(_mf_param=SimpleNamespace(placement=Placement(spec, owner, ranges)))
+    one, other = param(0), param(2)
     assert _plan_digest([one]) != _plan_digest([other])
-    assert _plan_digest([one]) == _plan_digest([SimpleNamespace(_mf_placement=Placement(spec, 0, ranges))])
+    assert _plan_digest([one]) == _plan_digest([param(0)])

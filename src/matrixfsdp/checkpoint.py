@@ -37,6 +37,7 @@ from .comm import gather_v
 from .dcp import RowShard, RowShardStager
 from .layout import local_rows
 from .optim import PLAN_KEYS, Muon, _scalar_dtype
+from .param import placement_of
 from .plan import Placement
 from .runtime import Root, get_root
 
@@ -125,7 +126,7 @@ def _entries(model: nn.Module) -> list[_Entry]:
 
 
 def _placement(p: torch.Tensor, name: str) -> Placement:
-    pl = getattr(p, "_mf_placement", None)
+    pl = placement_of(p)
     if pl is None:
         raise ValueError(f"matrixfsdp: parameter '{name}' is not a MatrixFSDP shard (a state dict "
                          "is taken between steps, with the model planned by fully_shard)")
@@ -336,7 +337,7 @@ def _load_optim(optimizer: Muon, root: Root, osd: dict[str, Any]) -> None:
     for name, (group, p) in where.items():
         saved = osd["state"].get(name)
         held = optimizer.state.get(p, {})
-        if not saved or not p.numel() or not root.groups.steps_here(p._mf_placement):
+        if not saved or not p.numel() or not root.groups.steps_here(placement_of(p)):
             optimizer.state.pop(p, None)  # nothing saved, this rank holds none of it, or
             continue  # (HSDP) another replica steps it
         new: dict[str, Any] = {}
@@ -351,7 +352,7 @@ def _load_optim(optimizer: Muon, root: Root, osd: dict[str, Any]) -> None:
                     new[key] = (step.to(torch.float32, device=p.device) if group.get("fused")
                                 else step.to(_scalar_dtype(), copy=True))
                 continue
-            src = _local_rows(value, p._mf_placement, root.rank, f"optimizer state '{key}' of '{name}'")
+            src = _local_rows(value, placement_of(p), root.rank, f"optimizer state '{key}' of '{name}'")
             if old is not None and old.shape == src.shape and old.dtype == p.dtype:
                 _copy(old, src)
                 new[key] = old

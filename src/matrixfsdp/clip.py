@@ -22,6 +22,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from .param import placement_of, replacement, root_of
+
 __all__ = ["clip_grad_norm_", "nonfinite_grad_names"]
 
 _Params = torch.Tensor | Iterable[torch.Tensor]
@@ -33,16 +35,16 @@ def _split(parameters: _Params):
     sharded, plain = [], []
     root, first = None, None
     for p in params:
-        replaced = getattr(p, "_mf_replaced", None)
+        replaced = replacement(p)
         if replaced is not None:
             raise ValueError(f"a parameter of shape {tuple(p.shape)} was replaced by its shard "
-                             f"'{replaced._mf_placement.spec.name}' when matrixfsdp planned the "
+                             f"'{placement_of(replaced).spec.name}' when matrixfsdp planned the "
                              "model; pass model.parameters() read after fully_shard")
-        pl = getattr(p, "_mf_placement", None)
+        pl = placement_of(p)
         if pl is None:
             plain.append(p)
             continue
-        r = p._mf_unit.root
+        r = root_of(p)
         if root is None:
             root, first = r, pl.spec.name
         elif r is not root:
@@ -84,7 +86,7 @@ def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) ->
         return stat if math.isinf(p) else stat.pow(1.0 / p)
     device = sharded[0].device
     counted = [q.grad for q in sharded if q.grad is not None
-               and (root.groups.replica == 0 or q._mf_placement.owner is not None)]
+               and (root.groups.replica == 0 or placement_of(q).owner is not None)]
     local = _local_stat(counted, p, acc, device, foreach)
     if math.isinf(p):
         # A MAX all-reduce need not propagate NaN (max(nan, x) may give x), so NaN travels
@@ -106,11 +108,11 @@ def _nonfinite(params, sharded, plain, root) -> list[str]:
         flags = torch.zeros(len(order), dtype=torch.int32, device=sharded[0].device)
         for q in sharded:
             if q.grad is not None and q.grad.numel():
-                flags[index[q._mf_placement.spec.name]] = (~torch.isfinite(q.grad).all()).to(torch.int32)
+                flags[index[placement_of(q).spec.name]] = (~torch.isfinite(q.grad).all()).to(torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=root.groups.world)
         names = [order[i] for i in flags.nonzero().flatten().tolist()]
     for i, q in enumerate(params):  # replicated: the same verdict on every rank, no collective
-        if (getattr(q, "_mf_placement", None) is None and q.grad is not None
+        if (placement_of(q) is None and q.grad is not None
                 and not bool(torch.isfinite(q.grad).all())):
             names.append(f"<parameter {i} of shape {tuple(q.shape)} (not sharded)>")
     return names

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from .layout import local_rows
+from .param import placement_of
 from .runtime import Root, get_root
 
 InitFn = Callable[[nn.Module], object]
@@ -83,13 +84,13 @@ def init_weights(model: nn.Module, init_fn: InitFn | None = None) -> None:
     names = {id(m): name or "<root>" for name, m in model.named_modules()}
     # The shards as registered on the modules (a tied shard appears at several places).
     pending = {id(p): p for m in model.modules() for p in m._parameters.values()
-               if getattr(p, "_mf_placement", None) is not None}  # not initialised yet
+               if placement_of(p) is not None}  # not initialised yet
     steps, discard = _steps(model, init_fn)
     with torch.no_grad():
         for module, fn in steps:
             _visit(module, fn, root, names, pending, discard)
     if pending:
-        left = sorted(p._mf_placement.spec.name for p in pending.values())
+        left = sorted(placement_of(p).spec.name for p in pending.values())
         raise ValueError(
             f"matrixfsdp.init_weights: {len(left)} parameter(s) were not initialised: "
             f"{', '.join(left[:8])}{', ...' if len(left) > 8 else ''}. Their modules have no "
@@ -208,7 +209,7 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
         if (id(module), attr) in discard:
             scratch[attr] = p
             continue
-        if getattr(p, "_mf_placement", None) is None:
+        if placement_of(p) is None:
             if p.is_meta:
                 raise ValueError(f"matrixfsdp.init_weights: parameter '{mname}.{attr}' is on the meta "
                                  "device and not sharded by matrixfsdp (is it outside the root?)")
@@ -251,7 +252,7 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
                 "rank's rows of it; make each module's init write only its own parameters")
 
     for i, (p, full, _) in shards.items():
-        value, name = values[i], p._mf_placement.spec.name
+        value, name = values[i], placement_of(p).spec.name
         if tuple(value.shape) != tuple(full.shape):
             raise ValueError(f"matrixfsdp.init_weights: the init of '{mname}' set parameter '{name}' "
                              f"to shape {tuple(value.shape)}, expected {tuple(full.shape)}")
@@ -263,7 +264,7 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
                 f"matrixfsdp.init_weights: the init of module '{mname}' wrote only part of parameter "
                 f"'{name}', or read its previous value. Each visit must write all of a parameter or "
                 "none of it, without reading it: no rank holds its previous value whole")
-        p.copy_(local_rows(value.detach(), p._mf_placement, root.rank))
+        p.copy_(local_rows(value.detach(), placement_of(p), root.rank))
         pending.pop(id(p), None)
     for attr, meta in meta_buffers.items():
         value = module._buffers.get(attr)
@@ -279,7 +280,7 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
 
 def _nan_full(shard: nn.Parameter) -> nn.Parameter:
     """A full-size parameter for ``shard`` on its device, filled with NaN."""
-    placement = getattr(shard, "_mf_placement", None)
+    placement = placement_of(shard)
     shape = placement.spec.shape if placement is not None else shard.shape
     return nn.Parameter(torch.full(shape, float("nan"), dtype=shard.dtype, device=shard.device),
                         requires_grad=shard.requires_grad)

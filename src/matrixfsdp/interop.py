@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .checkpoint import _entries, full_state_dict
+from .param import placement_of
 from .runtime import get_root
 
 ReadRows = Callable[[str, int, int], torch.Tensor]  # (name, start, stop) -> rows
@@ -115,7 +116,7 @@ def load_full_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: b
     missing = []
     for u in root.units:
         for p in u.sharded:
-            pl = p._mf_placement
+            pl = placement_of(p)
             name = next((n for n in [pl.spec.name, *names_of.get(id(p), [])] if n in source.shapes), None)
             if name is None:
                 missing.append(pl.spec.name)

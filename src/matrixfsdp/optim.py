@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.adam import adam as _adam
 
+from .param import pending_unit, placement_of, replacement, root_of, sharded_param
 from .runtime import get_root, plan_params
 
 # torch.optim.Muon's defaults, also read by the benchmark so every system runs the same NS.
@@ -93,7 +94,7 @@ _STATE_KEYS = {True: ("momentum_buffer",), False: ("exp_avg", "exp_avg_sq")}
 
 
 def _name(p: torch.Tensor) -> str:
-    pl = getattr(p, "_mf_placement", None)
+    pl = placement_of(p)
     return f"'{pl.spec.name}'" if pl is not None else f"of shape {tuple(p.shape)}"
 
 
@@ -266,9 +267,9 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
-                if getattr(p, "_mf_replaced", None) is not None:
+                if replacement(p) is not None:
                     raise RuntimeError(
-                        f"parameter {_name(p._mf_replaced)} was replaced by its shard when "
+                        f"parameter {_name(replacement(p))} was replaced by its shard when "
                         "matrixfsdp planned the model, after this optimizer took it")
             if group["use_muon"]:
                 self._muon_step(group)
@@ -338,17 +339,17 @@ class Muon(torch.optim.Optimizer):
 def _world_size(params: Iterable[torch.Tensor]) -> int | None:
     """The world size the parameters are planned for (None: plain tensors, no plan)."""
     for p in params:
-        unit = getattr(p, "_mf_unit", None)
-        if unit is not None and unit.root is not None:  # HSDP: replicas x shard size
-            return unit.root.groups.replicas * unit.root.groups.shard_size
+        root = root_of(p)
+        if root is not None:  # HSDP: replicas x shard size
+            return root.groups.replicas * root.groups.shard_size
     return None
 
 
 def _rank_of(params: Iterable[torch.Tensor]) -> int:
     for p in params:
-        unit = getattr(p, "_mf_unit", None)
-        if unit is not None and unit.root is not None:
-            return unit.root.rank
+        root = root_of(p)
+        if root is not None:
+            return root.rank
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -358,7 +359,7 @@ def _plan_digest(params: Iterable[torch.Tensor]) -> str:
     names the replica): equal digests mean every rank holds and steps the same tensors."""
     h = hashlib.sha256()
     for p in params:
-        pl = getattr(p, "_mf_placement", None)
+        pl = placement_of(p)
         key = (pl.spec.name, pl.spec.shape, pl.spec.muon, pl.owner) if pl is not None \
             else tuple(p.shape)
         h.update(repr(key).encode())
@@ -368,7 +369,7 @@ def _plan_digest(params: Iterable[torch.Tensor]) -> str:
 
 
 def _no_state(p: torch.Tensor) -> str:
-    pl = getattr(p, "_mf_placement", None)
+    pl = placement_of(p)
     if pl is not None and pl.owner is not None:
         return (f"no state (this rank holds the empty placeholder {tuple(p.shape)}; the matrix "
                 f"is owned by rank {pl.owner})")
@@ -377,8 +378,8 @@ def _no_state(p: torch.Tensor) -> str:
 
 def _steps_here(p: torch.Tensor) -> bool:
     """HSDP: False for a matrix this rank holds but another replica steps (no state here)."""
-    unit = getattr(p, "_mf_unit", None)
-    return unit is None or unit.root is None or unit.root.groups.steps_here(p._mf_placement)
+    info = sharded_param(p)
+    return info is None or info.steps_here()
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -392,12 +393,12 @@ def _as_list(params) -> list[torch.Tensor]:
 def _check_planned_together(params: list[torch.Tensor]) -> None:
     """Catch an optimizer built before the root ``fully_shard``: some parameters sharded
     (or waiting to be), others outside every unit."""
-    managed = [p for p in params if getattr(p, "_mf_placement", None) is not None
-               or getattr(p, "_mf_pending", None) is not None]
-    plain = [p for p in params if getattr(p, "_mf_placement", None) is None
-             and getattr(p, "_mf_pending", None) is None]
+    managed = [p for p in params if placement_of(p) is not None
+               or pending_unit(p) is not None]
+    plain = [p for p in params if placement_of(p) is None
+             and pending_unit(p) is None]
     if managed and plain:
-        unit = getattr(managed[0], "_mf_pending", None) or managed[0]._mf_unit
+        unit = pending_unit(managed[0]) or sharded_param(managed[0]).unit
         where = unit.module
         raise ValueError(
             f"optimizer built before the root fully_shard: a parameter of shape "
@@ -417,7 +418,7 @@ def _validate_muon_group(group: dict) -> None:
     if group["ns_steps"] >= 100 or len(group["ns_coefficients"]) != 3:
         raise ValueError("ns_steps must be < 100 and ns_coefficients three floats")
     for p in group["params"]:
-        pl = getattr(p, "_mf_placement", None)
+        pl = placement_of(p)
         if pl is not None and not pl.spec.muon and pl.spec.numel:  # empty: a no-op anywhere
             raise ValueError(
                 f"parameter '{pl.spec.name}' (shape {pl.spec.shape}) is in a use_muon=True "
@@ -446,7 +447,7 @@ def muon_param_groups(model: nn.Module, *, lr: float = 1e-3, adamw_lr: float = 1
     for unit in root.units:
         for p in unit.sharded:
             if p.requires_grad:
-                (muon if p._mf_placement.spec.muon else other).append(p)
+                (muon if placement_of(p).spec.muon else other).append(p)
     muon_opts = {k: v for k, v in options.items() if not k.startswith("adamw_")}
     adamw_opts = {k[len("adamw_"):]: v for k, v in options.items() if k.startswith("adamw_")}
     return [dict(params=muon, use_muon=True, lr=lr, **muon_opts),

@@ -51,6 +51,7 @@ from .hsdp import MeshGroups, broadcast_from_owners, reduce_across_replicas
 from .layout import UnitLayout, local_rows, unit_layout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .overlap import Schedule
+from .param import ShardedParam, mark_pending, mark_sharded, pending_unit, replacement, sharded_param
 from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
 
 _PENDING: list[weakref.ref] = []  # units created by fully_shard and not planned yet
@@ -155,7 +156,7 @@ class Root:
                 if (p is not sp and p is not u.unsharded[i]) or \
                         (sp.numel() and sp.untyped_storage().data_ptr() != base):
                     raise RuntimeError(
-                        f"matrixfsdp: parameter '{sp._mf_placement.spec.name}' no longer views "
+                        f"matrixfsdp: parameter '{sharded_param(sp).name}' no longer views "
                         "MatrixFSDP's storage: model.to_empty / .to / .half / load_state_dict("
                         "assign=True) after fully_shard replaced it. Move or cast the model "
                         "before fully_shard (or use a MixedPrecisionPolicy); for a model built "
@@ -445,7 +446,7 @@ class Unit:
                 p = self.sharded[index[j]]
                 view = grad[offset:offset + pc.numel].view(p.shape)
                 offset += pc.numel
-                if not root.groups.steps_here(p._mf_placement):
+                if not root.groups.steps_here(sharded_param(p).placement):
                     continue  # HSDP: another replica steps it
                 if p.grad is None:
                     p.grad = view
@@ -521,10 +522,10 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
     checked = isinstance(optimizer, _ROW_SENSITIVE + _GLOBAL)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            pl = getattr(p, "_mf_placement", None)
-            if pl is None:
+            info = sharded_param(p)
+            if info is None:
                 continue
-            unit = p._mf_unit
+            pl, unit = info.placement, info.unit
             if unit.has_replica_owned:
                 unit.finish_broadcast()  # one in flight (a unit forward skipped) ends first
                 unit.needs_broadcast = True
@@ -632,8 +633,7 @@ def _shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: 
         n = math.prod(shape)
         sp = nn.Parameter(u.local[local_offsets[i]:local_offsets[i] + n].view(shape),
                           requires_grad=p.requires_grad)
-        sp._mf_placement = pl
-        sp._mf_unit = u
+        mark_sharded(p, sp, ShardedParam(pl, u, i))
         u.sharded.append(sp)
         if i in u._even_index:
             full = _alias(u.even, u._even_index[i], tuple(p.shape))
@@ -644,7 +644,6 @@ def _shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: 
         if not pl.spec.numel:  # nothing to reduce: its empty grad goes to the shard
             up.register_post_accumulate_grad_hook(functools.partial(_grad_to_empty_shard, sp))
         u.unsharded.append(up)
-        p._mf_replaced = sp
     u._register(u.sharded)
     u.flat.untyped_storage().resize_(0)
     u.even.untyped_storage().resize_(0)
@@ -767,7 +766,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug, overlap)
     module._mf_unit = unit
     for mod, attr, _ in _owned_params(module, ""):
-        mod._parameters[attr]._mf_pending = unit
+        mark_pending(mod._parameters[attr], unit)
     # Under ``module.compile()`` / ``torch.compile(module)`` the hooks run eagerly, as
     # FSDP2's do: the compiled graph is the module's forward alone, one per block, and the
     # gathers, parameter swaps and autograd bookkeeping stay plain Python (docs/compile.md).
@@ -796,10 +795,10 @@ def plan_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Plan the roots of any not-yet-planned units these parameters belong to, and map
     each original parameter to the sharded one that replaced it (others pass through)."""
     for p in params:
-        unit = getattr(p, "_mf_pending", None)
-        if unit is not None and unit.root is None:
+        unit = pending_unit(p)
+        if unit is not None:
             _materialize(_outermost_pending(unit))
-    return [getattr(p, "_mf_replaced", p) for p in params]
+    return [replacement(p) or p for p in params]
 
 
 def _unit_of(module: nn.Module) -> Unit:

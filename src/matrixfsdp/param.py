@@ -1,0 +1,94 @@
+"""One parameter under MatrixFSDP: where it lives and which unit moves it.
+
+FSDP2 keeps an ``FSDPParam`` per parameter; this is ours. Every module that needs to know
+something about a sharded parameter (the optimizer, clipping, checkpoints, init) asks
+:func:`sharded_param` and reads the answer; nothing else reads attributes off tensors.
+
+* a **sharded** parameter (what ``model.parameters()`` holds after ``fully_shard``) maps
+  to its :class:`ShardedParam`: the plan's :class:`~matrixfsdp.plan.Placement`, its index
+  in its unit, and the unit (whose ``root`` holds the groups, plan and counters);
+* an **original** parameter that sharding replaced maps to the shard that replaced it
+  (:func:`replacement`), so a parameter list read before the root's ``fully_shard`` can be
+  named as stale;
+* an original of a unit not sharded yet maps to that unit (:func:`pending_unit`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .plan import Placement
+
+if TYPE_CHECKING:
+    from .unit import Root, Unit
+
+_INFO = "_mf_param"  # on a shard: its ShardedParam
+_REPLACED = "_mf_replaced"  # on an original: the shard that replaced it
+_PENDING = "_mf_pending"  # on an original: the unit that will shard it
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """What MatrixFSDP knows about one sharded parameter."""
+
+    placement: Placement
+    unit: Unit
+    index: int  # in the unit's parameter list
+
+    @property
+    def name(self) -> str:
+        """The fully qualified name under the root (the plan's name; tied ones share it)."""
+        return self.placement.spec.name
+
+    @property
+    def root(self) -> Root:
+        return self.unit.root
+
+    @property
+    def is_matrix(self) -> bool:
+        """A Muon matrix (or expert stack), stepped whole where this rank holds it."""
+        return self.placement.spec.muon
+
+    def steps_here(self) -> bool:
+        """Whether this rank's copy gets a gradient and is stepped (HSDP: a 2-D matrix only
+        in the replica that owns it)."""
+        return self.root.groups.steps_here(self.placement)
+
+
+def sharded_param(p: Any) -> ShardedParam | None:
+    """The :class:`ShardedParam` of a sharded parameter, None for any other tensor."""
+    return getattr(p, _INFO, None)
+
+
+def placement_of(p: Any) -> Placement | None:
+    """Where a sharded parameter lives (None for any other tensor)."""
+    info = getattr(p, _INFO, None)
+    return info.placement if info is not None else None
+
+
+def replacement(p: Any) -> torch.Tensor | None:
+    """The shard that replaced original parameter ``p`` when its unit was sharded."""
+    return getattr(p, _REPLACED, None)
+
+
+def pending_unit(p: Any) -> Unit | None:
+    """The unit that will shard original parameter ``p`` (None once sharded, or never)."""
+    unit = getattr(p, _PENDING, None)
+    return unit if unit is not None and unit.root is None else None
+
+
+def root_of(p: Any) -> Root | None:
+    info = getattr(p, _INFO, None)
+    return info.root if info is not None else None
+
+
+def mark_pending(p: torch.Tensor, unit: Unit) -> None:
+    setattr(p, _PENDING, unit)
+
+
+def mark_sharded(original: torch.Tensor, shard: torch.Tensor, info: ShardedParam) -> None:
+    setattr(shard, _INFO, info)
+    setattr(original, _REPLACED, shard)
