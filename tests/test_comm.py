@@ -1,52 +1,67 @@
-"""gather_v / reduce_v over uneven segments (an empty one included), sync and async."""
+"""matrixfsdp.comm: each collective's result and what it is charged (this rank's bytes, its
+most loaded rank's, the mean), and a unit without parameters of its own issuing none."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 from _dist import spawn
-from torch.profiler import ProfilerActivity, profile
 
-from matrixfsdp.comm import CommStats, gather_v, reduce_v
+from matrixfsdp.comm import Comm, CommStats, pipeline_load, ring_load
 
 
-def _worker(rank, world_size, sizes, expected_ops):
-    group = dist.group.WORLD
+def _worker(rank, world_size):
     stats = CommStats()
-    total = sum(sizes)
-    offsets = [sum(sizes[:r]) for r in range(world_size)]
-    expected = torch.arange(total, dtype=torch.float32)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _gather_and_reduce(rank, world_size, sizes, group, stats, offsets, expected)
-    ops = {e.name for e in prof.events() if e.name.startswith("c10d::")}
-    assert ops == expected_ops, ops
-    assert stats.calls == {"gather_v": 2, "reduce_v": 2}
-    assert stats.payload_bytes["gather_v"] == 2 * total * 4
-    assert stats.sent_bytes["gather_v"] == 2 * sizes[rank] * (world_size - 1) * 4
+    comm = Comm(dist.group.WORLD, stats)
+    P, n = world_size, 6
+    x = torch.arange(n, dtype=torch.float32) + 10 * rank
+
+    out = torch.empty(P * n)
+    comm.all_gather(out, x.clone()).wait()
+    assert torch.equal(out, torch.cat([torch.arange(n, dtype=torch.float32) + 10 * r for r in range(P)]))
+
+    full = torch.arange(P * n, dtype=torch.float32) * (rank + 1)
+    mine = torch.empty(n)
+    comm.reduce_scatter(mine, full.clone()).wait()  # mean of (r + 1) * x over ranks
+    mean = sum(range(1, P + 1)) / P
+    torch.testing.assert_close(mine, torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * mean)
+
+    t = x.clone()
+    comm.broadcast(t, 1).wait()
+    assert torch.equal(t, torch.arange(n, dtype=torch.float32) + 10)
+
+    t = x.clone()
+    comm.reduce(t, 2).wait()
+    if rank == 2:
+        expected = torch.arange(n, dtype=torch.float32) + 10 * sum(range(P)) / P
+        torch.testing.assert_close(t, expected)
+
+    counts = stats.summary()
+    b = n * 4  # bytes of one rank's piece
+    assert counts["all_gather"]["critical_bytes"] == (P - 1) * b  # ring: (P-1)/P of P*b
+    assert counts["reduce_scatter"]["critical_bytes"] == (P - 1) * b
+    # pipelined: every rank moves the piece about once, the root only sends (broadcast) or
+    # only receives (reduce)
+    assert counts["broadcast"]["critical_bytes"] == b and counts["reduce"]["critical_bytes"] == b
+    assert counts["broadcast"]["received_bytes"] == (0 if rank == 1 else b)
+    assert counts["reduce"]["sent_bytes"] == (0 if rank == 2 else b)
 
 
-def _gather_and_reduce(rank, world_size, sizes, group, stats, offsets, expected):
-    total = sum(sizes)
-    for async_op in (False, True):
-        seg = expected[offsets[rank]:offsets[rank] + sizes[rank]].clone()
-        out = torch.full((total,), -1.0)
-        gather_v(seg, out, sizes, group, stats, async_op=async_op).wait()
-        assert torch.equal(out, expected)
-        full = expected * (rank + 1)  # rank r contributes (r + 1) * x
-        mine = torch.empty(sizes[rank])
-        reduce_v(full.clone(), mine, sizes, group, stats, async_op=async_op).wait()
-        mean_factor = sum(range(1, world_size + 1)) / world_size
-        torch.testing.assert_close(mine, expected[offsets[rank]:offsets[rank] + sizes[rank]] * mean_factor)
+def test_collectives_and_their_loads_four_ranks():
+    spawn(_worker, 4)
 
 
-def test_uneven_segments_three_ranks():
-    """Uneven segments go through one all-to-all each way."""
-    spawn(_worker, 3, [5, 0, 7], {"c10d::alltoall_base_"})
-
-
-def test_even_segments_use_the_even_collectives():
-    """Even segments use all-gather and reduce-scatter, no all-to-all."""
-    spawn(_worker, 2, [4, 4], {"c10d::_allgather_base_", "c10d::_reduce_scatter_base_"})
+def test_load_model_sums_to_what_the_ring_moves():
+    """Over all ranks, a pipelined broadcast/reduce of n bytes sends and receives (P-1) n in
+    total (each of P-1 links carries it once); a ring all-gather moves (P-1) n per rank."""
+    for P in (2, 3, 8, 1000):
+        n = 4096
+        for toward in (False, True):
+            loads = [pipeline_load(n, P, r, root=P // 2, toward_root=toward) for r in range(P)]
+            assert sum(ld.sent for ld in loads) == sum(ld.received for ld in loads) == (P - 1) * n
+            assert max(max(ld.sent, ld.received) for ld in loads) == n
+        assert ring_load(P * n, P).critical == (P - 1) * n
+        assert ring_load(n, P, 2).critical == 2 * n * (P - 1) // P
 
 
 def _empty_root_worker(rank, world_size):
@@ -64,8 +79,10 @@ def _empty_root_worker(rank, world_size):
     opt = mf.Muon(mf.muon_param_groups(model, lr=0.02))
     model(torch.randn(3, 6)).sum().backward()
     opt.step()
-    # one gather per layer in forward and backward, one reduce per layer, none for the root
-    assert dict(mf.comm_stats(model).calls) == {"gather_v": 4, "reduce_v": 2}
+    # per layer: a gather in forward and backward (the bias all-gathered, the weight
+    # broadcast from its owner) and a reduce; nothing for the root
+    assert mf.comm_stats(model).calls == {"all_gather": 4, "broadcast": 4, "reduce_scatter": 2,
+                                          "reduce": 2}
 
 
 def test_unit_without_parameters_issues_no_collective():

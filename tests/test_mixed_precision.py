@@ -59,7 +59,7 @@ def _worker(rank, world_size, case, out_path):
     inside, _ = _count_collectives(prof.events())
     state = mf.full_state_dict(model)
     if rank == 0:
-        torch.save({"params": state, "bytes": dict(stats.payload_bytes), "step_collectives": inside,
+        torch.save({"params": state, "bytes": stats.phase(), "step_collectives": inside,
                     "logits_dtype": logits_dtype}, out_path)
 
 
@@ -139,8 +139,8 @@ def test_bf16_policy_halves_gather_bytes_and_output_dtype(tmp_path):
     fp32 = _run(tmp_path, 2, policy=None, same_data=True, ns_fp32=False)
     mixed = _run(tmp_path, 2, policy=BF16, root_policy={**BF16, "output_dtype": torch.float32},
                  same_data=True, ns_fp32=False)
-    assert mixed["bytes"]["gather_v"] * 2 == fp32["bytes"]["gather_v"]
-    assert mixed["bytes"]["reduce_v"] == fp32["bytes"]["reduce_v"]
+    assert mixed["bytes"]["gather"] * 2 == fp32["bytes"]["gather"]
+    assert mixed["bytes"]["reduce"] == fp32["bytes"]["reduce"]
     assert mixed["logits_dtype"] == torch.float32 and fp32["logits_dtype"] == torch.float32
 
 

@@ -78,7 +78,7 @@ def _train_worker(rank, world_size, case, out_path):
             for xm in x.chunk(micro):
                 (model.loss(xm[:, :-1], xm[:, 1:]) / micro).backward()
             # Between steps only this rank's shards stay allocated: every unit is resharded.
-            assert all(u.flat.untyped_storage().size() == 0 for u in mf.get_root(model).units)
+            assert all(u.storage.whole.untyped_storage().size() == 0 for u in mf.get_root(model).units)
             with record_function(STEP_MARK):
                 opt.step()
             opt.zero_grad(set_to_none=True)

@@ -107,14 +107,17 @@ def _worker(rank, world_size, case, out_path):
                                        adamw_weight_decay=ADAMW["weight_decay"]))
     stats = mf.comm_stats(model)
     # Frozen parameters do not travel in the gradient reduce (as in FSDP2): its payload is
-    # the trainable parameters alone, each counted once (tied ones once).
-    trainable = sum(p.numel() for n, p in build(case).named_parameters() if p.requires_grad)
+    # the trainable parameters alone, each counted once (tied ones once): whole matrices as
+    # they are, row-sharded ones padded to world_size chunks of ceil(rows / world_size) rows.
+    plan = mf.plan_of(model).placements
+    trainable = sum(p.numel() if plan[n].spec.muon else
+                    -(-p.shape[0] // world_size) * world_size * p[0].numel()
+                    for n, p in build(case).named_parameters() if p.requires_grad)
     for x in batches(STEPS, world_size, PER_RANK, SEQ):
         stats.reset()
         backward(model, rank_slice(x, rank, PER_RANK, False), case.get("how", "plain"))
         if case.get("how", "plain") == "plain":
-            assert stats.payload_bytes["reduce_v"] == 4 * trainable, \
-                (stats.payload_bytes["reduce_v"], 4 * trainable)
+            assert stats.phase()["reduce"] == 4 * trainable, (stats.phase()["reduce"], 4 * trainable)
         for p in model.parameters():
             if not p.requires_grad:
                 assert p.grad is None, "a frozen parameter got a gradient"

@@ -33,13 +33,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .comm import gather_v
 from .dcp import RowShard, RowShardStager
 from .layout import local_rows
 from .optim import PLAN_KEYS, Muon, _scalar_dtype
 from .param import placement_of
 from .plan import Placement
-from .runtime import Root, get_root
+from .root import Root
+from .runtime import get_root
 
 
 @torch.no_grad()
@@ -55,16 +55,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     root.sync_replicas()  # HSDP: every replica holds the stepped matrices (no-op otherwise)
     out: dict[str, torch.Tensor] = {}
     for unit in root.units:
-        lay = unit.layout
-        flat = unit.local.new_empty(lay.numel)
-        gather_v(unit.local, flat, lay.seg_sizes, root.group)
-        for pl, pieces in zip(lay.placements, lay.pieces):
-            spec = pl.spec
-            full = flat.new_empty(spec.numel)
-            rows = full.view(spec.rows, spec.row_numel)
-            for pc in pieces:
-                rows[pc.row_start:pc.row_stop].view(-1).copy_(flat[pc.offset:pc.offset + pc.numel])
-            out[spec.name] = full.view(spec.shape)
+        for pl, full in zip(unit.layout.placements, unit.storage.full_tensors(root.comm)):
+            out[pl.spec.name] = full
     # The module's order and names, tied parameters under each of their names (as
     # ``model.state_dict()`` holds them).
     ordered = {name: out[root.aliases.get(name, name)]

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from .param import placement_of, replacement, root_of
+from .param import placement_of, root_of
 
 __all__ = ["clip_grad_norm_", "nonfinite_grad_names"]
 
@@ -35,11 +35,6 @@ def _split(parameters: _Params):
     sharded, plain = [], []
     root, first = None, None
     for p in params:
-        replaced = replacement(p)
-        if replaced is not None:
-            raise ValueError(f"a parameter of shape {tuple(p.shape)} was replaced by its shard "
-                             f"'{placement_of(replaced).spec.name}' when matrixfsdp planned the "
-                             "model; pass model.parameters() read after fully_shard")
         pl = placement_of(p)
         if pl is None:
             plain.append(p)

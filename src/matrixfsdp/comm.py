@@ -1,26 +1,20 @@
-"""The two collectives the runtime needs, over uneven per-rank segments.
+"""The collectives the runtime needs, and what each costs its most loaded rank.
 
-* ``gather_v``: every rank contributes its segment, every rank receives the whole
-  rank-major buffer (an all-gather with uneven sizes).
-* ``reduce_v``: every rank contributes a whole rank-major buffer, rank r receives the
-  element-wise sum of segment r (a reduce-scatter with uneven sizes).
+:class:`Comm` issues them over one process group (gloo and NCCL alike: the same public
+``torch.distributed`` calls everywhere) and counts each in a :class:`CommStats`:
 
-Both are one ``all_to_all_single`` with split sizes, which moves exactly the payload (no
-padding) and runs on gloo and NCCL alike. When every segment has the same size they use
-the even collectives instead (``all_gather_single`` / ``reduce_scatter_single``, or the
-pre-2.13 names), which need no extra buffer.
+* ``all_gather`` / ``reduce_scatter``: the row-sharded part of a unit, even and padded,
+  as FSDP2 (ring: every rank sends and receives ``(P-1)/P`` of the buffer);
+* ``broadcast`` / ``reduce``: one piece of whole matrices from / to its holder (NCCL
+  pipelines both along a ring or tree: every rank moves about the piece once, the root
+  only sends, the last rank only receives);
+* ``replicate_allreduce`` / ``replicate_reduce`` / ``replicate_broadcast``: HSDP's, across
+  the replicate dimension, counted by the same rules.
 
-Every call is counted in a :class:`CommStats`: calls, payload bytes (the size of the
-unsharded buffer, as FSDP2 counts its all-gather output and reduce-scatter input) and the
-bytes this rank actually sends.
-
-HSDP adds three collectives across the replicate dimension (``R`` replicas), each over a
-contiguous run of a shard segment, counted as ``replicate_allreduce`` (mean of the
-replicated pieces), ``replicate_reduce`` (mean of a replica's matrices, to that replica
-only) and ``replicate_broadcast`` (those matrices back from it after the step). Their
-payload is the tensor passed; their ``sent_bytes`` are what a bandwidth-optimal algorithm
-moves per rank (ring all-reduce ``2 (R-1)/R n``, reduce and broadcast ``(R-1)/R n`` each),
-so a reduce plus a broadcast sends what an all-reduce of the same tensor sends.
+A collective ends when its most loaded rank is done, so the counters keep, per kind, that
+rank's bytes (``critical_bytes``: the larger of what it sends and receives, by the model
+above, summed over calls) next to the mean over ranks and this rank's own sent and
+received bytes. Every rank knows every size, so this needs no communication.
 """
 
 from __future__ import annotations
@@ -33,52 +27,91 @@ import torch
 import torch.distributed as dist
 
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+PHASE_OF = {"all_gather": "gather", "broadcast": "gather", "reduce_scatter": "reduce",
+            "reduce": "reduce", "all_reduce": "reduce", "replicate_allreduce": "replicate",
+            "replicate_reduce": "replicate", "replicate_broadcast": "replicate"}
+COUNTERS = ("calls", "payload_bytes", "sent_bytes", "received_bytes", "critical_bytes",
+            "mean_bytes")
 
 
 @dataclass
 class CommStats:
-    """Calls and bytes per collective kind, since the last :meth:`reset`."""
+    """Per collective kind, since the last :meth:`reset`: ``calls``; ``payload_bytes`` (the
+    buffer handed over, as FSDP2 counts its all-gather output); this rank's
+    ``sent_bytes`` / ``received_bytes``; ``critical_bytes``, the most loaded rank's
+    ``max(sent, received)`` of each call, summed; ``mean_bytes``, the mean over ranks."""
 
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    payload_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    sent_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    counts: dict[str, dict[str, int]] = field(
+        default_factory=lambda: defaultdict(lambda: dict.fromkeys(COUNTERS, 0)))
 
-    def add(self, kind: str, payload: int, sent: int) -> None:
-        self.calls[kind] += 1
-        self.payload_bytes[kind] += payload
-        self.sent_bytes[kind] += sent
+    def add(self, kind: str, payload: int, load: Load) -> None:
+        c = self.counts[kind]
+        for key, value in (("calls", 1), ("payload_bytes", payload), ("sent_bytes", load.sent),
+                           ("received_bytes", load.received), ("critical_bytes", load.critical),
+                           ("mean_bytes", load.mean)):
+            c[key] += value
 
     def reset(self) -> None:
-        self.calls.clear()
-        self.payload_bytes.clear()
-        self.sent_bytes.clear()
+        self.counts.clear()
+
+    def total(self, key: str) -> int:
+        return sum(c[key] for c in self.counts.values())
+
+    @property
+    def calls(self) -> dict[str, int]:
+        return {k: c["calls"] for k, c in self.counts.items()}
+
+    @property
+    def payload_bytes(self) -> dict[str, int]:
+        return {k: c["payload_bytes"] for k, c in self.counts.items()}
+
+    @property
+    def sent_bytes(self) -> dict[str, int]:
+        return {k: c["sent_bytes"] for k, c in self.counts.items()}
+
+    def phase(self, key: str = "payload_bytes") -> dict[str, int]:
+        """``key`` summed per phase: ``gather`` (all-gather + broadcast), ``reduce``
+        (reduce-scatter + reduce), and HSDP's ``replicate`` (all three kinds)."""
+        out: dict[str, int] = {}
+        for kind, c in self.counts.items():
+            ph = PHASE_OF[kind]
+            out[ph] = out.get(ph, 0) + c[key]
+        return out
 
     def summary(self) -> dict[str, dict[str, int]]:
-        return {k: {"calls": self.calls[k], "payload_bytes": self.payload_bytes[k],
-                    "sent_bytes": self.sent_bytes[k]} for k in sorted(self.calls)}
+        return {k: dict(self.counts[k]) for k in sorted(self.counts)}
 
 
-@dataclass
-class LinkDelay:
-    """A model of a slower network, for tests and ``matrixfsdp bench --link``: a collective
-    this rank issues at time t is not complete before ``t + latency_s + sent / bytes_per_s``.
-    Waiting later hides the delay, waiting at once pays it, which is what overlap is about.
-    ``serial``: one link per rank, so a transfer starts only when the previous one ended.
-    """
+@dataclass(frozen=True)
+class Load:
+    """Bytes one collective moves: this rank's, its most loaded rank's and the mean's."""
 
-    latency_s: float = 0.0
-    bytes_per_s: float | None = None
-    serial: bool = False
-    _link_free: float = 0.0
+    sent: int
+    received: int
+    critical: int
+    mean: int
 
-    def ready_at(self, sent_bytes: int) -> float:
-        start = time.perf_counter()
-        if self.serial:
-            start = max(start, self._link_free)
-        end = start + self.latency_s + (sent_bytes / self.bytes_per_s if self.bytes_per_s else 0.0)
-        self._link_free = end
-        return end
+
+def ring_load(n: int, P: int, factor: int = 1) -> Load:
+    """All-gather / reduce-scatter (``factor`` 1) or all-reduce (2) of an ``n``-byte
+    buffer over a ring of ``P``: every rank sends and receives ``factor (P-1)/P n``."""
+    b = factor * n * (P - 1) // P
+    return Load(b, b, b, b)
+
+
+def pipeline_load(n: int, P: int, rank: int, root: int, toward_root: bool) -> Load:
+    """Broadcast (from ``root``) or reduce (``toward_root``) of ``n`` bytes, pipelined
+    along the ring that starts (or ends) at the root: the root sends (receives) only, the
+    far end receives (sends) only, everyone else moves ``n`` each way."""
+    if P == 1:
+        return Load(0, 0, 0, 0)
+    end = (root - 1) % P if not toward_root else (root + 1) % P
+    first, last = (root, end) if not toward_root else (end, root)
+    sent = 0 if rank == last else n
+    received = 0 if rank == first else n
+    return Load(sent, received, n, n * (P - 1) // P)
 
 
 class Pending:
@@ -86,13 +119,14 @@ class Pending:
 
     It holds the tensors the collective reads or writes (``keep``) until then, so a
     transient send buffer lives as long as the transfer (the FSDP2 rule on CUDA too).
+    ``ready_at``: a modelled slower link (:mod:`matrixfsdp.bench.link`) is not done before.
     """
 
-    def __init__(self, work, epilogue=None, keep: tuple = (), ready_at: float = 0.0):
+    def __init__(self, work=None, epilogue=None, keep: tuple = (), ready_at: float = 0.0):
         self._work = work
         self._epilogues = [epilogue] if epilogue is not None else []
         self._keep = keep
-        self._ready_at = ready_at
+        self.ready_at = ready_at
         self._parts: list[Pending] = []  # see :meth:`all`
 
     def then(self, epilogue) -> Pending:
@@ -103,7 +137,7 @@ class Pending:
     def done(self) -> bool:
         """Whether :meth:`wait` would return without waiting (never blocks)."""
         return ((self._work is None or self._work.is_completed())
-                and time.perf_counter() >= self._ready_at and all(p.done() for p in self._parts))
+                and time.perf_counter() >= self.ready_at and all(p.done() for p in self._parts))
 
     def wait(self) -> None:
         parts, self._parts = self._parts, []
@@ -112,140 +146,89 @@ class Pending:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._ready_at:  # a modelled slower link (tests, bench) only
-            delay = self._ready_at - time.perf_counter()
+        if self.ready_at:
+            delay = self.ready_at - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            self._ready_at = 0.0
+            self.ready_at = 0.0
         epilogues, self._epilogues, self._keep = self._epilogues, [], ()
         for epilogue in epilogues:
             epilogue()
 
     @classmethod
-    def all(cls, pendings: list[Pending]) -> Pending:
-        """One :class:`Pending` that finishes ``pendings`` in order."""
-        pending = cls(None)
+    def all(cls, pendings: list[Pending], epilogue=None) -> Pending:
+        """One :class:`Pending` that finishes ``pendings`` in order, then ``epilogue``."""
+        pending = cls(None, epilogue)
         pending._parts = list(pendings)
         return pending
 
 
-def gather_v(segment: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
-             group: dist.ProcessGroup, stats: CommStats | None = None,
-             async_op: bool = False, delay: LinkDelay | None = None) -> Pending:
-    """All ranks' segments into ``out`` (rank-major, ``sum(seg_sizes)`` elements).
+class Comm:
+    """The collectives of one process group, counted in ``stats``. All are asynchronous:
+    each returns a :class:`Pending` (``wait()`` it). Means are a sum followed by one
+    division by the group size, as in FSDP2, so equal inputs come back bit-identical."""
 
-    ``segment`` is this rank's ``seg_sizes[rank]`` elements; ``out`` is written in place.
-    """
-    P = len(seg_sizes)
-    rank = dist.get_rank(group)
-    if P == 1:
-        out.copy_(segment)
-        return Pending(None)
-    sent = seg_sizes[rank] * (P - 1) * out.element_size()
-    if stats is not None:
-        stats.add("gather_v", out.numel() * out.element_size(), sent)
-    send = segment
-    if len(set(seg_sizes)) == 1:
-        work = all_gather_single(out, segment, group=group, async_op=async_op)
-    else:
-        send = segment.repeat(P)
-        work = dist.all_to_all_single(out, send, seg_sizes, [seg_sizes[rank]] * P,
-                                      group=group, async_op=async_op)
-    pending = Pending(work, keep=(segment, send, out),
-                      ready_at=delay.ready_at(sent) if delay else 0.0)
-    if not async_op:
-        pending.wait()
-    return pending
+    def __init__(self, group: dist.ProcessGroup, stats: CommStats, prefix: str = ""):
+        self.group = group
+        self.stats = stats
+        self.prefix = prefix  # "replicate_" for HSDP's replicate dimension
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
 
+    def _issue(self, kind: str, payload: int, load: Load, work, epilogue=None,
+               keep: tuple = ()) -> Pending:
+        self.stats.add(self.prefix + kind, payload, load)
+        return self.pending(kind, load, work, epilogue, keep)
 
-def reduce_v(full: torch.Tensor, out: torch.Tensor, seg_sizes: list[int],
-             group: dist.ProcessGroup, stats: CommStats | None = None,
-             async_op: bool = False, delay: LinkDelay | None = None) -> Pending:
-    """``out`` = mean over ranks of this rank's segment of ``full`` (rank-major).
+    def pending(self, kind: str, load: Load, work, epilogue, keep: tuple) -> Pending:
+        """Wrap one issued collective (a subclass may model a slower link here)."""
+        return Pending(work, epilogue, keep)
 
-    ``full`` holds ``sum(seg_sizes)`` elements and may be overwritten; ``out`` holds
-    ``seg_sizes[rank]``. The mean is a sum followed by one division by the world size, as
-    in FSDP2, so two ranks with equal gradients give back exactly that gradient.
-    """
-    P = len(seg_sizes)
-    rank = dist.get_rank(group)
-    n = seg_sizes[rank]
-    if P == 1:
-        out.copy_(full)
-        return Pending(None)
-    sent = (full.numel() - n) * full.element_size()
-    if stats is not None:
-        stats.add("reduce_v", full.numel() * full.element_size(), sent)
-    recv = out
-    if len(set(seg_sizes)) == 1:
-        work = _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group,
-                               async_op=async_op)
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
+        """``out`` (``P x inp``) = every rank's ``inp``, rank-major."""
+        if self.size == 1:
+            out.copy_(inp)
+            return Pending()
+        n = out.numel() * out.element_size()
+        return self._issue("all_gather", n, ring_load(n, self.size),
+                           all_gather_single(out, inp, group=self.group, async_op=True),
+                           keep=(out, inp))
 
-        def epilogue():
-            out.div_(P)
-    else:
-        recv = full.new_empty(P * n)
-        work = dist.all_to_all_single(recv, full, [n] * P, seg_sizes, group=group,
-                                      async_op=async_op)
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
+        """``out`` = mean over ranks of this rank's ``1/P`` of ``inp`` (``inp`` is scratch)."""
+        if self.size == 1:
+            out.copy_(inp)
+            return Pending()
+        n = inp.numel() * inp.element_size()
+        work = reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=self.group,
+                                     async_op=True)
+        return self._issue("reduce_scatter", n, ring_load(n, self.size), work,
+                           lambda: out.div_(self.size), keep=(out, inp))
 
-        def epilogue():
-            torch.sum(recv.view(P, n), dim=0, out=out)
-            out.div_(P)
-    pending = Pending(work, epilogue, keep=(full, recv, out),
-                      ready_at=delay.ready_at(sent) if delay else 0.0)
-    if not async_op:
-        pending.wait()
-    return pending
+    def all_reduce(self, t: torch.Tensor) -> Pending:
+        """``t`` = mean of ``t`` over the ranks (in place)."""
+        n = t.numel() * t.element_size()
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return self._issue("allreduce" if self.prefix else "all_reduce", n,
+                           ring_load(n, self.size, 2), work, lambda: t.div_(self.size), (t,))
 
+    def broadcast(self, t: torch.Tensor, root: int) -> Pending:
+        """``t`` = group rank ``root``'s ``t`` on every rank (in place)."""
+        if self.size == 1:
+            return Pending()
+        n = t.numel() * t.element_size()
+        work = dist.broadcast(t, group_src=root, group=self.group, async_op=True)
+        return self._issue("broadcast", n, pipeline_load(n, self.size, self.rank, root, False),
+                           work, keep=(t,))
 
-def _bus(n: int, R: int, factor: int) -> int:
-    return factor * n * (R - 1) // R
-
-
-def _replicate_op(kind: str, t: torch.Tensor, group: dist.ProcessGroup, factor: int, issue,
-                  mean: bool, stats: CommStats | None, async_op: bool,
-                  delay: LinkDelay | None) -> Pending:
-    """Count, issue (``issue(async_op)`` returns the work) and wrap one replicate-dim
-    collective on ``t`` in place; ``mean``: divide by the group size once it is done.
-    ``factor``: a ring sends ``factor * n (R-1)/R`` bytes per rank (2 for an all-reduce)."""
-    R = dist.get_world_size(group)
-    sent = _bus(t.numel() * t.element_size(), R, factor)
-    if stats is not None:
-        stats.add(kind, t.numel() * t.element_size(), sent)
-    pending = Pending(issue(async_op), (lambda: t.div_(R)) if mean else None, keep=(t,),
-                      ready_at=delay.ready_at(sent) if delay else 0.0)
-    if not async_op:
-        pending.wait()
-    return pending
-
-
-def replicate_allreduce(t: torch.Tensor, group: dist.ProcessGroup,
-                        stats: CommStats | None = None, async_op: bool = False,
-                        delay: LinkDelay | None = None) -> Pending:
-    """``t`` = mean of ``t`` over the ranks of ``group`` (in place; one division after the
-    sum, so equal tensors on every replica come back bit-identical)."""
-    return _replicate_op(
-        "replicate_allreduce", t, group, 2,
-        lambda a: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=a),
-        True, stats, async_op, delay)
-
-
-def replicate_reduce(t: torch.Tensor, dst: int, group: dist.ProcessGroup,
-                     stats: CommStats | None = None, async_op: bool = False,
-                     delay: LinkDelay | None = None) -> Pending:
-    """On global rank ``dst``: ``t`` = mean of ``t`` over the ranks of ``group``. Elsewhere
-    ``t`` is left undefined (the backend may use it as scratch)."""
-    return _replicate_op(
-        "replicate_reduce", t, group, 1,
-        lambda a: dist.reduce(t, dst, op=dist.ReduceOp.SUM, group=group, async_op=a),
-        dist.get_rank() == dst, stats, async_op, delay)
-
-
-def replicate_broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup,
-                        stats: CommStats | None = None, async_op: bool = False,
-                        delay: LinkDelay | None = None) -> Pending:
-    """``t`` = global rank ``src``'s ``t`` on every rank of ``group`` (in place)."""
-    return _replicate_op(
-        "replicate_broadcast", t, group, 1,
-        lambda a: dist.broadcast(t, src, group=group, async_op=a),
-        False, stats, async_op, delay)
+    def reduce(self, t: torch.Tensor, root: int) -> Pending:
+        """On group rank ``root``: ``t`` = mean of ``t`` over the ranks. Elsewhere ``t`` is
+        left undefined (the backend may use it as scratch)."""
+        if self.size == 1:
+            return Pending()
+        n = t.numel() * t.element_size()
+        work = dist.reduce(t, group_dst=root, op=dist.ReduceOp.SUM, group=self.group,
+                           async_op=True)
+        mean = (lambda: t.div_(self.size)) if self.rank == root else None
+        return self._issue("reduce", n, pipeline_load(n, self.size, self.rank, root, True),
+                           work, mean, (t,))

@@ -30,14 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .comm import (
-    CommStats,
-    LinkDelay,
-    Pending,
-    replicate_allreduce,
-    replicate_broadcast,
-    replicate_reduce,
-)
+from .comm import Comm, Pending
 from .plan import Placement
 
 
@@ -87,31 +80,53 @@ class MeshGroups:
         return placement.owner is None or placement.owner_replica == self.replica
 
 
-def reduce_across_replicas(out: torch.Tensor, runs: list[tuple[int, int]], groups: MeshGroups,
-                           stats: CommStats | None = None, delay: LinkDelay | None = None
-                           ) -> Pending:
-    """``out`` is this rank's segment of gradients, averaged over its shard group. Start
-    averaging it over the replicas: the replicated run (``runs[0]``) on every replica, the
-    run of matrices stepped by replica i (``runs[1 + i]``) on replica i only. Returns the
-    collectives in flight; ``out`` is final once they are waited for."""
-    pending: list[Pending] = []
-    start, n = runs[0]
-    if n:
-        pending.append(replicate_allreduce(out[start:start + n], groups.replicate, stats,
-                                           async_op=True, delay=delay))
-    for i, (start, n) in enumerate(runs[1:]):
+class Replication:
+    """HSDP's steps across the replicate dimension for one root; every method is a no-op
+    on a 1-D mesh (``enabled`` False). It keeps, per unit, whether the matrices a replica
+    stepped must still be broadcast (set by the optimizer step) and the broadcast in
+    flight."""
+
+    def __init__(self, groups: MeshGroups, comm: Comm | None):
+        self.groups = groups
+        self.comm = comm  # over the replicate group; None on a 1-D mesh
+        self.enabled = comm is not None
+        self._stale: set[int] = set()  # units whose replica-owned matrices changed
+        self._inflight: dict[int, Pending] = {}
+
+    def reduce_across(self, out: torch.Tensor, runs: list[tuple[int, int]]) -> Pending:
+        """``out`` is this rank's segment of gradients, averaged over its shard group.
+        Start averaging it over the replicas: the replicated run (``runs[0]``) on every
+        replica, the run of matrices stepped by replica i (``runs[1 + i]``) on replica i
+        only. ``out`` is final once the returned collectives are waited for."""
+        pending: list[Pending] = []
+        start, n = runs[0]
         if n:
-            pending.append(replicate_reduce(out[start:start + n], groups.peers[i],
-                                            groups.replicate, stats, async_op=True, delay=delay))
-    return Pending.all(pending)
+            pending.append(self.comm.all_reduce(out[start:start + n]))
+        for i, (start, n) in enumerate(runs[1:]):
+            if n:
+                pending.append(self.comm.reduce(out[start:start + n], i))
+        return Pending.all(pending)
 
+    def is_stale(self, unit_index: int) -> bool:
+        return unit_index in self._stale
 
-def broadcast_from_owners(local: torch.Tensor, runs: list[tuple[int, int]], groups: MeshGroups,
-                          stats: CommStats | None = None, delay: LinkDelay | None = None
-                          ) -> Pending:
-    """Start copying the matrices each replica stepped (``runs[1 + i]`` of this rank's
-    ``local`` segment) from replica i to the others, in place. Nothing may read or write
-    those rows of ``local`` until the returned collectives are waited for."""
-    return Pending.all([replicate_broadcast(local[start:start + n], groups.peers[i],
-                                            groups.replicate, stats, async_op=True, delay=delay)
-                        for i, (start, n) in enumerate(runs[1:]) if n])
+    def mark_stepped(self, unit_index: int) -> None:
+        """An optimizer step changed this unit's replica-owned matrices (on one replica)."""
+        self.finish_broadcast(unit_index)  # one still in flight (a skipped forward) ends first
+        self._stale.add(unit_index)
+
+    def start_broadcast(self, unit_index: int, local: torch.Tensor,
+                        runs: list[tuple[int, int]]) -> None:
+        """Start copying the matrices each replica stepped (``runs[1 + i]`` of ``local``)
+        from replica i to the others, in place; nothing may touch those rows of ``local``
+        until :meth:`finish_broadcast`."""
+        if unit_index in self._stale:
+            self._stale.discard(unit_index)
+            self._inflight[unit_index] = Pending.all([
+                self.comm.broadcast(local[start:start + n], i)
+                for i, (start, n) in enumerate(runs[1:]) if n])
+
+    def finish_broadcast(self, unit_index: int) -> None:
+        pending = self._inflight.pop(unit_index, None)
+        if pending is not None:
+            pending.wait()

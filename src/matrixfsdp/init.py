@@ -35,7 +35,8 @@ from torch import nn
 
 from .layout import local_rows
 from .param import placement_of
-from .runtime import Root, get_root
+from .root import Root
+from .runtime import get_root
 
 InitFn = Callable[[nn.Module], object]
 _CHUNK = 1 << 22  # elements per chunk of the NaN scan: a 4 MiB boolean temporary

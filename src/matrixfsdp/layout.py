@@ -1,24 +1,27 @@
-"""Flat-buffer layout of one communication unit. Pure data and index arithmetic.
+"""Storage layout of one communication unit. Pure data and index arithmetic.
 
-A unit's unsharded parameters live in one flat buffer, **rank-major**: rank 0's segment,
-then rank 1's, and so on. Rank r's segment holds, in the unit's parameter order, the
-rows of each parameter that r holds (whole Muon matrices on their owner, a row slice of
-every even parameter). So:
+A unit's parameters travel in two ways, and its storage is laid out for both:
 
-* a gather-v writes each rank's segment straight into its place (no padding, no copy-in);
-* a whole Muon matrix is one contiguous run of the buffer, so its unsharded tensor is a
-  view (no copy-out);
-* an even parameter is P row slices spread over the segments, copied out into a tensor
-  of its own (these are the small ones: norms, biases; and the root's embeddings/head).
-* an expert stack ``(experts, m, n)`` is, like an even parameter, one contiguous range of
-  whole experts per rank (dim-0 rows), so it is copied out the same way; where one rank
-  holds all of its experts it is a view, like a 2-D matrix.
+* **Row-sharded** ("even") parameters (norms, biases, embeddings, head) are split as
+  FSDP2's ``Shard(0)``: chunks of ``ceil(rows / P)`` rows. Every rank stores every chunk
+  padded to full size, one after the other: its *even part* of ``even_numel`` elements,
+  the same size on every rank. A gather is one even all-gather of the even parts, a
+  gradient reduce one reduce-scatter, each rank moving ``(P-1)/P`` of the buffer (ring),
+  exactly as FSDP2.
+* **Whole** parameters (Muon matrices, expert stacks) are held in *pieces*: a matrix is
+  one piece on its owner, an expert stack one piece of whole experts per holding rank. A
+  gather broadcasts each piece from its holder, a reduce sums each piece's gradient to its
+  holder. NCCL pipelines both, so every rank moves each piece about once: the most loaded
+  rank of a unit moves ``(P-1) even_numel + sum of pieces``, at most ``P/(P-1)`` times
+  FSDP2's ``(P-1)/P`` of the whole buffer, and no buffer grows with ``P``.
 
-Under HSDP the buffer is split over the shard group's ranks, and within each segment the
-pieces are grouped by what happens to them across replicas: first the *replicated* pieces
-(even parameters, experts: all-reduced across replicas), then the 2-D matrices stepped by
-replica 0, then those of replica 1, ...: each group is one contiguous run
-(``replica_runs``), so it crosses the replicate dimension in one collective.
+Rank r's storage (its *segment*, ``seg_sizes[r]`` elements): the even part first, then the
+pieces it holds, grouped by what happens to them across HSDP replicas: experts (stepped on
+every replica), then the matrices stepped by replica 0, 1, ...; each group is one
+contiguous run (``replica_runs``), so it crosses the replicate dimension in one collective.
+The unsharded whole parameters live in one buffer in the unit's parameter order (each a
+view, no copy-out); the unsharded even parameters in a buffer of padded blocks, filled from
+the all-gather's output by one batched copy.
 """
 
 from __future__ import annotations
@@ -33,46 +36,59 @@ from .plan import Placement, Plan
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``[row_start, row_stop)`` of one parameter, at ``offset`` in the flat buffer."""
+    """Rows ``[row_start, row_stop)`` of whole parameter ``index``, held by shard rank
+    ``rank`` at ``seg_offset`` in its segment, at ``offset`` in the unsharded whole buffer."""
 
+    index: int
     rank: int
-    offset: int
-    numel: int
     row_start: int
     row_stop: int
+    numel: int
+    seg_offset: int
+    offset: int
 
 
 @dataclass
 class UnitLayout:
-    """Segments of one unit: ``seg_sizes[r]`` elements of rank r at ``seg_offsets[r]``."""
+    """Where each of a unit's parameters lives, sharded and unsharded, over ``P`` ranks."""
 
-    names: list[str]
     placements: list[Placement]
+    P: int
+    even: list[int]  # indices of the row-sharded parameters, in unit order
+    chunk: dict[int, int]  # even index -> elements of one rank's (padded) chunk
+    even_offset: dict[int, int]  # even index -> offset of its chunk in every even part
+    even_numel: int  # one rank's even part
+    whole_offset: dict[int, int]  # whole index -> offset in the unsharded whole buffer
+    whole_numel: int
+    pieces: list[Piece]  # in whole-buffer order: the order of the broadcasts and reduces
     seg_sizes: list[int]
-    seg_offsets: list[int]
-    pieces: list[list[Piece]]  # per parameter, the non-empty pieces in rank order
-    # HSDP only: per shard rank, ``replicas + 1`` runs ``(start, numel)`` relative to its
-    # segment: the replicated pieces, then the matrices stepped by replica 0, 1, ...
-    replica_runs: list[list[tuple[int, int]]] | None = None
-    _local: dict[int, list[tuple[int, Piece]]] = field(default_factory=dict, repr=False)
+    replica_runs: list[list[tuple[int, int]]] | None = None  # HSDP: per rank, see module doc
     _subsets: dict[tuple[bool, ...], tuple[UnitLayout, list[int]]] = field(
         default_factory=dict, repr=False)
 
     @property
     def numel(self) -> int:
-        return sum(self.seg_sizes)
+        """Elements of the unsharded unit (no padding)."""
+        return sum(pl.spec.numel for pl in self.placements)
 
-    def whole_on_one_rank(self, i: int) -> bool:
-        return len(self.pieces[i]) == 1 and self.pieces[i][0].numel == self.placements[i].spec.numel
+    @property
+    def gathered_numel(self) -> int:
+        """Elements a gather writes: the padded even parts of all ranks and the whole buffer."""
+        return self.P * self.even_numel + self.whole_numel
 
-    def local_pieces(self, rank: int) -> list[tuple[int, Piece]]:
-        """(parameter index, piece) for the pieces rank holds, in segment order (computed
-        once per rank: every gradient reduce walks it)."""
-        if rank not in self._local:
-            self._local[rank] = sorted(
-                ((i, p) for i, ps in enumerate(self.pieces) for p in ps if p.rank == rank),
-                key=lambda ip: ip[1].offset)
-        return self._local[rank]
+    @functools.cached_property
+    def held(self) -> list[list[Piece]]:
+        """Per rank, the pieces it holds, in segment order."""
+        held: list[list[Piece]] = [[] for _ in range(self.P)]
+        for pc in sorted(self.pieces, key=lambda pc: pc.seg_offset):
+            held[pc.rank].append(pc)
+        return held
+
+    def shard_offset(self, i: int, rank: int) -> int:
+        """Where parameter ``i``'s shard starts in ``rank``'s segment."""
+        if i in self.even_offset:
+            return self.even_offset[i]
+        return next((pc.seg_offset for pc in self.held[rank] if pc.index == i), 0)
 
     def subset(self, keep: tuple[bool, ...]) -> tuple[UnitLayout, list[int]]:
         """The layout of the parameters ``keep`` selects alone (the gradient reduce's, when
@@ -82,8 +98,8 @@ class UnitLayout:
         if keep not in self._subsets:
             index = [i for i, k in enumerate(keep) if k]
             replicas = len(self.replica_runs[0]) - 1 if self.replica_runs is not None else 1
-            self._subsets[keep] = (layout_of([self.placements[i] for i in index],
-                                             len(self.seg_sizes), replicas), index)
+            self._subsets[keep] = (layout_of([self.placements[i] for i in index], self.P,
+                                             replicas), index)
         return self._subsets[keep]
 
     @functools.cached_property
@@ -112,29 +128,43 @@ def unit_layout(plan: Plan, unit: int) -> UnitLayout:
     return layout_of(plan.unit_params(unit), plan.shard_size, plan.replicas)
 
 
+def _is_whole(pl: Placement) -> bool:
+    return pl.spec.muon and pl.spec.numel > 0
+
+
 def layout_of(placements: list[Placement], P: int, R: int) -> UnitLayout:
-    """The rank-major layout of ``placements`` over ``P`` shard ranks (``R`` replicas)."""
-    pieces: list[list[Piece]] = [[] for _ in placements]
-    seg_sizes, seg_offsets = [], []
-    runs: list[list[tuple[int, int]]] = []
-    offset = 0
-    # Without replicas: parameter order. With: grouped by run (replicated, then replica i).
-    kind = [0 if pl.owner is None else 1 + pl.owner_replica for pl in placements]
-    order = sorted(range(len(placements)), key=lambda i: kind[i]) if R > 1 else \
-        range(len(placements))
+    """The layout of ``placements`` over ``P`` shard ranks (``R`` replicas)."""
+    even = [i for i, pl in enumerate(placements) if not _is_whole(pl)]
+    chunk, even_offset, even_numel = {}, {}, 0
+    for i in even:
+        spec = placements[i].spec
+        even_offset[i] = even_numel
+        chunk[i] = -(-spec.rows // P) * spec.row_numel
+        even_numel += chunk[i]
+    whole_offset, whole_numel = {}, 0
+    for i, pl in enumerate(placements):
+        if _is_whole(pl):
+            whole_offset[i] = whole_numel
+            whole_numel += pl.spec.numel
+    # Segment order: even part, then experts (kind 0), matrices of replica 0, 1, ...
+    kind = {i: 0 if placements[i].owner is None else 1 + placements[i].owner_replica
+            for i in whole_offset}
+    pieces, seg_sizes, runs = [], [], []
     for r in range(P):
-        seg_offsets.append(offset)
         run_sizes = [0] * (R + 1)
-        for i in order:
+        run_sizes[0] = even_numel
+        offset = even_numel
+        for i in sorted(whole_offset, key=lambda i: (kind[i], i)):
             pl = placements[i]
             start, stop = pl.row_ranges[r]
-            n = (stop - start) * pl.spec.row_numel
-            if n:
-                pieces[i].append(Piece(r, offset, n, start, stop))
+            if stop > start:
+                n = (stop - start) * pl.spec.row_numel
+                pieces.append(Piece(i, r, start, stop, n, offset,
+                                    whole_offset[i] + start * pl.spec.row_numel))
                 offset += n
                 run_sizes[kind[i]] += n
-        seg_sizes.append(offset - seg_offsets[r])
-        starts = [sum(run_sizes[:k]) for k in range(R + 1)]
-        runs.append(list(zip(starts, run_sizes)))
-    return UnitLayout([pl.spec.name for pl in placements], placements, seg_sizes,
-                      seg_offsets, pieces, runs if R > 1 else None)
+        seg_sizes.append(offset)
+        runs.append(list(zip([sum(run_sizes[:k]) for k in range(R + 1)], run_sizes)))
+    pieces.sort(key=lambda pc: pc.offset)
+    return UnitLayout(placements, P, even, chunk, even_offset, even_numel, whole_offset,
+                      whole_numel, pieces, seg_sizes, runs if R > 1 else None)

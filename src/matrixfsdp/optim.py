@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from array import array
 from collections.abc import Iterable
 
@@ -27,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.adam import adam as _adam
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .param import pending_unit, placement_of, replacement, root_of, sharded_param
+from .param import pending_unit, placement_of, root_of, sharded_param
 from .runtime import get_root, plan_params
 
 # torch.optim.Muon's defaults, also read by the benchmark so every system runs the same NS.
@@ -266,11 +268,6 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if replacement(p) is not None:
-                    raise RuntimeError(
-                        f"parameter {_name(replacement(p))} was replaced by its shard when "
-                        "matrixfsdp planned the model, after this optimizer took it")
             if group["use_muon"]:
                 self._muon_step(group)
             else:
@@ -452,3 +449,47 @@ def muon_param_groups(model: nn.Module, *, lr: float = 1e-3, adamw_lr: float = 1
     adamw_opts = {k[len("adamw_"):]: v for k, v in options.items() if k.startswith("adamw_")}
     return [dict(params=muon, use_muon=True, lr=lr, **muon_opts),
             dict(params=other, use_muon=False, lr=adamw_lr, **adamw_opts)]
+
+
+# torch optimizers whose update of an element depends on other elements: right on a whole
+# matrix (a Muon matrix on its owner), wrong on a row shard (Muon's Newton-Schulz,
+# Adafactor's row/column statistics), or on any shard at all (L-BFGS's global dot products).
+_ROW_SENSITIVE = tuple(getattr(torch.optim, n) for n in ("Muon", "Adafactor") if hasattr(torch.optim, n))
+_GLOBAL = (torch.optim.LBFGS,)
+
+
+def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, before it moves anything, an optimizer step that would compute on one rank's
+    piece of a parameter and silently differ from one process: torch.optim.Muon or
+    Adafactor on a row shard, L-BFGS on any shard."""
+    if not isinstance(optimizer, _ROW_SENSITIVE + _GLOBAL):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            pl = placement_of(p)
+            if pl is None or p.grad is None:
+                continue
+            if isinstance(optimizer, _GLOBAL) or tuple(p.shape) != pl.spec.shape:
+                raise RuntimeError(
+                    f"matrixfsdp: {type(optimizer).__name__} would step parameter "
+                    f"'{pl.spec.name}' from this rank's piece {tuple(p.shape)} of the full "
+                    f"{pl.spec.shape}, which differs from one process. Use matrixfsdp.Muon "
+                    "(Muon on whole matrices, AdamW on shards) with matrixfsdp.muon_param_groups"
+                    "(model), or an element-wise optimizer (AdamW, SGD, ...)")
+
+
+def install_step_hook(root) -> None:
+    """Register, for as long as ``root`` lives, an optimizer step pre-hook (torch's public
+    registry, so it sees every optimizer): the step's HSDP bookkeeping
+    (:meth:`~matrixfsdp.root.Root.mark_stepped`) and :func:`check_optimizer_step`. The
+    handle is kept on the root; :meth:`~matrixfsdp.root.Root.close` removes it."""
+    root_ref = weakref.ref(root)
+
+    def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        r = root_ref()
+        if r is None:
+            return
+        r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
+        check_optimizer_step(optimizer)
+    root.hooks.append(register_optimizer_step_pre_hook(hook))
+    weakref.finalize(root, root.hooks[-1].remove)

@@ -7,10 +7,10 @@ something about a sharded parameter (the optimizer, clipping, checkpoints, init)
 * a **sharded** parameter (what ``model.parameters()`` holds after ``fully_shard``) maps
   to its :class:`ShardedParam`: the plan's :class:`~matrixfsdp.plan.Placement`, its index
   in its unit, and the unit (whose ``root`` holds the groups, plan and counters);
-* an **original** parameter that sharding replaced maps to the shard that replaced it
-  (:func:`replacement`), so a parameter list read before the root's ``fully_shard`` can be
-  named as stale;
-* an original of a unit not sharded yet maps to that unit (:func:`pending_unit`).
+* a parameter of a unit not sharded yet maps to that unit (:func:`pending_unit`).
+
+Sharding keeps the ``nn.Parameter`` objects: each original becomes its shard (its data
+rebound to a view of the unit's storage), so a parameter list read at any time is right.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import torch
 from .plan import Placement
 
 if TYPE_CHECKING:
-    from .unit import Root, Unit
+    from .root import Root
+    from .unit import Unit
 
 _INFO = "_mf_param"  # on a shard: its ShardedParam
-_REPLACED = "_mf_replaced"  # on an original: the shard that replaced it
-_PENDING = "_mf_pending"  # on an original: the unit that will shard it
+_PENDING = "_mf_pending"  # on a parameter not sharded yet: the unit that will shard it
 
 
 @dataclass(eq=False)
@@ -69,13 +69,8 @@ def placement_of(p: Any) -> Placement | None:
     return info.placement if info is not None else None
 
 
-def replacement(p: Any) -> torch.Tensor | None:
-    """The shard that replaced original parameter ``p`` when its unit was sharded."""
-    return getattr(p, _REPLACED, None)
-
-
 def pending_unit(p: Any) -> Unit | None:
-    """The unit that will shard original parameter ``p`` (None once sharded, or never)."""
+    """The unit that will shard parameter ``p`` (None once sharded, or never)."""
     unit = getattr(p, _PENDING, None)
     return unit if unit is not None and unit.root is None else None
 
@@ -89,6 +84,12 @@ def mark_pending(p: torch.Tensor, unit: Unit) -> None:
     setattr(p, _PENDING, unit)
 
 
-def mark_sharded(original: torch.Tensor, shard: torch.Tensor, info: ShardedParam) -> None:
-    setattr(shard, _INFO, info)
-    setattr(original, _REPLACED, shard)
+def mark_sharded(p: torch.Tensor, info: ShardedParam) -> None:
+    setattr(p, _INFO, info)
+
+
+def unmark_sharded(p: torch.Tensor, unit: Unit) -> None:
+    """``p`` holds its full tensor again and waits for ``unit`` to shard it."""
+    if hasattr(p, _INFO):
+        delattr(p, _INFO)
+    setattr(p, _PENDING, unit)

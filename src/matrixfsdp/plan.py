@@ -12,9 +12,9 @@ Two kinds of parameter:
   experts of one parameter are interchangeable, rank r gets a contiguous range of them
   (``row_ranges[r]`` along dim 0), as many as the assignment gave it.
 * **Even parameters** (everything else: embeddings, head, norms, biases) are split by
-  rows (dim 0) over all ranks, FSDP2's ``Shard(0)`` without padding. Each rank holds
-  ``rows // P`` or one more; which ranks get the extra row rotates from one parameter to
-  the next so that no rank collects all the remainders.
+  rows (dim 0) over all ranks as FSDP2's ``Shard(0)``: chunks of ``ceil(rows / P)`` rows,
+  the last ranks' chunks short or empty. Storage pads every chunk to full size, so each
+  rank stores the same bytes of them and the gather is one even all-gather.
 
 A parameter with a zero-size dimension (``(0, n)``, ``(m, 0)``) holds no element: there
 is nothing to orthogonalise, gather or reduce. It is never a Muon matrix, even where a
@@ -199,15 +199,12 @@ class Plan:
         return self.lower_bound * self.world_size / total if total else 1.0
 
 
-def _even_ranges(rows: int, world_size: int, first_extra: int) -> list[tuple[int, int]]:
-    base, extra = divmod(rows, world_size)
-    gets_extra = {(first_extra + i) % world_size for i in range(extra)}
-    ranges, start = [], 0
-    for r in range(world_size):
-        n = base + (r in gets_extra)
-        ranges.append((start, start + n))
-        start += n
-    return ranges
+def _even_ranges(rows: int, world_size: int) -> list[tuple[int, int]]:
+    """FSDP2's ``Shard(0)`` chunks: rank r holds rows ``[r c, (r+1) c)`` of dim 0, clipped to
+    ``rows``, with ``c = ceil(rows / world_size)``. Every rank's piece fits one chunk, so the
+    gather is one even all-gather of chunk-padded pieces (docs/design.md)."""
+    chunk = -(-rows // world_size)
+    return [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world_size)]
 
 
 def _distinct_costs(items: list[int], costs: list[int]) -> list[int]:
@@ -311,16 +308,13 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
     # An empty matrix has nothing for Muon to do: plan it as an (empty) even parameter.
     specs = [replace(s, muon=False) if s.muon and s.numel == 0 else s for s in specs]
     placements: dict[str, Placement] = {}
-    base_bytes = [0] * S  # per shard rank
-    rotate = 0
+    base_bytes = [0] * S  # per shard rank: each holds a whole (padded) chunk of every even one
     for s in specs:
         if s.muon:
             continue
-        ranges = _even_ranges(s.rows, S, rotate)
-        rotate = (rotate + s.rows % S) % S
-        placements[s.name] = Placement(s, None, ranges)
-        for r, (a, b) in enumerate(ranges):
-            base_bytes[r] += (b - a) * s.row_numel * s.itemsize
+        placements[s.name] = Placement(s, None, _even_ranges(s.rows, S))
+        chunk_bytes = -(-s.rows // S) * s.row_numel * s.itemsize
+        base_bytes = [b + chunk_bytes for b in base_bytes]
 
     muon = [s for s in specs if s.muon]
     item_spec = [i for i, s in enumerate(muon) for _ in range(s.matrices)]

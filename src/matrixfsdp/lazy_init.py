@@ -1,0 +1,212 @@
+"""Initialisation of a model's units: collect their parameters, plan them all at once,
+shard each unit.
+
+Runs when the root's ``fully_shard`` returns, or at the first use of a model whose root
+could not be told apart from a block (``fully_shard`` called on one module only). Each
+original ``nn.Parameter`` object *becomes* its shard (its data is rebound to a view of the
+unit's storage), so every parameter list, whenever it was read (an optimizer built before
+or after ``fully_shard``, ``clip_grad_norm_(model.parameters())``), holds the shards.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .hsdp import MeshGroups
+from .layout import unit_layout
+from .mixed_precision import Precision
+from .param import ShardedParam, mark_sharded, unmark_sharded
+from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
+from .root import Root, mesh_device
+from .storage import UnitStorage
+from .unit import Unit
+
+
+def is_unit(m: nn.Module) -> bool:
+    return getattr(m, "_mf_unit", None) is not None
+
+
+def unit_modules(root_module: nn.Module) -> list[tuple[str, Unit]]:
+    return [(name, m._mf_unit) for name, m in root_module.named_modules() if is_unit(m)]
+
+
+def collect_params(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None
+                   ) -> tuple[list[list[nn.Parameter]], list[ParamSpec], dict[str, str]]:
+    """Each unit's parameters (and where they are registered: ``unit.refs``), checked,
+    and their specs. A tensor registered at several places (tied weights) is one parameter
+    of one unit: planned, gathered and reduced once, registered at every place. Returns
+    the parameters per unit, the specs for the planner, and {other name: planned name}."""
+    seen: dict[int, tuple[int, str, int]] = {}  # id -> (unit index, first name, index)
+    aliases: dict[str, str] = {}
+    specs: list[ParamSpec] = []
+    per_unit: list[list[nn.Parameter]] = []
+    for ui, (uname, u) in enumerate(named_units):
+        prefix = f"{uname}." if uname else ""
+        u.refs, u.ref_param, params = [], [], []
+        per_unit.append(params)
+        for mod, attr, fqn in unit_members(u.module, prefix, is_unit):
+            p = mod._parameters[attr]
+            u.refs.append((mod, attr))
+            if id(p) in seen:
+                other_unit, other, index = seen[id(p)]
+                if other_unit != ui:
+                    raise NotImplementedError(
+                        f"matrixfsdp: parameter '{fqn}' (unit '{u.name}') is the same tensor as "
+                        f"'{other}' (unit '{named_units[other_unit][1].name}'); tied parameters "
+                        "must live in one unit: leave one of the two modules out of its own "
+                        "fully_shard call so that both belong to the unit that contains them")
+                u.ref_param.append(index)
+                aliases[fqn] = other
+                continue
+            _check_param(fqn, p, u, params[0] if params else None)
+            seen[id(p)] = (ui, fqn, len(params))
+            u.ref_param.append(len(params))
+            params.append(p)
+            is_muon = is_muon_matrix(fqn, p, mod, ui == 0, muon_filter)
+            if is_muon and p.dim() not in (2, 3):
+                raise ValueError(f"matrixfsdp: muon_filter selected parameter '{fqn}' of shape "
+                                 f"{tuple(p.shape)}; Muon needs 2-D matrices or 3-D "
+                                 "(experts, m, n) stacks of expert matrices")
+            specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
+    return per_unit, specs, aliases
+
+
+def _check_param(fqn: str, p: nn.Parameter, u: Unit, first: nn.Parameter | None) -> None:
+    if isinstance(p, DTensor):
+        raise NotImplementedError(
+            f"matrixfsdp: parameter '{fqn}' is a DTensor (placements {p.placements}): composing "
+            "with tensor parallelism (parallelize_module, then fully_shard) is not supported "
+            "yet; shard a model of plain tensors")
+    if not p.is_floating_point():
+        raise ValueError(f"matrixfsdp: parameter '{fqn}' has dtype {p.dtype}; only "
+                         "floating-point parameters can be sharded")
+    if first is not None and (p.dtype != first.dtype or p.device != first.device):
+        raise ValueError(
+            f"matrixfsdp: unit '{u.name}' mixes parameters of {first.dtype} on {first.device} "
+            f"and '{fqn}' ({p.dtype}, {p.device}); all parameters of one unit need the same "
+            "dtype and device")
+
+
+def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: Root,
+               device: torch.device) -> None:
+    """Give unit ``u`` its storage, its unsharded parameters, and turn each original
+    parameter into this rank's shard (registered at every place it was)."""
+    u.layout, u.root = unit_layout(plan, ui), root
+    dtype = params[0].dtype if params else torch.float32
+    u.precision = Precision.resolve(u.mp_policy, dtype)
+    u.storage = UnitStorage(u.layout, root.rank, dtype, u.precision, device)
+    # A model built on the meta device gets uninitialised shards on the mesh device,
+    # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
+    u.needs_init = any(p.device.type == "meta" for p in params)
+    if not u.needs_init:
+        u.storage.copy_in(params)
+    u.sharded, u.unsharded = [], []
+    for i, p in enumerate(params):
+        up = nn.Parameter(u.storage.unsharded_view(i), requires_grad=p.requires_grad)
+        if not p.numel():  # nothing to reduce: its empty grad goes to the shard
+            up.register_post_accumulate_grad_hook(_EmptyGradToShard(p))
+        u.unsharded.append(up)
+        rebind(p, u.storage.shard_view(i))  # the original object is the shard from now on
+        mark_sharded(p, ShardedParam(u.layout.placements[i], u, i))
+        u.sharded.append(p)
+    u.register(u.sharded)
+    for name, buf in u.module.named_buffers():
+        if buf.device != device and buf.device.type != "meta":
+            raise ValueError(f"matrixfsdp: buffer '{name}' of unit '{u.name}' is on "
+                             f"{buf.device}, the mesh on {device}; move the model first")
+
+
+def rebind(p: nn.Parameter, data: torch.Tensor) -> None:
+    """Make parameter object ``p`` hold ``data`` (a view kept as is), gradient cleared.
+    ``.data`` cannot move a tensor off the meta device, so the tensors are swapped."""
+    with torch.no_grad():
+        p.grad = None
+        if p.device == data.device:
+            p.data = data
+        else:
+            info = dict(p.__dict__)
+            torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+            p.__dict__.update(info)
+
+
+class _EmptyGradToShard:
+    """Post-accumulate-grad hook of an empty unsharded parameter (a zero-size dim): its
+    gradient holds no element, so the shard gets an empty gradient, as in torch."""
+
+    def __init__(self, shard: nn.Parameter):
+        self.shard = shard
+
+    def __call__(self, param: nn.Parameter) -> None:
+        param.grad = None
+        if self.shard.grad is None:
+            self.shard.grad = torch.zeros_like(self.shard)
+
+
+def _check_units(named_units: list[tuple[str, Unit]], root_unit: Unit) -> None:
+    mesh = root_unit.mesh
+    for index, (name, u) in enumerate(named_units):
+        u.name, u.index = name or "<root>", index
+        if u.root is not None:
+            raise ValueError(f"matrixfsdp: unit '{name}' was already sharded as part of another root")
+        if u.mesh is not mesh and (u.mesh.mesh.tolist() != mesh.mesh.tolist()
+                                   or u.mesh.device_type != mesh.device_type):
+            raise ValueError(f"matrixfsdp: unit '{name}' uses a different mesh than the root "
+                             f"({u.mesh} vs {mesh}); one model needs one mesh")
+
+
+def _warn_partial_mesh(P: int) -> None:
+    if dist.is_initialized() and dist.get_world_size() > P:
+        warnings.warn(
+            f"matrixfsdp: the mesh covers {P} of the {dist.get_world_size()} ranks; gradients are "
+            f"averaged over these {P} ranks only and nothing synchronises them with the other "
+            "ranks. Right if those train other parts of the model (pipeline stages)",
+            stacklevel=3)
+
+
+def materialize(root_unit: Unit) -> Root:
+    """Plan all units under ``root_unit`` at once and shard their parameters."""
+    mesh = root_unit.mesh
+    groups = MeshGroups.from_mesh(mesh)
+    named_units = unit_modules(root_unit.module)
+    units = [u for _, u in named_units]
+    _check_units(named_units, root_unit)
+    _warn_partial_mesh(mesh.size())
+    root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
+    for u in units[1:]:
+        u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
+    originals, specs, aliases = collect_params(named_units, root_unit.muon_filter)
+    plan = make_plan(specs, mesh.size(), [u.name for u in units], shard_size=groups.shard_size)
+    root = Root(root_unit.module, units, plan, mesh, groups, debug=root_unit.debug,
+                overlap=root_unit.overlap)
+    root.aliases = aliases
+    device = mesh_device(mesh)
+    for ui, u in enumerate(units):
+        shard_unit(u, ui, originals[ui], plan, root, device)
+    return root
+
+
+@torch.no_grad()
+def unshard_root(root: Root) -> None:
+    """Undo :func:`materialize` (a collective): every parameter object gets its full
+    tensor back, every unit is pending again. For a root that an outer ``fully_shard``
+    call now contains: the outer call plans all units together."""
+    root.sync_replicas()
+    for u in root.units:
+        if u.needs_init:
+            full = [torch.empty(pl.spec.shape, dtype=p.dtype, device="meta")
+                    for p, pl in zip(u.sharded, u.layout.placements)]
+        else:
+            full = u.storage.full_tensors(root.comm)
+        for p, f in zip(u.sharded, full):
+            rebind(p, f)
+            unmark_sharded(p, u)
+        u.register(u.sharded)
+        u.root, u.storage, u.layout = None, None, None
+        u.sharded, u.unsharded = [], []
+        u.reset_step()
+    root.close()

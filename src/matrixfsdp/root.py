@@ -1,0 +1,134 @@
+"""The root of one sharded model: what all its units share, and the end of backward.
+
+One :class:`Root` per model, made when the root's ``fully_shard`` returns: the plan, the
+process groups and their :class:`~matrixfsdp.comm.Comm`, the counters, HSDP's
+:class:`~matrixfsdp.hsdp.Replication`, the overlap :class:`~matrixfsdp.overlap.Schedule`,
+and whether a backward pass is running (between the first pre-backward hook and the
+end-of-backward callback).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .comm import Comm, CommStats
+from .debug import CollectiveCheck
+from .hsdp import MeshGroups, Replication
+from .layout import UnitLayout
+from .overlap import Schedule
+from .param import sharded_param
+from .plan import Plan
+from .unit import Unit
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+class Root:
+    """State shared by all units of one model (the root unit first, in pre-order)."""
+
+    def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh,
+                 groups: MeshGroups, debug: bool = False, overlap: bool = True):
+        self.module, self.units, self.plan, self.mesh = module, units, plan, mesh
+        # HSDP: ``rank`` is this rank in the shard group (where the buffers are split);
+        # ``groups`` adds the replicate group and the whole world.
+        self.groups = groups
+        self.group, self.rank = groups.shard, groups.shard_rank
+        self.world_size = mesh.size()
+        self.stats = CommStats()
+        self.comm = Comm(groups.shard, self.stats)
+        self.replication = Replication(
+            groups, Comm(groups.replicate, self.stats, "replicate_") if groups.replicas > 1 else None)
+        self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
+        self.in_backward = False
+        self.need_check = True  # check_registered at the next root forward
+        self.check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
+            if debug and self.world_size > 1 else None
+        self.schedule = Schedule(enabled=overlap, polling=self.check is None)
+        self.hooks: list = []  # removable handles (the optimizer step pre-hook)
+
+    def close(self) -> None:
+        """Remove this root's global hooks (its units were unsharded or re-planned)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+    def pre_forward(self) -> None:
+        """The root unit's forward starts (a new step, or an eval forward)."""
+        if self.need_check:  # once per training step (each eval forward)
+            self.check_registered()
+            self.need_check = not torch.is_grad_enabled()
+        if self.schedule.enabled:  # HSDP: every broadcast travels while forward runs
+            self.start_broadcasts()
+
+    def check_registered(self) -> None:
+        """Raise if a parameter no longer views this root's storage: ``model.to_empty``,
+        ``.to(device or dtype)``, ``.half()`` after ``fully_shard`` replace the tensors (or
+        their storage), and training would silently go on with the old ones."""
+        for u in self.units:
+            base = u.local.untyped_storage().data_ptr()
+            for (mod, attr), i in zip(u.refs, u.ref_param):
+                p, sp = mod._parameters.get(attr), u.sharded[i]
+                if (p is not sp and p is not u.unsharded[i]) or \
+                        (sp.numel() and sp.untyped_storage().data_ptr() != base):
+                    raise RuntimeError(
+                        f"matrixfsdp: parameter '{sharded_param(sp).name}' no longer views "
+                        "MatrixFSDP's storage: model.to_empty / .to / .half / load_state_dict("
+                        "assign=True) after fully_shard replaced it. Move or cast the model "
+                        "before fully_shard (or use a MixedPrecisionPolicy); for a model built "
+                        "on meta, call matrixfsdp.init_weights(model) instead of to_empty")
+
+    def before_collective(self, unit: Unit, phase: int, layout: UnitLayout | None = None) -> None:
+        if self.check is not None:
+            self.check(unit.index, phase, *((layout.numel, layout.digest) if layout else (0, 0)))
+
+    def start_broadcasts(self) -> None:
+        """HSDP: start broadcasting every matrix a replica stepped to the other replicas
+        (each unit's gather waits for its own)."""
+        for u in self.units:
+            u.start_broadcast()
+
+    def sync_replicas(self) -> None:
+        """HSDP: broadcast every matrix a replica stepped to the other replicas now, rather
+        than at its unit's next gather (before reading parameters outside forward)."""
+        self.start_broadcasts()
+        for u in self.units:
+            u.sync_replicas()
+
+    def mark_stepped(self, params) -> None:
+        """HSDP: an optimizer is about to step ``params``; the units of those this root's
+        replicas step apart must broadcast them before their next gather. Every rank steps
+        the same parameters (placeholders included), so every rank marks the same units."""
+        if not self.replication.enabled:
+            return
+        for p in params:
+            info = sharded_param(p)
+            if info is not None and info.root is self and info.unit.layout.has_replica_owned:
+                self.replication.mark_stepped(info.unit.index)
+
+    def queue_final_callback(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        # Units whose last call's post-backward did not fire (the root, whose input is token
+        # ids; a call whose inputs need no grad) reduce here, in a fixed order, so every
+        # rank issues the same collectives in the same order.
+        for unit in reversed(self.units):
+            unit.post_backward()
+        self.schedule.finish_reduces()  # every .grad is in place before backward() returns
+        for unit in self.units:  # a unit this forward did not use: its broadcast ends here
+            self.replication.finish_broadcast(unit.index)
+        for unit in self.units:
+            unit.end_backward()
+        self.schedule.end_step()
+        self.in_backward = False
+        self.need_check = True
+        if self.check is not None:
+            self.check.step += 1
