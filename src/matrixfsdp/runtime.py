@@ -141,7 +141,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     # gathers, parameter swaps and autograd bookkeeping stay plain Python (docs/compile.md).
     module.register_forward_pre_hook(torch.compiler.disable(unit.pre_forward), with_kwargs=True)
     module.register_forward_hook(torch.compiler.disable(unit.post_forward), with_kwargs=True)
-    module.register_forward_pre_hook(_shard_at_first_use, prepend=True)
+    module.register_forward_pre_hook(torch.compiler.disable(_shard_at_first_use), prepend=True)
     _PENDING.append(weakref.ref(unit))
     if len(unit_modules(module)) > 1 and _outermost_pending(unit) is unit:
         _make_root(unit)  # an outer call: the root (FSDP2 shards at each call; we plan here)
