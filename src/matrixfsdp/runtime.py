@@ -52,7 +52,7 @@ from .layout import UnitLayout, local_rows, unit_layout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .overlap import Schedule
 from .param import ShardedParam, mark_pending, mark_sharded, pending_unit, replacement, sharded_param
-from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
+from .plan import MuonFilter, Plan, collect_params, make_plan, unit_members
 
 _PENDING: list[weakref.ref] = []  # units created by fully_shard and not planned yet
 
@@ -540,61 +540,6 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
                     "(model), or an element-wise optimizer (AdamW, SGD, ...)")
 
 
-def _collect_params(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None
-                    ) -> tuple[list[list[nn.Parameter]], list[ParamSpec], dict[str, str]]:
-    """Each unit's parameters (and where they are registered), checked, and their specs.
-
-    A tensor registered at several places (tied weights) is one parameter of one unit:
-    planned, gathered and reduced once, registered at every place. Returns the parameters
-    per unit, the specs for the planner, and {other name: planned name} of tied ones.
-    """
-    units = [u for _, u in named_units]
-    seen: dict[int, tuple[int, str, int]] = {}  # id -> (unit index, first name, index)
-    aliases: dict[str, str] = {}
-    specs: list[ParamSpec] = []
-    originals: list[list[nn.Parameter]] = []
-    for ui, (uname, u) in enumerate(named_units):
-        prefix = f"{uname}." if uname else ""
-        u.refs, u.ref_param = [], []
-        params: list[nn.Parameter] = []
-        originals.append(params)
-        first = None
-        for mod, attr, fqn in _owned_params(u.module, prefix):
-            p = mod._parameters[attr]
-            u.refs.append((mod, attr))
-            if id(p) in seen:
-                other_unit, other, index = seen[id(p)]
-                if other_unit != ui:
-                    raise NotImplementedError(
-                        f"matrixfsdp: parameter '{fqn}' (unit '{u.name}') is the same tensor as "
-                        f"'{other}' (unit '{units[other_unit].name}'); tied parameters must live "
-                        "in one unit: leave one of the two modules out of its own fully_shard "
-                        "call so that both belong to the unit that contains them")
-                u.ref_param.append(index)
-                aliases[fqn] = other
-                continue
-            seen[id(p)] = (ui, fqn, len(params))
-            u.ref_param.append(len(params))
-            params.append(p)
-            if not p.is_floating_point():
-                raise ValueError(f"matrixfsdp: parameter '{fqn}' has dtype {p.dtype}; only "
-                                 "floating-point parameters can be sharded")
-            if first is None:
-                first = (fqn, p)
-            elif p.dtype != first[1].dtype or p.device != first[1].device:
-                raise ValueError(
-                    f"matrixfsdp: unit '{u.name}' mixes parameters '{first[0]}' "
-                    f"({first[1].dtype}, {first[1].device}) and '{fqn}' ({p.dtype}, {p.device}); "
-                    "all parameters of one unit need the same dtype and device")
-            is_muon = is_muon_matrix(fqn, p, mod, ui == 0, muon_filter)
-            if is_muon and p.dim() not in (2, 3):
-                raise ValueError(f"matrixfsdp: muon_filter selected parameter '{fqn}' of shape "
-                                 f"{tuple(p.shape)}; Muon needs 2-D matrices or 3-D "
-                                 "(experts, m, n) stacks of expert matrices")
-            specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
-    return originals, specs, aliases
-
-
 def _shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: Root,
                 rank: int, device: torch.device) -> None:
     """Give unit ``u`` its storage (this rank's segment ``local``, the gather targets ``flat``
@@ -688,11 +633,15 @@ def _materialize(root_unit: Unit) -> Root:
         u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
     muon_filter = root_unit.muon_filter
 
-    originals, specs, aliases = _collect_params(named_units, muon_filter)
-    plan = make_plan(specs, P, [u.name for u in units], shard_size=groups.shard_size)
+    collected = collect_params([(n, u.module) for n, u in named_units], _is_unit, muon_filter)
+    for u, refs in zip(units, collected.refs):
+        u.refs = [(mod, attr) for mod, attr, _ in refs]
+        u.ref_param = [i for _, _, i in refs]
+    originals = collected.params
+    plan = make_plan(collected.specs, P, [u.name for u in units], shard_size=groups.shard_size)
     root = Root(root_unit.module, units, plan, mesh, debug=root_unit.debug,
                 overlap=root_unit.overlap, groups=groups)
-    root.aliases = aliases
+    root.aliases = collected.aliases
 
     for ui, u in enumerate(units):
         _shard_unit(u, ui, originals[ui], plan, root, rank, device)
