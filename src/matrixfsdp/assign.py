@@ -4,6 +4,7 @@ the largest per-rank cost is as small as possible. Pure Python over numbers."""
 from __future__ import annotations
 
 import heapq
+from collections import defaultdict
 
 
 def _distinct_costs(items: list[int], costs: list[int]) -> list[int]:
@@ -37,7 +38,7 @@ def assign(costs: list[int], sizes: list[int], world_size: int,
         mem[r] += sizes[i]
         heapq.heappush(heap, (load[r], mem[r], r))
 
-    items: list[list[int]] = [[] for _ in range(world_size)]
+    items: defaultdict[int, list[int]] = defaultdict(list)  # rank -> its items
     for i, r in enumerate(owner):
         items[r].append(i)
     for _ in range(4 * len(costs) + 16):

@@ -32,6 +32,7 @@ Expert stacks are planned over the shard group and run on every replica.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -98,7 +99,11 @@ def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
     Per iteration: ``X X^T`` (2a²b), ``B = bA + cA²`` (2a³), ``aX + B X`` (2a²b).
     """
     m, n = shape
-    a, b = min(m, n), max(m, n)
+    return _ns_flops(min(m, n), max(m, n), ns_steps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ns_flops(a: int, b: int, ns_steps: int) -> int:
     return ns_steps * (4 * a * a * b + 2 * a**3)
 
 
@@ -201,9 +206,11 @@ class Plan:
         return self.lower_bound * self.world_size / total if total else 1.0
 
 
+@functools.lru_cache(maxsize=4096)
 def _even_ranges(rows: int, world_size: int, first_extra: int) -> list[tuple[int, int]]:
     """Rank r's rows of an even parameter: ``rows // P`` each, one more on the ``rows % P``
-    ranks from ``first_extra`` on (cyclically)."""
+    ranks from ``first_extra`` on (cyclically). Cached: parameters of one shape share one
+    list (placements' ``row_ranges`` are never mutated), which keeps 16k-rank plans fast."""
     base, extra = divmod(rows, world_size)
     sizes = [base] * world_size
     for r in range(first_extra, first_extra + extra):
