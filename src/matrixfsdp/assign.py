@@ -1,10 +1,28 @@
 """Owner assignment: whole items (Muon matrices, each expert of a stack) to ranks so that
-the largest per-rank cost is as small as possible. Pure Python over numbers."""
+the largest per-rank cost (Newton-Schulz FLOPs) is as small as possible. Pure Python over
+numbers."""
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import defaultdict
+from collections.abc import Sequence
+
+
+def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
+    """FLOPs of ``ns_steps`` quintic Newton-Schulz iterations on an ``m x n`` matrix.
+
+    NS works on the wide orientation (``a = min(m, n)`` rows, ``b = max(m, n)`` columns).
+    Per iteration: ``X X^T`` (2a²b), ``B = bA + cA²`` (2a³), ``aX + B X`` (2a²b).
+    """
+    m, n = shape
+    return _ns_flops(min(m, n), max(m, n), ns_steps)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ns_flops(a: int, b: int, ns_steps: int) -> int:
+    return ns_steps * (4 * a * a * b + 2 * a**3)
 
 
 def _distinct_costs(items: list[int], costs: list[int]) -> list[int]:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from .assign import assign
+from .assign import assign, ns_flops
 
 MuonFilter = Callable[[str, nn.Parameter], bool]
 
@@ -90,21 +90,6 @@ class ParamSpec:
     def matrix_shape(self) -> tuple[int, ...]:
         """``(m, n)`` of each Muon matrix: the last two dims."""
         return tuple(self.shape[-2:])
-
-
-def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
-    """FLOPs of ``ns_steps`` quintic Newton-Schulz iterations on an ``m x n`` matrix.
-
-    NS works on the wide orientation (``a = min(m, n)`` rows, ``b = max(m, n)`` columns).
-    Per iteration: ``X X^T`` (2a²b), ``B = bA + cA²`` (2a³), ``aX + B X`` (2a²b).
-    """
-    m, n = shape
-    return _ns_flops(min(m, n), max(m, n), ns_steps)
-
-
-@functools.lru_cache(maxsize=1024)
-def _ns_flops(a: int, b: int, ns_steps: int) -> int:
-    return ns_steps * (4 * a * a * b + 2 * a**3)
 
 
 @dataclass
