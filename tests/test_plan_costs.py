@@ -13,9 +13,10 @@ from matrixfsdp.costs import (
     plan_costs,
     recommend_shard_size,
     replica_traffic,
+    step_bytes,
     unit_traffic,
 )
-from matrixfsdp.plan import ParamSpec, Placement, make_plan
+from matrixfsdp.plan import ParamSpec, Placement, Plan, make_plan
 from matrixfsdp.plan_report import format_costs
 
 GiB = 2**30
@@ -68,6 +69,10 @@ def test_replicate_dim_bytes_match_a_hand_count():
     # all-reduce of the bias rows: 2 (R-1)/R x 3; reduce to + broadcast from the owner: 2 x 32
     assert replica_traffic(unit, 2, 2) == (3 + 2 * 32) * 4
     assert fsdp2_replica_traffic(unit, 2, 2) == 35 * 4  # 2 (R-1)/R x FSDP2's padded shard
+    plan = Plan(4, ["root"], {pl.spec.name: pl for pl in unit}, replicas=2)
+    step = step_bytes(plan)  # the root unit: one gather, one reduce, the replicate dim once
+    assert step.ours == 2 * 67 * 4 + 268 and step.ours_replicate == 268
+    assert step.replicate_busiest == 268  # shard rank 0: 3 + 2 x 32; shard rank 1: 2 + 2 x 32
 
 
 def _state_spread(shard_size: int):

@@ -161,6 +161,10 @@ class StepBytes:
     fsdp2: int
     ours_replicate: int = 0
     fsdp2_replicate: int = 0
+    # the busiest shard rank's own replicate-dim bytes summed over the step: what those
+    # collectives would cost issued for all units at once (each unit's alone waits on the
+    # rank holding its largest matrix)
+    replicate_busiest: int = 0
 
     @property
     def ratio(self) -> float:
@@ -208,6 +212,7 @@ def step_bytes(plan: Plan, gather_itemsize: int | None = None) -> StepBytes:
     parameters' dtype."""
     S, R = plan.shard_size, plan.replicas
     step, memo = StepBytes(0, 0.0, 0), {}
+    per_rank = [0.0] * S  # replicate-dim bytes of each shard rank, summed over units
     for ui, pls in enumerate(_units(plan)):
         if not pls:
             continue
@@ -222,6 +227,11 @@ def step_bytes(plan: Plan, gather_itemsize: int | None = None) -> StepBytes:
                        + fsdp2_rep)
         step.ours_replicate += rep
         step.fsdp2_replicate += fsdp2_rep
+        if R > 1:
+            for r, (e, m) in enumerate(zip(_replicated_elements(pls, S, memo),
+                                           _matrix_elements(pls, S))):
+                per_rank[r] += (2 * (R - 1) / R * e + 2 * m) * isz
+    step.replicate_busiest = round(max(per_rank))
     return step
 
 

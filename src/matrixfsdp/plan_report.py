@@ -145,7 +145,8 @@ def format_costs(c: PlanCosts, device_memory: float, dtypes: str) -> str:
     P = c.shard_size
     floor = f"{P / (P - 1):.4f}" if P > 1 else "1"
     rep = (f"; replicate dim: {fmt_bytes(c.step.ours_replicate)} vs FSDP2 HSDP's "
-           f"{fmt_bytes(c.step.fsdp2_replicate)}") if c.replicas > 1 else ""
+           f"{fmt_bytes(c.step.fsdp2_replicate)} (issued for all units at once: the busiest "
+           f"shard rank's {fmt_bytes(c.step.replicate_busiest)})") if c.replicas > 1 else ""
     return "\n".join([
         f"Costs per rank ({_layout(c)}; {dtypes}; optimizer state: Muon momentum on owned "
         "matrices and experts, AdamW exp_avg + exp_avg_sq on rows):",
