@@ -114,8 +114,8 @@ def table_row(cp: ClusterPlan, device_memory: float) -> str:
         cells += [str(r.shard_size) + (" (1-D)" if r.replicas == 1 else ""),
                   f"{fmt_bytes(r.state.max)} ({r.state.ratio:.2f})", _peak(r, device_memory),
                   f"{r.step.ratio:.3f}"]
-    f = cp.fitting
-    cells += ["" if f is None else f"{f[1].shard_size} ({f[1].state.ratio:.2f})",
+    f, short = cp.fitting, cp.recommended is not None and cp.recommended[1].peak > device_memory
+    cells += [f"{f[1].shard_size} ({f[1].state.ratio:.2f})" if f else ("none" if short else ""),
               f"{cp.seconds:.1f}"]
     return "| " + " | ".join(cells) + " |"
 
