@@ -47,6 +47,16 @@ def test_step_bytes_match_a_hand_count():
     assert step.ours_mean == 2 * 80 + 3 * (3 + 32) * 4  # a broadcast's mean rank: m (P-1)/P
 
 
+def test_a_matrix_costs_every_rank_its_size_once_at_3_ranks():
+    """3 ranks: a (6, 4) matrix owned by rank 0 and a (4,) bias split 2/1/1. The broadcast
+    (reduce) of the matrix is pipelined: every rank moves its 24 elements about once,
+    where an owner that sent it to each rank in turn would move (P-1) x 24."""
+    w, n = ParamSpec("w", (6, 4), 4, 0, True), ParamSpec("n", (4,), 4, 0, False)
+    unit = [Placement(w, 0, [(0, 6), (0, 0), (0, 0)]), Placement(n, None, [(0, 2), (2, 3), (3, 4)])]
+    assert unit_traffic(unit, 3) == (2 * 2 + 24) * 4  # (P-1) E + m_0
+    assert fsdp2_unit_traffic(unit, 3) == 2 * (2 * 4 + 2 * 1) * 4  # (P-1) x (ceil(6/3) x 4 + ceil(4/3))
+
+
 def test_memory_matches_a_hand_count():
     c = plan_costs(_small_plan())
     # rank 0: emb 5 rows (80 B) + bias 3 rows (12 B) + its 32-element matrix (128 B)
