@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import torch
+from _dist import spawn
 
+import matrixfsdp as mf
 from matrixfsdp.layout import unit_layout
 from matrixfsdp.models import GPT, PRESETS, GPTConfig
 from matrixfsdp.plan import ParamSpec, format_report, make_plan, ns_flops, plan_module
@@ -96,3 +98,36 @@ def test_llama3_405b_plans_on_meta_at_4096_ranks():
     plan = _meta_plan(PRESETS["llama3-405b"], 4096)
     assert sum(pl.spec.muon for pl in plan.placements.values()) == 126 * 7
     assert plan.imbalance <= plan.imbalance_bound * 1.0001  # fewer matrices than ranks
+
+
+TIED = GPTConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, d_mlp=64, seq_len=8)
+
+
+def _tied_gpt() -> GPT:
+    model = GPT(TIED)
+    model.head.weight = model.embed.weight  # one tensor at two places of the root unit
+    return model
+
+
+def _where(plan):
+    return [(n, pl.spec, pl.owner, pl.row_ranges) for n, pl in plan.placements.items()], \
+        plan.rank_bytes, plan.rank_cost
+
+
+def _tied_plans_agree(rank, world):
+    torch.manual_seed(0)
+    model = _tied_gpt()
+    for block in model.layers:
+        mf.fully_shard(block)
+    mf.fully_shard(model)
+    with torch.device("meta"):
+        meta = _tied_gpt()
+    planned = plan_module(meta, list(meta.layers), world)  # the CLI's and the bench's path
+    assert "head.weight" not in planned.placements  # planned once, under its first name
+    assert _where(planned) == _where(mf.plan_of(model))
+
+
+def test_tied_head_plans_once_as_fully_shard_does():
+    """``matrixfsdp plan`` / the bench (``plan_module``) and training (``fully_shard``) plan
+    a tied head alike: once, so rank bytes and owners match at 2 ranks."""
+    spawn(_tied_plans_agree, 2)

@@ -525,22 +525,19 @@ def _train(args) -> None:
 
 # ---- plan ---------------------------------------------------------------------------------
 def _plan(args) -> None:
-    from matrixfsdp.models import GPT, PRESETS
-    from matrixfsdp.plan import format_report, plan_module
+    from matrixfsdp.cluster import DTYPE_BYTES, plan_preset, preset_report, preset_table
 
-    t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = GPT(PRESETS[args.model])
-    if args.shard_size is not None and args.world_size % args.shard_size:
-        raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {args.world_size}")
-    plan = plan_module(model, list(model.layers), args.world_size, shard_size=args.shard_size)
-    elapsed = time.perf_counter() - t0
-    n = sum(p.numel() for p in model.parameters())
-    hsdp = (f" ({plan.replicas} replicas x {plan.shard_size} shard ranks, HSDP)"
-            if plan.replicas > 1 else "")
-    print(f"{args.model}: {n / 1e9:.2f}B parameters, {len(model.layers)} blocks, planned on the "
-          f"meta device for {args.world_size} ranks{hsdp} in {elapsed:.2f} s\n")
-    print(format_report(plan, max_rows=args.max_rows))
+    for n in args.world_size:
+        if args.shard_size is not None and n % args.shard_size:
+            raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {n}")
+    gather = DTYPE_BYTES[args.param_dtype] if args.param_dtype else None
+    if len(args.model) * len(args.world_size) > 1:
+        print(preset_table(args.model, args.world_size, args.shard_size, args.device_memory,
+                           gather))
+        return
+    cp = plan_preset(args.model[0], args.world_size[0], args.shard_size, args.device_memory,
+                     gather)
+    print(preset_report(cp, args.device_memory, args.max_rows, gather))
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -647,12 +644,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="continue from the latest complete checkpoint in DIR (default "
                          "<out>/checkpoints), saved at any --ranks; none there: start at step 0")
     tr.add_argument("--rss-every", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
-    pl = sub.add_parser("plan", help="plan a known model on the meta device")
+    pl = sub.add_parser("plan", help="plan a known model on the meta device: per-rank memory, "
+                        "bytes per step against FSDP2, NS; a recommended HSDP shard size")
+    from matrixfsdp.cluster import parse_bytes
     from matrixfsdp.models import PRESETS
-    pl.add_argument("--model", choices=sorted(PRESETS), default="paper")
-    pl.add_argument("--world-size", type=pos, default=8)
+
+    def size(text: str) -> int:
+        try:
+            return parse_bytes(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    pl.add_argument("--model", nargs="+", choices=sorted(PRESETS), default=["paper"],
+                    help="several models and/or world sizes: one summary row each")
+    pl.add_argument("--world-size", nargs="+", type=pos, default=[8])
     pl.add_argument("--shard-size", type=pos, default=None,
                     help="HSDP: ranks per shard group (default: the world size, no replicas)")
+    pl.add_argument("--device-memory", type=size, default="80GiB",
+                    help="memory per device, to say whether the largest rank fits (default 80GiB)")
+    pl.add_argument("--param-dtype", choices=("fp32", "bf16"), default=None,
+                    help="dtype of the gathers (MixedPrecisionPolicy param_dtype; default the "
+                         "model's, fp32); storage, reduce and optimizer state stay fp32")
     pl.add_argument("--max-rows", type=_int_at_least(1), default=16)
     bp = sub.add_parser("bench", help="benchmark against FSDP2 peers (see --help)", add_help=False)
     args, rest = ap.parse_known_args(argv)

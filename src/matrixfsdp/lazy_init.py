@@ -21,7 +21,7 @@ from .hsdp import MeshGroups
 from .layout import unit_layout
 from .mixed_precision import Precision
 from .param import ShardedParam, mark_sharded, unmark_sharded
-from .plan import MuonFilter, ParamSpec, Plan, is_muon_matrix, make_plan, unit_members
+from .plan import Collected, MuonFilter, Plan, collect_params, make_plan, unit_members
 from .root import Root, mesh_device
 from .storage import UnitStorage
 from .unit import Unit
@@ -35,61 +35,23 @@ def unit_modules(root_module: nn.Module) -> list[tuple[str, Unit]]:
     return [(name, m._mf_unit) for name, m in root_module.named_modules() if is_unit(m)]
 
 
-def collect_params(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None
-                   ) -> tuple[list[list[nn.Parameter]], list[ParamSpec], dict[str, str]]:
-    """Each unit's parameters (and where they are registered: ``unit.refs``), checked,
-    and their specs. A tensor registered at several places (tied weights) is one parameter
-    of one unit: planned, gathered and reduced once, registered at every place. Returns
-    the parameters per unit, the specs for the planner, and {other name: planned name}."""
-    seen: dict[int, tuple[int, str, int]] = {}  # id -> (unit index, first name, index)
-    aliases: dict[str, str] = {}
-    specs: list[ParamSpec] = []
-    per_unit: list[list[nn.Parameter]] = []
-    for ui, (uname, u) in enumerate(named_units):
-        prefix = f"{uname}." if uname else ""
-        u.refs, u.ref_param, params = [], [], []
-        per_unit.append(params)
-        for mod, attr, fqn in unit_members(u.module, prefix, is_unit):
+def _collect(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None) -> Collected:
+    """The units' parameters through the planner's one collector (:func:`plan.collect_params`:
+    tied tensors once, the same checks as ``matrixfsdp plan``), each unit told where its
+    parameters are registered; DTensor parameters (tensor parallelism) refused first."""
+    for uname, u in named_units:
+        for mod, attr, fqn in unit_members(u.module, f"{uname}." if uname else "", is_unit):
             p = mod._parameters[attr]
-            u.refs.append((mod, attr))
-            if id(p) in seen:
-                other_unit, other, index = seen[id(p)]
-                if other_unit != ui:
-                    raise NotImplementedError(
-                        f"matrixfsdp: parameter '{fqn}' (unit '{u.name}') is the same tensor as "
-                        f"'{other}' (unit '{named_units[other_unit][1].name}'); tied parameters "
-                        "must live in one unit: leave one of the two modules out of its own "
-                        "fully_shard call so that both belong to the unit that contains them")
-                u.ref_param.append(index)
-                aliases[fqn] = other
-                continue
-            _check_param(fqn, p, u, params[0] if params else None)
-            seen[id(p)] = (ui, fqn, len(params))
-            u.ref_param.append(len(params))
-            params.append(p)
-            is_muon = is_muon_matrix(fqn, p, mod, ui == 0, muon_filter)
-            if is_muon and p.dim() not in (2, 3):
-                raise ValueError(f"matrixfsdp: muon_filter selected parameter '{fqn}' of shape "
-                                 f"{tuple(p.shape)}; Muon needs 2-D matrices or 3-D "
-                                 "(experts, m, n) stacks of expert matrices")
-            specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
-    return per_unit, specs, aliases
-
-
-def _check_param(fqn: str, p: nn.Parameter, u: Unit, first: nn.Parameter | None) -> None:
-    if isinstance(p, DTensor):
-        raise NotImplementedError(
-            f"matrixfsdp: parameter '{fqn}' is a DTensor (placements {p.placements}): composing "
-            "with tensor parallelism (parallelize_module, then fully_shard) is not supported "
-            "yet; shard a model of plain tensors")
-    if not p.is_floating_point():
-        raise ValueError(f"matrixfsdp: parameter '{fqn}' has dtype {p.dtype}; only "
-                         "floating-point parameters can be sharded")
-    if first is not None and (p.dtype != first.dtype or p.device != first.device):
-        raise ValueError(
-            f"matrixfsdp: unit '{u.name}' mixes parameters of {first.dtype} on {first.device} "
-            f"and '{fqn}' ({p.dtype}, {p.device}); all parameters of one unit need the same "
-            "dtype and device")
+            if isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"matrixfsdp: parameter '{fqn}' is a DTensor (placements {p.placements}): "
+                    "composing with tensor parallelism (parallelize_module, then fully_shard) is "
+                    "not supported yet; shard a model of plain tensors")
+    collected = collect_params([(n, u.module) for n, u in named_units], is_unit, muon_filter)
+    for (_, u), refs in zip(named_units, collected.refs):
+        u.refs = [(mod, attr) for mod, attr, _ in refs]
+        u.ref_param = [i for _, _, i in refs]
+    return collected
 
 
 def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: Root,
@@ -179,14 +141,15 @@ def materialize(root_unit: Unit) -> Root:
     root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
     for u in units[1:]:
         u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
-    originals, specs, aliases = collect_params(named_units, root_unit.muon_filter)
-    plan = make_plan(specs, mesh.size(), [u.name for u in units], shard_size=groups.shard_size)
+    collected = _collect(named_units, root_unit.muon_filter)
+    plan = make_plan(collected.specs, mesh.size(), [u.name for u in units],
+                     shard_size=groups.shard_size)
     root = Root(root_unit.module, units, plan, mesh, groups, debug=root_unit.debug,
                 overlap=root_unit.overlap)
-    root.aliases = aliases
+    root.aliases = collected.aliases
     device = mesh_device(mesh)
     for ui, u in enumerate(units):
-        shard_unit(u, ui, originals[ui], plan, root, device)
+        shard_unit(u, ui, collected.params[ui], plan, root, device)
     return root
 
 

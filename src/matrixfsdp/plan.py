@@ -32,12 +32,15 @@ Expert stacks are planned over the shard group and run on every replica.
 
 from __future__ import annotations
 
-import heapq
+import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from torch import nn
+
+from .assign import assign, ns_flops
 
 MuonFilter = Callable[[str, nn.Parameter], bool]
 
@@ -87,17 +90,6 @@ class ParamSpec:
     def matrix_shape(self) -> tuple[int, ...]:
         """``(m, n)`` of each Muon matrix: the last two dims."""
         return tuple(self.shape[-2:])
-
-
-def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
-    """FLOPs of ``ns_steps`` quintic Newton-Schulz iterations on an ``m x n`` matrix.
-
-    NS works on the wide orientation (``a = min(m, n)`` rows, ``b = max(m, n)`` columns).
-    Per iteration: ``X X^T`` (2a²b), ``B = bA + cA²`` (2a³), ``aX + B X`` (2a²b).
-    """
-    m, n = shape
-    a, b = min(m, n), max(m, n)
-    return ns_steps * (4 * a * a * b + 2 * a**3)
 
 
 @dataclass
@@ -199,84 +191,79 @@ class Plan:
         return self.lower_bound * self.world_size / total if total else 1.0
 
 
+@functools.lru_cache(maxsize=4096)
 def _even_ranges(rows: int, world_size: int) -> list[tuple[int, int]]:
     """FSDP2's ``Shard(0)`` chunks: rank r holds rows ``[r c, (r+1) c)`` of dim 0, clipped to
     ``rows``, with ``c = ceil(rows / world_size)``. Every rank's piece fits one chunk, so the
-    gather is one even all-gather of chunk-padded pieces (docs/design.md)."""
+    gather is one even all-gather of chunk-padded pieces (docs/design.md). Cached: parameters
+    of one shape share one list (``row_ranges`` are never mutated), for 16k-rank plans."""
     chunk = -(-rows // world_size)
     return [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world_size)]
 
 
-def _distinct_costs(items: list[int], costs: list[int]) -> list[int]:
-    seen: set[int] = set()
-    out = []
-    for i in items:
-        if costs[i] not in seen:
-            seen.add(costs[i])
-            out.append(i)
-    return out
+def _checked_specs(specs: Sequence[ParamSpec]) -> list[ParamSpec]:
+    """Refuse a Muon parameter that is neither a matrix nor an expert stack; an empty matrix
+    has nothing for Muon to do, so it is planned as an (empty) even parameter."""
+    for s in specs:
+        if s.muon and len(s.shape) not in (2, 3):
+            raise ValueError(f"parameter '{s.name}' is marked as a Muon matrix but has "
+                             f"shape {tuple(s.shape)}; Muon needs 2-D matrices or 3-D "
+                             "(experts, m, n) stacks of expert matrices")
+    return [replace(s, muon=False) if s.muon and s.numel == 0 else s for s in specs]
 
 
-def _assign(costs: list[int], sizes: list[int], world_size: int,
-            base_bytes: list[int], base_load: list[int] | None = None) -> list[int]:
-    """Owners for items, minimising the largest per-rank cost (ties: fewer bytes).
+def _place_even(specs: Sequence[ParamSpec], S: int) -> tuple[dict[str, Placement], list[int]]:
+    """Row chunks of every even parameter over ``S`` shard ranks, and the bytes each shard
+    rank holds of them: a whole (padded) chunk of every one, the same on every rank."""
+    placements: dict[str, Placement] = {}
+    per_rank = 0
+    for s in specs:
+        if s.muon:
+            continue
+        placements[s.name] = Placement(s, None, _even_ranges(s.rows, S))
+        per_rank += -(-s.rows // S) * s.row_numel * s.itemsize
+    return placements, [per_rank] * S
 
-    Longest-processing-time first, then a bounded local search that moves or swaps items
-    off the most loaded rank while that lowers the maximum. ``base_load``: cost each rank
-    carries already (HSDP: the experts of its shard rank).
-    """
-    owner = [0] * len(costs)
-    load = list(base_load) if base_load is not None else [0] * world_size
-    mem = list(base_bytes)
-    order = sorted(range(len(costs)), key=lambda i: (-costs[i], -sizes[i], i))
-    heap = [(load[r], mem[r], r) for r in range(world_size)]
-    heapq.heapify(heap)
-    for i in order:
-        _, _, r = heapq.heappop(heap)
-        owner[i] = r
-        load[r] += costs[i]
-        mem[r] += sizes[i]
-        heapq.heappush(heap, (load[r], mem[r], r))
 
-    items: list[list[int]] = [[] for _ in range(world_size)]
-    for i, r in enumerate(owner):
-        items[r].append(i)
-    for _ in range(4 * len(costs) + 16):
-        hi = max(range(world_size), key=lambda r: (load[r], mem[r]))
-        best = None  # (new max of the pair, move)
-        # Only costs matter to a move, so each rank offers one item per distinct cost (the
-        # first in its list, the one a full scan would pick): the experts of a stack are
-        # many equal items, and this keeps the search small for MoE models.
-        hi_items = _distinct_costs(items[hi], costs)
-        for lo in sorted(range(world_size), key=lambda r: load[r])[:64]:
-            if lo == hi:
-                continue
-            lo_items = _distinct_costs(items[lo], costs)
-            for a in hi_items:
-                pair = max(load[hi] - costs[a], load[lo] + costs[a])
-                if pair < load[hi] and (best is None or pair < best[0]):
-                    best = (pair, a, None, lo)
-                for b in lo_items:
-                    d = costs[a] - costs[b]
-                    if d <= 0:
-                        continue
-                    pair = max(load[hi] - d, load[lo] + d)
-                    if pair < load[hi] and (best is None or pair < best[0]):
-                        best = (pair, a, b, lo)
-        if best is None:
-            break
-        _, a, b, lo = best
-        for i, src, dst in ((a, hi, lo), (b, lo, hi)):
-            if i is None:
-                continue
-            items[src].remove(i)
-            items[dst].append(i)
-            owner[i] = dst
-            load[src] -= costs[i]
-            load[dst] += costs[i]
-            mem[src] -= sizes[i]
-            mem[dst] += sizes[i]
-    return owner
+def _assign_items(muon: list[ParamSpec], item_spec: list[int], costs: list[int],
+                  sizes: list[int], S: int, world_size: int, base_bytes: list[int]) -> list[int]:
+    """The rank of every Muon item. 1-D: one assignment over all matrices and experts, as
+    they run once. HSDP: experts over the shard ranks first (they run on every replica),
+    then 2-D matrices over the world ranks, on top of their shard rank's expert load."""
+    if S == world_size:
+        return assign(costs, sizes, S, base_bytes)
+    owners = [0] * len(item_spec)
+    experts = [k for k, i in enumerate(item_spec) if muon[i].is_experts]
+    shard_load, shard_bytes = [0] * S, list(base_bytes)
+    for k, r in zip(experts, assign([costs[k] for k in experts],
+                                    [sizes[k] for k in experts], S, base_bytes)):
+        owners[k] = r
+        shard_load[r] += costs[k]
+        shard_bytes[r] += sizes[k]
+    mats = [k for k, i in enumerate(item_spec) if not muon[i].is_experts]
+    world_owners = assign([costs[k] for k in mats], [sizes[k] for k in mats], world_size,
+                          [shard_bytes[w % S] for w in range(world_size)],
+                          [shard_load[w % S] for w in range(world_size)])
+    for k, w in zip(mats, world_owners):
+        owners[k] = w
+    return owners
+
+
+def _place_muon(muon: list[ParamSpec], counts: list[dict[int, int]], S: int
+                ) -> dict[str, Placement]:
+    """Placements of the Muon parameters from how many matrices each rank got of each: a
+    2-D matrix whole on its owner's shard rank, a stack's experts as contiguous ranges."""
+    placements = {}
+    for s, per_rank in zip(muon, counts):
+        if s.is_experts:
+            stops = list(itertools.accumulate(per_rank.get(r, 0) for r in range(S)))
+            placements[s.name] = Placement(s, None, list(zip([0, *stops[:-1]], stops)))
+        else:
+            (w,) = per_rank
+            ranges = [(0, 0)] * S
+            ranges[w % S] = (0, s.rows)
+            placements[s.name] = Placement(s, w, ranges)
+    return placements
 
 
 def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[str],
@@ -299,155 +286,32 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
     S = world_size if shard_size is None else shard_size
     if S < 1 or world_size % S:
         raise ValueError(f"shard_size must divide world_size, got {shard_size} for {world_size}")
-    R = world_size // S
-    for s in specs:
-        if s.muon and len(s.shape) not in (2, 3):
-            raise ValueError(f"parameter '{s.name}' is marked as a Muon matrix but has "
-                             f"shape {tuple(s.shape)}; Muon needs 2-D matrices or 3-D "
-                             "(experts, m, n) stacks of expert matrices")
-    # An empty matrix has nothing for Muon to do: plan it as an (empty) even parameter.
-    specs = [replace(s, muon=False) if s.muon and s.numel == 0 else s for s in specs]
-    placements: dict[str, Placement] = {}
-    base_bytes = [0] * S  # per shard rank: each holds a whole (padded) chunk of every even one
-    for s in specs:
-        if s.muon:
-            continue
-        placements[s.name] = Placement(s, None, _even_ranges(s.rows, S))
-        chunk_bytes = -(-s.rows // S) * s.row_numel * s.itemsize
-        base_bytes = [b + chunk_bytes for b in base_bytes]
-
+    specs = _checked_specs(specs)
+    placements, held = _place_even(specs, S)  # held: bytes per shard rank
     muon = [s for s in specs if s.muon]
     item_spec = [i for i, s in enumerate(muon) for _ in range(s.matrices)]
     costs = [ns_flops(muon[i].matrix_shape, ns_steps) for i in item_spec]
     sizes = [math.prod(muon[i].matrix_shape) * muon[i].itemsize for i in item_spec]
-    if R == 1:  # one assignment over all matrices and experts, as they run once
-        owners = _assign(costs, sizes, S, base_bytes)
-    else:  # experts over the shard ranks first, then 2-D matrices over the world
-        owners = [0] * len(item_spec)
-        experts = [k for k, i in enumerate(item_spec) if muon[i].is_experts]
-        shard_load, shard_bytes = [0] * S, list(base_bytes)
-        for k, r in zip(experts, _assign([costs[k] for k in experts],
-                                         [sizes[k] for k in experts], S, base_bytes)):
-            owners[k] = r
-            shard_load[r] += costs[k]
-            shard_bytes[r] += sizes[k]
-        mats = [k for k, i in enumerate(item_spec) if not muon[i].is_experts]
-        world_owners = _assign([costs[k] for k in mats], [sizes[k] for k in mats], world_size,
-                               [shard_bytes[w % S] for w in range(world_size)],
-                               [shard_load[w % S] for w in range(world_size)])
-        for k, w in zip(mats, world_owners):
-            owners[k] = w
-    counts = [[0] * world_size for _ in muon]  # per Muon parameter, matrices per owner
+    owners = _assign_items(muon, item_spec, costs, sizes, S, world_size, held)
+    counts: list[dict[int, int]] = [{} for _ in muon]  # per Muon parameter: rank -> matrices
     rank_cost = [0] * world_size
-    held = list(base_bytes)  # per shard rank
     for i, c, b, r in zip(item_spec, costs, sizes, owners):
-        counts[i][r] += 1
+        counts[i][r] = counts[i].get(r, 0) + 1
         held[r % S] += b
         for w in (range(r, world_size, S) if muon[i].is_experts else (r,)):
             rank_cost[w] += c  # an expert runs on every replica of its shard rank
-    for s, per_rank in zip(muon, counts):
-        if s.is_experts:
-            ranges, start = [], 0
-            for n in per_rank[:S]:
-                ranges.append((start, start + n))
-                start += n
-            placements[s.name] = Placement(s, None, ranges)
-        else:
-            w = per_rank.index(1)
-            ranges = [(0, 0)] * S
-            ranges[w % S] = (0, s.rows)
-            placements[s.name] = Placement(s, w, ranges)
+    placements.update(_place_muon(muon, counts, S))
     ordered = {s.name: placements[s.name] for s in specs}
     rank_bytes = [held[w % S] for w in range(world_size)]
-    return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes, R)
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+    return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes,
+                world_size // S)
 
 
 def format_report(plan: Plan, max_rows: int = 32) -> str:
-    """A readable table: per rank, the matrices owned, bytes held, NS cost, balance.
-
-    Under HSDP each row is a world rank with its (replica, shard rank): "matrices" are the
-    ones whose NS it runs (its owned 2-D matrices plus its shard rank's experts), "Muon
-    bytes" what it stores (every matrix of its shard rank, whichever replica steps it)."""
-    P, S, R = plan.world_size, plan.shard_size, plan.replicas
-    owned = [0] * P  # Muon matrices whose NS each world rank runs, each expert counted
-    muon_bytes = [0] * S  # Muon bytes stored per shard rank
-    n_experts = n_stacks = n_even = 0
-    for pl in plan.placements.values():
-        if not pl.spec.muon:
-            n_even += 1
-            continue
-        matrix_bytes = math.prod(pl.spec.matrix_shape) * pl.spec.itemsize
-        if pl.spec.is_experts:
-            n_stacks += 1
-            n_experts += pl.spec.matrices
-            for w in range(P):
-                owned[w] += pl.matrices_on(w % S)
-            for r in range(S):
-                muon_bytes[r] += pl.matrices_on(r) * matrix_bytes
-        else:
-            owned[pl.owner] += 1
-            muon_bytes[pl.owner_shard] += matrix_bytes
-    total_cost = sum(plan.rank_cost)
-    mean_cost = total_cost / P
-    n_muon = sum(1 for pl in plan.placements.values() if pl.owner is not None) + n_experts
-    experts = (f", {n_experts} of them experts of {n_stacks} 3-D parameters (experts split "
-               "over ranks, each whole)") if n_stacks else ""
-    if R == 1:
-        head = f"MatrixFSDP plan: {P} ranks"
-        cols = "| rank | matrices | Muon bytes | even bytes | bytes held | NS GFLOP | NS cost / mean |"
-    else:
-        head = (f"MatrixFSDP plan (HSDP): {P} ranks = {R} replicas x {S} shard ranks; each 2-D "
-                "matrix is stored on one shard rank of every replica and stepped (NS) by one "
-                "world rank" + ("; experts run on every replica" if n_stacks else ""))
-        cols = ("| rank | (replica, shard) | matrices (NS here) | Muon bytes | even bytes | "
-                "bytes held | NS GFLOP | NS cost / mean |")
-    lines = [
-        f"{head}, {len(plan.unit_names)} units, "
-        f"{n_muon} Muon matrices (whole on one owner){experts}, "
-        f"{n_even} even-sharded parameters",
-        "",
-        cols,
-        "|---:" * cols.count(" | ") + "|---:|",
-    ]
-    ranks = list(range(P))
-    if P > max_rows:  # show the heaviest ranks, the summary covers the rest
-        ranks = sorted(sorted(ranks, key=lambda r: -plan.rank_cost[r])[:max_rows])
-    for r in ranks:
-        share = plan.rank_cost[r] / mean_cost if mean_cost else 0.0
-        where = f"| ({r // S}, {r % S}) " if R > 1 else ""
-        lines.append(
-            f"| {r} {where}| {owned[r]} | {_fmt_bytes(muon_bytes[r % S])} | "
-            f"{_fmt_bytes(plan.rank_bytes[r] - muon_bytes[r % S])} | "
-            f"{_fmt_bytes(plan.rank_bytes[r])} | {plan.rank_cost[r] / 1e9:.2f} | {share:.3f} |")
-    if len(ranks) < P:
-        lines.append(f"| ... | ({P - len(ranks)} lighter ranks not shown) |" + " |" * (
-            cols.count(" | ") - 1))
-    idle = sum(1 for c in plan.rank_cost if c == 0)
-    mean_bytes = sum(plan.rank_bytes) / P
-    lines += [
-        "",
-        f"NS cost imbalance (max/mean): {plan.imbalance:.3f}; lower bound "
-        f"max(largest matrix, total/P)/mean: {plan.imbalance_bound:.3f}; "
-        f"gap to the bound: {plan.imbalance / plan.imbalance_bound - 1:+.1%}",
-        f"Bytes held per rank: max {_fmt_bytes(max(plan.rank_bytes))}, "
-        f"mean {_fmt_bytes(mean_bytes)} (max/mean "
-        f"{max(plan.rank_bytes) / mean_bytes if mean_bytes else 1.0:.3f})",
-        f"Ranks owning no Muon matrix: {idle}",
-    ]
-    if R > 1:
-        lines.append(
-            f"NS work per rank: mean {mean_cost / 1e9:.2f} GFLOP = total / {P} world ranks "
-            f"(a plain HSDP that repeats NS on every replica: total / {S} = "
-            f"{total_cost / S / 1e9:.2f} GFLOP per rank)")
-    return "\n".join(lines)
+    """The per-rank table of :func:`matrixfsdp.plan_report.format_report` (kept here for
+    the callers that import it from the planner)."""
+    from .plan_report import format_report as report
+    return report(plan, max_rows)
 
 
 def unit_members(module: nn.Module, prefix: str, is_unit: Callable[[nn.Module], bool]
@@ -488,21 +352,90 @@ def is_muon_matrix(fqn: str, param: nn.Parameter, owner: nn.Module, in_root_unit
     return False
 
 
+@dataclass
+class Collected:
+    """The parameters of a model's units, as the planner and the runtime see them.
+
+    A tensor registered at several places (tied weights) is one parameter of one unit:
+    planned, gathered and reduced once, registered at every place."""
+
+    params: list[list[nn.Parameter]]  # per unit: its distinct parameters, in order
+    refs: list[list[tuple[nn.Module, str, int]]]  # per unit: (module, attr, index in params)
+    specs: list[ParamSpec]  # for the planner, unit-major in params order
+    aliases: dict[str, str]  # tied name -> the name the plan uses
+
+
+def _check_param(fqn: str, p: nn.Parameter, first: tuple[str, nn.Parameter] | None,
+                 unit_name: str) -> None:
+    if not p.is_floating_point():
+        raise ValueError(f"matrixfsdp: parameter '{fqn}' has dtype {p.dtype}; only "
+                         "floating-point parameters can be sharded")
+    if first is not None and (p.dtype != first[1].dtype or p.device != first[1].device):
+        raise ValueError(
+            f"matrixfsdp: unit '{unit_name}' mixes parameters '{first[0]}' "
+            f"({first[1].dtype}, {first[1].device}) and '{fqn}' ({p.dtype}, {p.device}); "
+            "all parameters of one unit need the same dtype and device")
+
+
+def collect_params(named_units: Sequence[tuple[str, nn.Module]],
+                   is_unit: Callable[[nn.Module], bool],
+                   muon_filter: MuonFilter | None) -> Collected:
+    """Each unit's parameters (and where they are registered), checked, and their specs.
+
+    ``named_units``: (name under the root, module) of every unit, the root first (its name
+    is ""); ``is_unit`` tells which submodules are units of their own (their parameters are
+    not the enclosing unit's). Refuses a tensor tied across two units, a non-floating-point
+    parameter, a unit mixing dtypes or devices, and a ``muon_filter`` choice that is neither
+    a matrix nor an expert stack. No ``torch.distributed``: ``plan_module`` and
+    ``fully_shard`` plan through this one function.
+    """
+    names = [name or "<root>" for name, _ in named_units]
+    seen: dict[int, tuple[int, str, int]] = {}  # id -> (unit index, first name, index)
+    out = Collected([], [], [], {})
+    for ui, (uname, module) in enumerate(named_units):
+        params: list[nn.Parameter] = []
+        refs: list[tuple[nn.Module, str, int]] = []
+        out.params.append(params)
+        out.refs.append(refs)
+        first: tuple[str, nn.Parameter] | None = None
+        for mod, attr, fqn in unit_members(module, f"{uname}." if uname else "", is_unit):
+            p = mod._parameters[attr]
+            if id(p) in seen:
+                other_unit, other, index = seen[id(p)]
+                if other_unit != ui:
+                    raise NotImplementedError(
+                        f"matrixfsdp: parameter '{fqn}' (unit '{names[ui]}') is the same tensor "
+                        f"as '{other}' (unit '{names[other_unit]}'); tied parameters must live "
+                        "in one unit: leave one of the two modules out of its own fully_shard "
+                        "call so that both belong to the unit that contains them")
+                refs.append((mod, attr, index))
+                out.aliases[fqn] = other
+                continue
+            seen[id(p)] = (ui, fqn, len(params))
+            refs.append((mod, attr, len(params)))
+            _check_param(fqn, p, first, names[ui])
+            first = first or (fqn, p)
+            params.append(p)
+            is_muon = is_muon_matrix(fqn, p, mod, ui == 0, muon_filter)
+            if is_muon and p.dim() not in (2, 3):
+                raise ValueError(f"matrixfsdp: muon_filter selected parameter '{fqn}' of shape "
+                                 f"{tuple(p.shape)}; Muon needs 2-D matrices or 3-D "
+                                 "(experts, m, n) stacks of expert matrices")
+            out.specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, is_muon))
+    return out
+
+
 def plan_module(root: nn.Module, units: Sequence[nn.Module], world_size: int,
                 muon_filter: MuonFilter | None = None, ns_steps: int = 5,
                 shard_size: int | None = None) -> Plan:
-    """Plan a model from its shapes alone (it may live on the meta device).
+    """Plan a model from its shapes alone (it may live on the meta device), exactly as
+    ``fully_shard`` would: same collector (tied parameters planned once), same planner.
 
     ``units`` are the modules ``fully_shard`` would be called on, the root included.
     ``shard_size``: HSDP with ``world_size // shard_size`` replicas (see :func:`make_plan`).
     """
     unit_set = {id(m) for m in units} | {id(root)}
     named = [(n, m) for n, m in root.named_modules() if id(m) in unit_set]
-    specs = []
-    for ui, (uname, umod) in enumerate(named):
-        prefix = f"{uname}." if uname else ""
-        for owner, attr, fqn in unit_members(umod, prefix, lambda m: id(m) in unit_set):
-            p = owner._parameters[attr]
-            muon = is_muon_matrix(fqn, p, owner, ui == 0, muon_filter)
-            specs.append(ParamSpec(fqn, tuple(p.shape), p.element_size(), ui, muon))
-    return make_plan(specs, world_size, [n or "<root>" for n, _ in named], ns_steps, shard_size)
+    collected = collect_params(named, lambda m: id(m) in unit_set, muon_filter)
+    return make_plan(collected.specs, world_size, [n or "<root>" for n, _ in named], ns_steps,
+                     shard_size)
