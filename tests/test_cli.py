@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-import matrixfsdp.cli as cli
+import matrixfsdp.ranks as ranks
 from matrixfsdp.bench.harness import parse_args as bench_args
 from matrixfsdp.cli import main
 
@@ -114,8 +114,8 @@ def test_timeout_reaches_the_process_group_in_both_launch_paths(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # restored afterwards, whatever _spawned sets
         monkeypatch.setenv(var, "0")
     seen = []
-    monkeypatch.setattr(cli.dist, "init_process_group", lambda *a, **k: seen.append(k.get("timeout")))
-    monkeypatch.setattr(cli.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(ranks.dist, "init_process_group", lambda *a, **k: seen.append(k.get("timeout")))
+    monkeypatch.setattr(ranks.dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
 
     class Finished(Exception):
@@ -124,10 +124,10 @@ def test_timeout_reaches_the_process_group_in_both_launch_paths(monkeypatch):
     def exit_rank(code):
         raise Finished(code)
 
-    monkeypatch.setattr(cli, "exit_rank", exit_rank)
+    monkeypatch.setattr(ranks, "exit_rank", exit_rank)
     args = argparse.Namespace(cmd="train", timeout=42.0)
     with pytest.raises(Finished):  # torchrun: RANK and WORLD_SIZE are set
-        cli.launch(lambda a: None, args, 1)
+        ranks.launch(lambda a: None, args, 1)
 
     class Ctx:  # spawned: run the rank entry point here, as start_processes would
         processes: list = []
@@ -140,7 +140,7 @@ def test_timeout_reaches_the_process_group_in_both_launch_paths(monkeypatch):
                         lambda fn, args, **kw: started.update(fn=fn, args=args) or Ctx())
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
-    cli.launch(lambda a: None, args, 1)
+    ranks.launch(lambda a: None, args, 1)
     with pytest.raises(Finished):
         started["fn"](0, *started["args"])
     assert seen == [timedelta(seconds=42)] * 2

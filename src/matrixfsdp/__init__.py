@@ -5,15 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checkpoint import (
-    full_state_dict,
-    get_state_dict,
-    latest_checkpoint,
-    load_full_state_dict,
-    save_checkpoint,
-    set_state_dict,
-    wait_for_checkpoint,
-)
+from .checkpoint import full_state_dict, get_state_dict, load_full_state_dict, set_state_dict
+from .checkpoint_io import latest_checkpoint, save_checkpoint, wait_for_checkpoint
 from .clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .dcp import RowShard
 from .hf import shard_model
