@@ -78,6 +78,10 @@ def test_plan_paper_model():
     (["train", "--ranks", "1", "--timeout", "0"], "argument --timeout: must be a finite number > 0"),
     (["train", "--ranks", "1", "--clip", "-1"], "argument --clip: must be a finite number > 0"),
     (["train", "--ranks", "1", "--mp", "fp16"], "argument --mp: invalid choice: 'fp16'"),
+    (["train", "--lr", "-1"], "argument --lr: must be a finite number > 0, got -1"),
+    (["train", "--adamw-lr", "nan"], "argument --adamw-lr: must be a finite number > 0, got nan"),
+    (["train", "--keep-last", "2"], "--keep-last needs --save-every N"),
+    (["train", "--resume-fallback"], "--resume-fallback needs --resume"),
     (["plan", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
     (["bench", "--timeout", "-3"], "argument --timeout: must be a finite number > 0"),
 ])
@@ -92,6 +96,30 @@ def test_bad_arguments_exit_with_one_line_before_any_rank_starts(argv, message, 
     assert message in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_out_ranks_and_the_checkpoint_folder_are_checked_before_any_rank_starts(
+        tmp_path, capsys, monkeypatch):
+    """--out "" (before: results written into the current folder), --ranks under torchrun
+    (before: silently ignored), an unwritable checkpoint folder (before: found at the first
+    save, after the first steps)."""
+    def error_of(argv):
+        with pytest.raises(SystemExit) as e:
+            main(["train", *TINY, *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return err.strip().splitlines()[-1] if "note:" not in err else err
+    assert error_of(["--out", ""]).endswith("--out must name a directory (it is empty)")
+    assert "note: --lr 1e+30 is above 10; the first step will likely overflow" in \
+        error_of(["--lr", "1e30", "--out", ""])  # (before: accepted without a word)
+    (tmp_path / "checkpoints").write_text("")  # a file where the checkpoint folder goes
+    assert f"--save-every: cannot write checkpoints under {tmp_path / 'checkpoints'}" in \
+        error_of(["--out", str(tmp_path), "--save-every", "2"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "--ranks 3 under torchrun, which runs 2 ranks (WORLD_SIZE): drop --ranks" in \
+        error_of(["--ranks", "3", "--out", str(tmp_path / "x")])
 
 
 def test_unwritable_out_fails_before_training(tmp_path, capsys):

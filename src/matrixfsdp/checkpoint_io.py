@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,8 +25,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 
 from .dcp import RowShardStager
+from .integrity import (
+    CHECKSUMS,
+    CheckpointError,
+    gather_digests,
+    verify_checkpoint,
+    write_checksums,
+    write_failure,
+)
+from .setup_checks import check_saved_names
 
 # ---- complete-or-ignored checkpoint directories ---------------------------------------------
 COMPLETE = "COMPLETE"  # marker file rank 0 writes into a checkpoint directory before renaming it
@@ -45,11 +56,6 @@ class SavedCheckpoint:
     blocking_seconds: float | None = None  # of which the call held the caller (all of it if sync)
 
 
-def _barrier(group) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -61,47 +67,79 @@ def _fsync_dir(path: Path) -> None:
 def _on_rank0(fn: Callable[[], Any], group, what: str) -> Any:
     """``fn()`` on rank 0 of ``group``, its result (or its error) handed to every rank: one
     rank's failure (an unwritable directory, a full disk) raises the same error on every
-    rank instead of leaving the others in the next collective. Also a barrier."""
+    rank instead of leaving the others in the next collective. Also a barrier. A
+    :class:`CheckpointError` of ``fn`` is raised as it is (its message is for the user)."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    info: list[Any] = [None, None]
+    info: list[Any] = [None, None, False]
     if rank == 0:
         try:
             info[0] = fn()
         except Exception as e:  # noqa: BLE001 (told to every rank, then raised)
             if not dist.is_initialized():
                 raise
-            info[1] = f"{type(e).__name__}: {e}"
+            info[1], info[2] = (str(e), True) if isinstance(e, CheckpointError) \
+                else (f"{type(e).__name__}: {e}", False)
     if dist.is_initialized():
         src = dist.get_global_rank(group, 0) if group is not None else 0
         dist.broadcast_object_list(info, src=src, group=group)
     if info[1] is not None:
+        if info[2]:
+            raise CheckpointError(info[1])
         raise RuntimeError(f"matrixfsdp.save_checkpoint: {what} failed on its rank 0: {info[1]}")
     return info[0]
 
 
-def _commit(tmp: Path, path: Path, group, t0: float) -> int:
-    """After every rank of ``group`` wrote into ``tmp``: rank 0 writes the marker, fsyncs and
-    renames ``tmp`` to ``path``. Returns the bytes written, on every rank."""
+def _commit(tmp: Path, path: Path, group, t0: float, keep_last: int | None) -> int:
+    """After every rank of ``group`` wrote into ``tmp``: each rank hashes its files, rank 0
+    the rest, writes ``CHECKSUMS.json``, then the marker, fsyncs, renames ``tmp`` to
+    ``path``, and (``keep_last``) deletes the older complete checkpoints beyond the newest
+    ``keep_last``. Returns the bytes written, on every rank."""
+    digests = gather_digests(tmp, group)  # also the barrier: every rank has written
+
     def commit() -> int:
-        nbytes = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
-        with open(tmp / COMPLETE, "w") as f:
-            json.dump({"world_size": world, "bytes": nbytes, "seconds": time.perf_counter() - t0,
-                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
+        try:
+            nbytes = write_checksums(tmp, digests, skip=(COMPLETE,))
+            world = dist.get_world_size(group) if dist.is_initialized() else 1
+            with open(tmp / COMPLETE, "w") as f:
+                json.dump({"world_size": world, "bytes": nbytes, "seconds": time.perf_counter() - t0,
+                           "checksums": CHECKSUMS, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            old = path.with_name(f".{path.name}.old")
+            if path.exists():
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(path, old)
+            os.rename(tmp, path)
+            _fsync_dir(path.parent)
             shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # free what it took; ``path`` is as it was
+            raise write_failure(e, path, latest_checkpoint(path.parent, warn=False)) from e
+        if keep_last:
+            prune_checkpoints(path.parent, keep_last, newest=path)
         return nbytes
 
-    _barrier(group)  # every rank has written
     return int(_on_rank0(commit, group, f"the commit of {path}"))
+
+
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, *, newest: Path | None = None
+                      ) -> list[Path]:
+    """Delete the complete ``root/step_N`` checkpoints older than the newest ``keep_last``
+    ones; returns those deleted. Only checkpoints older than ``newest`` (the one just
+    committed) go, so a failed save never costs a kept one. Not a collective: one process
+    (rank 0) calls it."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    found = sorted(_step_dirs(Path(root)), reverse=True)
+    complete = [(n, d) for n, d in found if is_complete(d)]
+    limit = _step_of(newest) if newest is not None else None
+    gone = []
+    for n, d in complete[keep_last:]:
+        if limit is None or n < limit:
+            shutil.rmtree(d)
+            gone.append(d)
+    return gone
 
 
 # ---- asynchronous saves ----------------------------------------------------------------------
@@ -196,16 +234,24 @@ def _save_group(process_group):
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_group=None,
                     before_commit: Callable[[], None] | None = None,
-                    async_save: bool = False) -> SavedCheckpoint | AsyncCheckpoint:
+                    async_save: bool = False, keep_last: int | None = None
+                    ) -> SavedCheckpoint | AsyncCheckpoint:
     """``dcp.save(state)`` into directory ``path`` so that ``path`` is complete or absent.
 
-    Every rank writes into ``.<name>.partial`` next to ``path``; after a barrier (every rank
-    done; DCP's metadata written by the coordinator), rank 0 adds the ``COMPLETE`` marker,
-    renames the directory to ``path`` (replacing an older one of that name) and syncs. A crash
-    at any point leaves ``path`` as it was and a ``.partial`` directory that
+    Every rank writes into ``.<name>.partial`` next to ``path``; after every rank is done
+    (DCP's metadata written by the coordinator), each rank hashes the files it wrote and
+    rank 0 writes ``CHECKSUMS.json`` (SHA-256 per file), then the ``COMPLETE`` marker, renames
+    the directory to ``path`` (replacing an older one of that name) and syncs. A crash at
+    any point leaves ``path`` as it was and a ``.partial`` directory that
     :func:`latest_checkpoint` ignores and the next save of that name removes. A collective:
     every rank of ``process_group`` (default: the world) calls it. ``before_commit`` runs on
     every rank between the write and the commit (tests kill a rank there).
+
+    ``keep_last=N``: once this checkpoint is committed, the complete ``step_*`` siblings
+    older than the newest N are deleted (:func:`prune_checkpoints`); a save that fails
+    deletes nothing. A write that fails (a full disk, a read-only directory) raises the
+    same one-line :class:`~matrixfsdp.integrity.CheckpointError` on every rank, naming the
+    directory and the previous checkpoint (left intact), and removes the partial directory.
 
     ``async_save=True``: stage the state (a CPU copy of this rank's rows, see
     :func:`matrixfsdp.dcp.stage_state`), hand it to ``torch.distributed.checkpoint.async_save``
@@ -225,13 +271,17 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
 
     def make_dir() -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this name that died before its commit
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise write_failure(e, tmp, latest_checkpoint(path.parent, warn=False)) from e
     _on_rank0(make_dir, process_group, f"creating {tmp}")
     if not async_save:
-        dcp.save(state, checkpoint_id=str(tmp), process_group=process_group)
+        _write(lambda: dcp.save(state, checkpoint_id=str(tmp), process_group=process_group),
+               tmp, path, process_group)
         if before_commit is not None:
             before_commit()
-        nbytes = _commit(tmp, path, process_group, t0)
+        nbytes = _commit(tmp, path, process_group, t0, keep_last)
         seconds = time.perf_counter() - t0
         return SavedCheckpoint(path, seconds, nbytes, seconds)
 
@@ -244,10 +294,10 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
     blocking = time.perf_counter() - t0
 
     def finish() -> SavedCheckpoint:
-        written.result()
+        _write(written.result, tmp, path, group)
         if before_commit is not None:
             before_commit()
-        nbytes = _commit(tmp, path, group, t0)
+        nbytes = _commit(tmp, path, group, t0, keep_last)
         return SavedCheckpoint(path, time.perf_counter() - t0, nbytes, blocking)
 
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrixfsdp-checkpoint")
@@ -256,21 +306,109 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
     return _in_flight
 
 
+def _write(write: Callable[[], Any], tmp: Path, path: Path, group) -> None:
+    """Run DCP's write; a failure on any rank (DCP raises it on every rank) becomes one
+    :class:`CheckpointError` line on every rank, the partial directory removed by rank 0."""
+    try:
+        write()
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+            raise  # KeyboardInterrupt, SystemExit
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failure(e, path, latest_checkpoint(path.parent, warn=False)) from e
+
+
+# ---- finding checkpoints -------------------------------------------------------------------
+def _step_of(path: Path) -> int | None:
+    m = _STEP_DIR.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    return [(n, d) for d in root.iterdir() if d.is_dir() and (n := _step_of(d)) is not None]
+
+
+def why_incomplete(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is not a complete checkpoint (None if it is)."""
+    path = Path(path)
+    if not path.is_dir():
+        return "it is not a directory"
+    missing = [name for name in (COMPLETE, ".metadata") if not (path / name).is_file()]
+    if missing:
+        return (f"it has no {' and no '.join(missing)} file (a save that did not finish, or a "
+                "damaged directory)")
+    return None
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a checkpoint :func:`save_checkpoint` finished (marker and DCP
-    metadata present)."""
-    path = Path(path)
-    return (path / COMPLETE).is_file() and (path / ".metadata").is_file()
+    metadata present). Its files' integrity is :func:`verify_checkpoint`'s business."""
+    return why_incomplete(path) is None
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Path | None:
-    """The complete ``root/step_N`` with the largest N (``root`` itself if it is a complete
-    checkpoint), or None. Directories without the marker (a save that died) are ignored."""
+def find_checkpoints(root: str | os.PathLike) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """``(complete, skipped)`` under ``root``: the complete ``root/step_N``, newest first
+    (``[root]`` if ``root`` itself is one), and the ``step_N`` newer than the newest complete
+    one that are not complete, each with the reason."""
     root = Path(root)
     if is_complete(root):
-        return root
-    if not root.is_dir():
-        return None
-    found = [(int(m.group(1)), d) for d in root.iterdir()
-             if (m := _STEP_DIR.fullmatch(d.name)) and is_complete(d)]
-    return max(found)[1] if found else None
+        return [root], []
+    found = sorted(_step_dirs(root), reverse=True)
+    complete = [d for _, d in found if is_complete(d)]
+    newest = _step_of(complete[0]) if complete else -1
+    skipped = [(d, str(why_incomplete(d))) for n, d in found if n > newest and not is_complete(d)]
+    return complete, skipped
+
+
+def latest_checkpoint(root: str | os.PathLike, *, warn: bool = True) -> Path | None:
+    """The complete ``root/step_N`` with the largest N (``root`` itself if it is a complete
+    checkpoint), or None. Directories without the marker (a save that died) are ignored;
+    with ``warn``, a newer one that is skipped is reported (``warnings.warn``: which, why)."""
+    complete, skipped = find_checkpoints(root)
+    if warn:
+        for d, why in skipped:
+            warnings.warn(f"matrixfsdp: skipping checkpoint {d}: {why}", stacklevel=2)
+    return complete[0] if complete else None
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def saved_names(path: str | os.PathLike, prefix: str = "model") -> set[str]:
+    """The names under ``prefix`` (``"model"``: the model's entries) that the checkpoint at
+    ``path`` holds, from DCP's metadata (no tensor read)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    cut = len(prefix) + 1
+    return {k[cut:] for k in meta.state_dict_metadata if k.startswith(prefix + ".")}
+
+
+def load_checkpoint(model: nn.Module, optimizer=None, path: str | os.PathLike = "", *,
+                    extra: dict[str, Any] | None = None, verify: bool = True,
+                    process_group=None) -> dict[str, Any]:
+    """Load the checkpoint directory ``path`` (one :func:`save_checkpoint` wrote) into the
+    sharded ``model`` and ``optimizer`` (None: the model only), at any world size.
+
+    In order: the directory must be complete; with ``verify`` every file is checked against
+    its checksum (:func:`~matrixfsdp.integrity.verify_checkpoint`, each file read by one rank);
+    the saved model names must equal the model's, both ways; then ``dcp.load`` and
+    :func:`~matrixfsdp.set_state_dict`. ``extra``: more entries to load along (e.g. an lr
+    scheduler's ``state_dict()``), filled in place. Returns the loaded state dict. A
+    collective. Raises :class:`~matrixfsdp.integrity.CheckpointError` (incomplete or corrupt)
+    or ``ValueError`` (names that differ), the same on every rank, before anything is loaded.
+    """
+    from .checkpoint import get_state_dict, set_state_dict
+
+    path = Path(path)
+    why = why_incomplete(path)
+    if why is not None:
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: {why}")
+    if verify:
+        verify_checkpoint(path, process_group=process_group)
+    state = get_state_dict(model, optimizer)
+    check_saved_names(sorted(state["model"]), saved_names(path), str(path))
+    state.update(extra or {})
+    dcp.load(state, checkpoint_id=str(path), process_group=process_group)
+    set_state_dict(model, optimizer, state)
+    return state

@@ -8,6 +8,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -15,10 +16,12 @@ from pathlib import Path
 
 import torch
 
+from ._exit import exit_rank
 from .ranks import DEFAULT_TIMEOUT_S, launch
 from .ranks import positive_float as _positive_float
 
 log = logging.getLogger("matrixfsdp")
+DEFAULT_RANKS = 4
 
 
 # ---- plan ---------------------------------------------------------------------------------
@@ -67,7 +70,24 @@ def writable_dir_error(out: str) -> str | None:
     return None
 
 
+MAX_LR = 10.0  # above this the first step overflows the demo model: said before any rank starts
+
+
+def checkpoint_dir_error(args) -> str | None:
+    """Why ``train`` could not write its checkpoints (``<out>/checkpoints``, the longest
+    path it writes tried out), or None."""
+    probe = Path(args.out) / "checkpoints" / ".step_00000000.partial"
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        (probe / "__0_0.distcp").write_bytes(b"")
+        shutil.rmtree(probe)
+    except OSError as e:
+        return f"--save-every: cannot write checkpoints under {probe.parent} ({e.strerror or e})"
+    return None
+
+
 def _validate_train(tr: argparse.ArgumentParser, args) -> None:
+    """Every ``train`` argument checked before any rank starts (one line each, no rank)."""
     if args.d_model % args.heads:
         tr.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.model == "hf-llama":
@@ -76,14 +96,38 @@ def _validate_train(tr: argparse.ArgumentParser, args) -> None:
                      f"--d-model {args.d_model} / --heads {args.heads} = {args.d_model // args.heads}")
         if importlib.util.find_spec("transformers") is None:
             tr.error("--model hf-llama needs transformers (pip install transformers)")
+    for flag, lr in (("--lr", args.lr), ("--adamw-lr", args.adamw_lr)):
+        if lr > MAX_LR and os.environ.get("RANK", "0") == "0":
+            print(f"matrixfsdp train: note: {flag} {lr:g} is above {MAX_LR:g}; the first step will "
+                  "likely overflow the weights (--skip-nonfinite skips such steps)", file=sys.stderr)
+    if not args.out.strip():
+        tr.error("--out must name a directory (it is empty)")
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if torchrun and args.ranks is not None and args.ranks != int(os.environ["WORLD_SIZE"]):
+        tr.error(f"--ranks {args.ranks} under torchrun, which runs {os.environ['WORLD_SIZE']} ranks "
+                 "(WORLD_SIZE): drop --ranks and set the ranks with torchrun --nproc-per-node")
+    args.ranks = args.ranks or DEFAULT_RANKS
+    for needs, flag in ((args.async_save, "--async-save"), (args.keep_last, "--keep-last")):
+        if needs and not args.save_every:
+            tr.error(f"{flag} needs --save-every N")
+    if args.resume_fallback and args.resume is None:
+        tr.error("--resume-fallback needs --resume")
+    if args.resume and not Path(args.resume).is_dir():
+        tr.error(f"--resume {args.resume}: no such directory")
     if os.environ.get("RANK", "0") == "0":  # only rank 0 writes (under torchrun too)
-        problem = writable_dir_error(args.out)
+        problem = writable_dir_error(args.out) or (checkpoint_dir_error(args) if args.save_every else None)
         if problem:
             tr.error(problem)
-    if getattr(args, "async_save", False) and not args.save_every:
-        tr.error("--async-save needs --save-every N (it changes how those checkpoints are written)")
-    if getattr(args, "resume", None) and not Path(args.resume).is_dir():
-        tr.error(f"--resume {args.resume}: no such directory")
+
+
+def _plan_start(tr: argparse.ArgumentParser, args) -> None:
+    """Which checkpoint ``--resume`` loads and what differs from it (before any rank)."""
+    from .resume import plan_start
+    from .train import checkpoint_root
+
+    quiet = os.environ.get("RANK", "0") != "0"
+    plan_start(args, checkpoint_root(args), tr.error,
+               lambda line: None if quiet else print(line, flush=True))
 
 
 def _bench_out_error(rest: list[str]) -> str | None:
@@ -96,13 +140,11 @@ def _bench_out_error(rest: list[str]) -> str | None:
     return writable_dir_error(known.out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    ap = argparse.ArgumentParser(prog="matrixfsdp", description=__doc__)
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _add_train_args(sub) -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a byte-level model on the stdlib sources")
     pos = _int_at_least(1)
-    tr.add_argument("--ranks", type=pos, default=4)
+    tr.add_argument("--ranks", type=pos, default=None,
+                    help=f"local ranks to start (default {DEFAULT_RANKS}; under torchrun, its own)")
     tr.add_argument("--steps", type=pos, default=60)
     tr.add_argument("--model", choices=("gpt", "hf-llama"), default="gpt",
                     help="gpt: matrixfsdp.models.GPT; hf-llama: a randomly initialised "
@@ -115,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--batch", type=pos, default=8, help="sequences per rank per micro-batch")
     tr.add_argument("--grad-accum", type=pos, default=1, metavar="K",
                     help="micro-batches per step, each backward of loss / K")
-    tr.add_argument("--lr", type=float, default=0.02)
-    tr.add_argument("--adamw-lr", type=float, default=3e-3)
+    tr.add_argument("--lr", type=_positive_float, default=0.02)
+    tr.add_argument("--adamw-lr", type=_positive_float, default=3e-3)
     tr.add_argument("--clip", type=_positive_float, default=None, metavar="X",
                     help="clip gradients to global norm X (matrixfsdp.clip_grad_norm_)")
     tr.add_argument("--debug", action="store_true",
@@ -141,10 +183,28 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--async-save", action="store_true",
                     help="with --save-every: stage each checkpoint to CPU memory and write it in the "
                          "background (torch.distributed.checkpoint.async_save) while training goes on")
+    tr.add_argument("--keep-last", type=pos, default=None, metavar="N",
+                    help="with --save-every: keep the newest N complete checkpoints, deleting older "
+                         "ones once a newer one is committed")
     tr.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
-                    help="continue from the latest complete checkpoint in DIR (default "
-                         "<out>/checkpoints), saved at any --ranks; none there: start at step 0")
+                    help="continue from the latest complete checkpoint in DIR or DIR/checkpoints "
+                         "(default <out>/checkpoints), saved at any --ranks, its checksums verified; "
+                         "none there is an error")
+    tr.add_argument("--resume-or-start", action="store_true",
+                    help="with --resume: start from step 0 when there is no checkpoint")
+    tr.add_argument("--resume-fallback", action="store_true",
+                    help="with --resume: if the newest checkpoint fails its checksums, load the "
+                         "previous complete one (saying so) instead of stopping")
     tr.add_argument("--rss-every", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
+    return tr
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ap = argparse.ArgumentParser(prog="matrixfsdp", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tr = _add_train_args(sub)
+    pos = _int_at_least(1)
     pl = sub.add_parser("plan", help="plan a known model on the meta device")
     from matrixfsdp.models import PRESETS
     pl.add_argument("--model", choices=sorted(PRESETS), default="paper")
@@ -164,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "train":
         _validate_train(tr, args)
+        _plan_start(tr, args)
         from .train import train
         launch(train, args, args.ranks, args.timeout)
     else:
@@ -171,5 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """The ``matrixfsdp`` command (and ``python -m matrixfsdp.cli``): :func:`main`, then leave
+    without interpreter finalization, which takes seconds with torch loaded (about 3 s here
+    after a failed run), so that a failure ends the command in about a second."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+    if isinstance(code, str):  # SystemExit("message"): as Python prints it, exit status 1
+        print(code, file=sys.stderr)
+        code = 1
+    exit_rank(0 if code is None else int(code))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -17,9 +17,11 @@ from torch import nn
 
 from .demo import batch_at, build_model, stdlib_corpus
 from .ranks import device_for, sync
+from .resume import saved_args
 from .train_report import _rss_mib, write_summary
 
 STALL_SAVE_ENV = "MATRIXFSDP_TEST_STALL_SAVE"  # test only: the last rank stalls in the save of step N
+FAULT_ENV = "MATRIXFSDP_TEST_FAULT"  # test only: a rank raises or hangs at a step (_inject_fault)
 
 
 @dataclass
@@ -95,27 +97,21 @@ def _train_state(model, opt, sched, meta: dict) -> dict:
 
 
 def _resume(run: Run) -> tuple[int, dict, Path | None]:
-    """Load the latest complete checkpoint under ``--resume`` (default: <out>/checkpoints):
-    (step to start at, history, checkpoint). Saved at any world size; none found: step 0."""
-    import torch.distributed.checkpoint as dcp
-
+    """Load the checkpoint the launcher chose (``args.resume_from``, its checksums verified
+    there: :func:`matrixfsdp.resume.plan_start`): (step to start at, history, checkpoint).
+    Saved at any world size; none chosen: step 0."""
     import matrixfsdp as mf
-    args = run.args
-    where = Path(args.resume) if args.resume else checkpoint_root(args)
-    found = mf.latest_checkpoint(where)
+    found = getattr(run.args, "resume_from", None)
     if found is None:
-        if run.rank == 0:
-            print(f"--resume: no complete checkpoint in {where}; starting from step 0")
         return 0, {}, None
-    state = _train_state(run.model, run.opt, run.sched, {})
-    dcp.load(state, checkpoint_id=str(found))
-    mf.set_state_dict(run.model, run.opt, state)
+    state = mf.load_checkpoint(run.model, run.opt, found, verify=False,
+                               extra={"sched": run.sched.state_dict(), "train": ""})
     run.sched.load_state_dict(state["sched"])
     meta = json.loads(state["train"])
     if run.rank == 0:
         print(f"resumed from {found} (step {meta['step']}, saved at {meta.get('world_size')} ranks; "
               f"now {run.world})")
-    return int(meta["step"]), meta, found
+    return int(meta["step"]), meta, Path(found)
 
 
 def _save(run: Run, meta: dict):
@@ -129,7 +125,22 @@ def _save(run: Run, meta: dict):
             time.sleep(600)
     return mf.save_checkpoint(_train_state(run.model, run.opt, run.sched, meta),
                               checkpoint_dir(checkpoint_root(args), step),
-                              before_commit=stall, async_save=getattr(args, "async_save", False))
+                              before_commit=stall, async_save=getattr(args, "async_save", False),
+                              keep_last=getattr(args, "keep_last", None))
+
+
+def _inject_fault(run: Run, step: int) -> None:
+    """Test only (``MATRIXFSDP_TEST_FAULT=raise@R:S`` or ``hang@R:S``): rank R raises, or
+    hangs, at the start of step S."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, where = spec.split("@")
+    rank, at = (int(v) for v in where.split(":"))
+    if rank == run.rank and at == step:
+        if kind == "hang":
+            time.sleep(3600)
+        raise RuntimeError(f"injected fault at step {step}")
 
 
 def _report_save(bar, saved) -> None:
@@ -217,7 +228,7 @@ def _maybe_save(run: Run, step: int, hist: History, pending, bar):
         hist.saves.append(pending.result())
         _report_save(bar, hist.saves[-1])
     saved = _save(run, {"step": step + 1, "world_size": run.world, "losses": hist.losses,
-                        "norms": hist.norms, "skipped": hist.skipped})
+                        "norms": hist.norms, "skipped": hist.skipped, "args": saved_args(run.args)})
     hist.save_steps.append(step + 1)
     if isinstance(saved, mf.checkpoint_io.AsyncCheckpoint):
         return saved  # staged: training goes on while it writes and commits
@@ -232,8 +243,7 @@ def train(args) -> None:
 
     run = _setup(args)
     hist = History()
-    resume = getattr(args, "resume", None)
-    start, history, resumed = _resume(run) if resume is not None else (0, {}, None)
+    start, history, resumed = _resume(run)
     hist.losses += history.get("losses", [])
     hist.norms += history.get("norms", [])
     hist.skipped += history.get("skipped", [])
@@ -246,6 +256,7 @@ def train(args) -> None:
     pending = None  # an asynchronous save in flight
     for step in bar:
         t0 = time.perf_counter()
+        _inject_fault(run, step)
         _step(run, step, hist, bar)
         pending = _maybe_save(run, step, hist, pending, bar)
         hist.step_wall_ms.append((time.perf_counter() - t0) * 1e3)
