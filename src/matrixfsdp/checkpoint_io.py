@@ -285,6 +285,15 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
         seconds = time.perf_counter() - t0
         return SavedCheckpoint(path, seconds, nbytes, seconds)
 
+    _in_flight = _save_async(state, tmp, path, process_group, before_commit, keep_last, t0)
+    return _in_flight
+
+
+def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
+                before_commit: Callable[[], None] | None, keep_last: int | None,
+                t0: float) -> AsyncCheckpoint:
+    """Stage ``state`` and start DCP's asynchronous write into ``tmp``; the write's end and
+    the commit run in a background thread, on the gloo twin of ``process_group``."""
     group = _save_group(process_group) if dist.is_initialized() else None
     # per_thread_copy_ahead=0: the staged tensors are on CPU already, and DCP's writer then
     # reads them directly instead of through an accelerator stream of the background thread.
@@ -301,9 +310,9 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
         return SavedCheckpoint(path, time.perf_counter() - t0, nbytes, blocking)
 
     worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="matrixfsdp-checkpoint")
-    _in_flight = AsyncCheckpoint(path, worker.submit(finish), blocking)
+    pending = AsyncCheckpoint(path, worker.submit(finish), blocking)
     worker.shutdown(wait=False)  # the thread ends with the commit
-    return _in_flight
+    return pending
 
 
 def _write(write: Callable[[], Any], tmp: Path, path: Path, group) -> None:
