@@ -76,12 +76,24 @@ class MeshGroups:
 
         limit = timeout_of(dist.group.WORLD)
 
+        made = cls.__dict__.get("_bounded_groups")
+        if made is None:  # {(mesh group name, timeout): our group}, made once per mesh group
+            made = {}
+            cls._bounded_groups = made
+
         def bounded(g):
             own = timeout_of(g)
             if limit is None or own is None or own <= limit:
                 return g
-            return dist.new_group(dist.get_process_group_ranks(g), timeout=limit,
-                                  backend=dist.get_backend(g), use_local_synchronization=True)
+            key = (g.group_name, limit)
+            try:  # still registered (not from a process group destroyed since)
+                if key in made and dist.get_process_group_ranks(made[key]):
+                    return made[key]
+            except (ValueError, RuntimeError):
+                pass
+            made[key] = dist.new_group(dist.get_process_group_ranks(g), timeout=limit,
+                                       backend=dist.get_backend(g), use_local_synchronization=True)
+            return made[key]
 
         if mesh.ndim == 1:
             g = bounded(mesh.get_group())
