@@ -78,6 +78,12 @@ def test_resume_never_destroys(tmp_path):
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000006", "step_00000008"]
     assert all(is_complete(ckpts / n) for n in ("step_00000006", "step_00000008"))
 
+    # a newest checkpoint without its marker is skipped, saying which and why (before: silently)
+    os.remove(ckpts / "step_00000008" / "COMPLETE")
+    run = _run("--steps", "8", "--resume", str(out), "--out", str(out), "--layers", "2")
+    _refused(run, "--layers 2 (checkpoint: 1)")
+    assert f"--resume: skipping {ckpts / 'step_00000008'}: it has no COMPLETE file" in run.stdout
+
 
 def test_a_raising_rank_ends_the_run_at_once_naming_it_first(tmp_path):
     """Rank 1 raises at step 2: the launcher exits soon after, and names rank 1 and its exception
