@@ -18,7 +18,7 @@ from test_checkpoint import GLOBAL, SEQ, _build, _load, _state, _tie_and_freeze,
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import matrixfsdp as mf
-from matrixfsdp.checkpoint import AsyncCheckpoint, is_complete
+from matrixfsdp.checkpoint_io import AsyncCheckpoint, is_complete
 from matrixfsdp.dcp import RowShard, stage_state
 from matrixfsdp.param import placement_of
 

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 import matrixfsdp as mf
-from matrixfsdp.checkpoint import COMPLETE, is_complete
+from matrixfsdp.checkpoint_io import COMPLETE, is_complete
 
 if not sys.platform.startswith("linux"):
     pytest.skip("signals and /proc", allow_module_level=True)

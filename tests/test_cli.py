@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-import matrixfsdp.cli as cli
+import matrixfsdp.ranks as ranks
 from matrixfsdp.bench.harness import parse_args as bench_args
 from matrixfsdp.cli import main
 
@@ -83,6 +83,10 @@ def test_plan_paper_model():
     (["train", "--ranks", "1", "--timeout", "0"], "argument --timeout: must be a finite number > 0"),
     (["train", "--ranks", "1", "--clip", "-1"], "argument --clip: must be a finite number > 0"),
     (["train", "--ranks", "1", "--mp", "fp16"], "argument --mp: invalid choice: 'fp16'"),
+    (["train", "--lr", "-1"], "argument --lr: must be a finite number > 0, got -1"),
+    (["train", "--adamw-lr", "nan"], "argument --adamw-lr: must be a finite number > 0, got nan"),
+    (["train", "--keep-last", "2"], "--keep-last needs --save-every N"),
+    (["train", "--resume-fallback"], "--resume-fallback needs --resume"),
     (["plan", "--world-size", "0"], "argument --world-size: must be >= 1, got 0"),
     (["bench", "--timeout", "-3"], "argument --timeout: must be a finite number > 0"),
 ])
@@ -97,6 +101,30 @@ def test_bad_arguments_exit_with_one_line_before_any_rank_starts(argv, message, 
     assert message in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_out_ranks_and_the_checkpoint_folder_are_checked_before_any_rank_starts(
+        tmp_path, capsys, monkeypatch):
+    """--out "" (before: results written into the current folder), --ranks under torchrun
+    (before: silently ignored), an unwritable checkpoint folder (before: found at the first
+    save, after the first steps)."""
+    def error_of(argv):
+        with pytest.raises(SystemExit) as e:
+            main(["train", *TINY, *argv])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err
+        return err.strip().splitlines()[-1] if "note:" not in err else err
+    assert error_of(["--out", ""]).endswith("--out must name a directory (it is empty)")
+    assert "note: --lr 1e+30 is above 10; the first step will likely overflow" in \
+        error_of(["--lr", "1e30", "--out", ""])  # (before: accepted without a word)
+    (tmp_path / "checkpoints").write_text("")  # a file where the checkpoint folder goes
+    assert f"--save-every: cannot write checkpoints under {tmp_path / 'checkpoints'}" in \
+        error_of(["--out", str(tmp_path), "--save-every", "2"])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "--ranks 3 under torchrun, which runs 2 ranks (WORLD_SIZE): drop --ranks" in \
+        error_of(["--ranks", "3", "--out", str(tmp_path / "x")])
 
 
 def test_unwritable_out_fails_before_training(tmp_path, capsys):
@@ -119,8 +147,8 @@ def test_timeout_reaches_the_process_group_in_both_launch_paths(monkeypatch):
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # restored afterwards, whatever _spawned sets
         monkeypatch.setenv(var, "0")
     seen = []
-    monkeypatch.setattr(cli.dist, "init_process_group", lambda *a, **k: seen.append(k.get("timeout")))
-    monkeypatch.setattr(cli.dist, "destroy_process_group", lambda: None)
+    monkeypatch.setattr(ranks.dist, "init_process_group", lambda *a, **k: seen.append(k.get("timeout")))
+    monkeypatch.setattr(ranks.dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
 
     class Finished(Exception):
@@ -129,10 +157,10 @@ def test_timeout_reaches_the_process_group_in_both_launch_paths(monkeypatch):
     def exit_rank(code):
         raise Finished(code)
 
-    monkeypatch.setattr(cli, "exit_rank", exit_rank)
+    monkeypatch.setattr(ranks, "exit_rank", exit_rank)
     args = argparse.Namespace(cmd="train", timeout=42.0)
     with pytest.raises(Finished):  # torchrun: RANK and WORLD_SIZE are set
-        cli.launch(lambda a: None, args, 1)
+        ranks.launch(lambda a: None, args, 1)
 
     class Ctx:  # spawned: run the rank entry point here, as start_processes would
         processes: list = []
@@ -145,7 +173,7 @@ def test_timeout_reaches_the_process_group_in_both_launch_paths(monkeypatch):
                         lambda fn, args, **kw: started.update(fn=fn, args=args) or Ctx())
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
-    cli.launch(lambda a: None, args, 1)
+    ranks.launch(lambda a: None, args, 1)
     with pytest.raises(Finished):
         started["fn"](0, *started["args"])
     assert seen == [timedelta(seconds=42)] * 2

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.cli import build_model, clip_and_check, plot_losses
+from matrixfsdp.demo import build_model
+from matrixfsdp.train import clip_and_check
+from matrixfsdp.train_report import plot_losses
 
 
 def _args(**kw) -> argparse.Namespace:

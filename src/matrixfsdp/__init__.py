@@ -5,19 +5,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from .checkpoint import (
-    full_state_dict,
-    get_state_dict,
-    latest_checkpoint,
-    load_full_state_dict,
-    save_checkpoint,
-    set_state_dict,
-    wait_for_checkpoint,
-)
+from .checkpoint import full_state_dict, get_state_dict, load_full_state_dict, set_state_dict
+from .checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .dcp import RowShard
 from .hf import shard_model
 from .init import init_weights
+from .integrity import CheckpointError, verify_checkpoint
 from .interop import load_full_checkpoint, save_pretrained
 from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .plan import Plan, format_report, make_plan
@@ -29,12 +23,13 @@ from .runtime import (
     set_modules_to_forward_prefetch,
 )
 
-__all__ = ["clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard", "get_state_dict",
-           "init_weights", "latest_checkpoint", "load_full_checkpoint", "load_full_state_dict",
-           "make_plan", "Muon", "muon_param_groups", "nonfinite_grad_names", "Plan", "plan_of",
-           "plan_report", "RowShard", "save_checkpoint", "save_pretrained",
-           "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch", "set_state_dict",
-           "shard_model", "total_grad_norm", "wait_for_checkpoint", "zeropower_via_newtonschulz"]
+__all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard",
+           "get_state_dict", "init_weights", "latest_checkpoint", "load_checkpoint",
+           "load_full_checkpoint", "load_full_state_dict", "make_plan", "Muon",
+           "muon_param_groups", "nonfinite_grad_names", "Plan", "plan_of", "plan_report",
+           "RowShard", "save_checkpoint", "save_pretrained", "set_modules_to_backward_prefetch",
+           "set_modules_to_forward_prefetch", "set_state_dict", "shard_model", "total_grad_norm",
+           "verify_checkpoint", "wait_for_checkpoint", "zeropower_via_newtonschulz"]
 __version__ = "0.1.0"
 
 

@@ -56,20 +56,52 @@ class MeshGroups:
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> MeshGroups:
+        """The mesh's groups. Every group waits at most the world group's timeout (the one
+        the user gave ``init_process_group``): ``init_device_mesh`` makes its sub-groups
+        with torch's default (30 minutes), so where a mesh group would wait longer, this
+        makes its own group of the same ranks with the world's timeout (a collective of
+        those ranks), and a hang fails in the user's time."""
+        def timeout_of(g):
+            try:
+                return g._get_backend(torch.device(mesh.device_type)).options._timeout
+            except Exception:  # noqa: BLE001 (a backend without options: leave the group be)
+                return None
+
+        limit = timeout_of(dist.group.WORLD)
+
+        made = cls.__dict__.get("_bounded_groups")
+        if made is None:  # {(mesh group name, timeout): our group}, made once per mesh group
+            made = {}
+            cls._bounded_groups = made
+
+        def bounded(g):
+            own = timeout_of(g)
+            if limit is None or own is None or own <= limit:
+                return g
+            key = (g.group_name, limit)
+            try:  # still registered (not from a process group destroyed since)
+                if key in made and dist.get_process_group_ranks(made[key]):
+                    return made[key]
+            except (ValueError, RuntimeError):
+                pass
+            made[key] = dist.new_group(dist.get_process_group_ranks(g), timeout=limit,
+                                       backend=dist.get_backend(g), use_local_synchronization=True)
+            return made[key]
+
         if mesh.ndim == 1:
-            g = mesh.get_group()
+            g = bounded(mesh.get_group())
             return cls(g, dist.get_rank(g), dist.get_world_size(g), None, 0, 1, g,
                        [dist.get_rank()])
         if mesh.ndim != 2:
             raise NotImplementedError(
                 f"matrixfsdp: a {mesh.ndim}-D mesh; fully_shard takes a 1-D mesh or a 2-D "
                 "(replicate, shard) mesh for HSDP")
-        shard, rep = mesh.get_group(1), mesh.get_group(0)
+        shard, rep = bounded(mesh.get_group(1)), bounded(mesh.get_group(0))
         ranks = sorted(mesh.mesh.flatten().tolist())
         if ranks == list(range(dist.get_world_size())):
             world = dist.group.WORLD
         else:  # the mesh is part of the world (e.g. one pipeline stage): its own group
-            world = dist.new_group(ranks, use_local_synchronization=True)
+            world = dist.new_group(ranks, use_local_synchronization=True, timeout=limit)
         R = dist.get_world_size(rep)
         return cls(shard, dist.get_rank(shard), dist.get_world_size(shard), rep,
                    dist.get_rank(rep), R, world, [dist.get_global_rank(rep, i) for i in range(R)])

@@ -23,6 +23,7 @@ from .mixed_precision import Precision
 from .param import ShardedParam, mark_sharded, unmark_sharded
 from .plan import Collected, MuonFilter, Plan, collect_params, make_plan, unit_members
 from .root import Root, mesh_device
+from .setup_checks import check_same_init
 from .storage import UnitStorage
 from .unit import Unit
 
@@ -147,6 +148,9 @@ def materialize(root_unit: Unit) -> Root:
     root = Root(root_unit.module, units, plan, mesh, groups, debug=root_unit.debug,
                 overlap=root_unit.overlap)
     root.aliases = collected.aliases
+    check_same_init([(spec.name, p) for spec, p in
+                     zip(collected.specs, (p for ps in collected.params for p in ps))],
+                    groups.world, sync=root_unit.sync_module_states)
     device = mesh_device(mesh)
     for ui, u in enumerate(units):
         shard_unit(u, ui, collected.params[ui], plan, root, device)

@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .param import pending_unit, placement_of, root_of, sharded_param
 from .runtime import get_root, plan_params
+from .setup_checks import check_optimizer_params
 
 # torch.optim.Muon's defaults, also read by the benchmark so every system runs the same NS.
 MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -489,7 +490,8 @@ def install_step_hook(root) -> None:
         r = root_ref()
         if r is None:
             return
-        r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
+        check_optimizer_params(optimizer)
         check_optimizer_step(optimizer)
+        r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
     root.hooks.append(register_optimizer_step_pre_hook(hook))
     weakref.finalize(root, root.hooks[-1].remove)

@@ -20,6 +20,7 @@ from .layout import UnitLayout
 from .overlap import Schedule
 from .param import sharded_param
 from .plan import Plan
+from .setup_checks import check_unsharded_trainable
 from .unit import Unit
 
 
@@ -70,6 +71,7 @@ class Root:
         """Raise if a parameter no longer views this root's storage: ``model.to_empty``,
         ``.to(device or dtype)``, ``.half()`` after ``fully_shard`` replace the tensors (or
         their storage), and training would silently go on with the old ones."""
+        check_unsharded_trainable(self.module)  # a module added after sharding
         for u in self.units:
             base = u.local.untyped_storage().data_ptr()
             for (mod, attr), i in zip(u.refs, u.ref_param):

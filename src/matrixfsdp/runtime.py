@@ -94,7 +94,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
                 muon_filter: MuonFilter | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, debug: bool = False,
-                overlap: bool = True) -> nn.Module:
+                overlap: bool = True, sync_module_states: bool = False) -> nn.Module:
     """Make ``module`` one communication unit, like FSDP2's ``fully_shard``.
 
     Call it on every block, bottom-up, then on the root. The unit holds the module's
@@ -123,6 +123,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             they differ (docs/troubleshooting.md).
         overlap: read from the root call. Gather the next unit while this one computes
             (forward and backward) and reduce gradients asynchronously (docs/overlap.md).
+        sync_module_states: read from the root call. When the model is sharded, every
+            rank checks that all ranks hold the same initial values (one small collective)
+            and raises naming the first parameter that differs; True copies rank 0's
+            values instead (docs/troubleshooting.md).
     Returns:
         ``module``.
     """
@@ -132,7 +136,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         raise NotImplementedError(
             f"matrixfsdp: fully_shard needs a 1-D mesh or a 2-D (replicate, shard) mesh for "
             f"HSDP, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
-    unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug, overlap)
+    unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug, overlap,
+                sync_module_states)
     module._mf_unit = unit
     for mod, attr, _ in unit_members(module, "", lambda m: getattr(m, "_mf_unit", None) is not None):
         mark_pending(mod._parameters[attr], unit)

@@ -65,8 +65,9 @@ class Unit:
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
                  muon_filter: MuonFilter | None, mp_policy: MixedPrecisionPolicy | None,
-                 debug: bool = False, overlap: bool = True):
+                 debug: bool = False, overlap: bool = True, sync_module_states: bool = False):
         self.module = module
+        self.sync_module_states = sync_module_states
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
         self.muon_filter, self.mp_policy = muon_filter, mp_policy

@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 
 import matrixfsdp as mf
-from matrixfsdp.cli import launch
 from matrixfsdp.comm import LinkDelay
 from matrixfsdp.models import GPT, GPTConfig
-from matrixfsdp.ranks import device_for, sync
+from matrixfsdp.ranks import device_for, launch, sync
 
 
 def _time_steps(args, overlap: bool, gbps: float | None) -> tuple[float, int]:

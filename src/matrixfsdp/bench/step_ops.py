@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 import matrixfsdp as mf
-from matrixfsdp.cli import launch
 from matrixfsdp.models import GPT
 from matrixfsdp.optim import _newton_schulz_, adjusted_lr
+from matrixfsdp.ranks import launch
 
 from .harness import parse_args as bench_config
 

@@ -1,0 +1,143 @@
+"""What ``matrixfsdp train`` reports at the end of a run: summary.json, loss.png and the
+printed summary (rank 0), from every rank's figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _rss_mib() -> float:
+    """This process's resident set size in MiB (Linux; NaN elsewhere)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return math.nan
+
+
+def plot_losses(losses: list[float], path: Path) -> bool:
+    """Write the loss curve to ``path``; without matplotlib, say so in one line and skip.
+    Never raises: a plot is not worth losing a run for."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"{path.name} skipped: matplotlib is not installed (pip install matplotlib)")
+        return False
+    try:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(range(1, len(losses) + 1), losses)
+        ax.set_xlabel("step")
+        ax.set_ylabel("train loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return True
+    except Exception as e:  # a broken backend or font cache: report, keep the summary
+        print(f"{path.name} skipped: {type(e).__name__}: {e}")
+        return False
+
+
+def _finite_or_none(obj: Any) -> Any:
+    """``obj`` with NaN/inf floats replaced by None, so summary.json is strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite_or_none(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_none(v) for v in obj]
+    return obj
+
+
+def _all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's ``values`` (same length on every rank), as a tensor collective."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def write_summary(run, hist, val_loss: float, resumed: dict | None) -> None:
+    """Gather every rank's figures; on rank 0 write ``<out>/summary.json`` and ``loss.png``
+    and print the summary. A collective. ``run`` is :class:`matrixfsdp.train.Run`, ``hist``
+    its :class:`matrixfsdp.train.History`; ``resumed``: where the run started from."""
+    args, device = run.args, run.device
+    step_ms_all = [r[0] for r in _all_gather_floats([statistics.median(hist.step_ms[1:] or hist.step_ms)],
+                                                     device)]
+    rss_all = _all_gather_floats(hist.rss, device) if args.rss_every else None
+    if run.rank != 0:
+        return
+    summary = _summary(run, hist, val_loss, step_ms_all)
+    if rss_all is not None:
+        summary["rss_mib"] = {"steps": hist.rss_steps, "per_rank": rss_all}
+    if resumed is not None:
+        summary["resumed_from"] = resumed
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(_finite_or_none(summary), indent=2, allow_nan=False))
+    plotted = plot_losses(hist.losses, out / "loss.png")
+    _print_summary(summary, args, run.plan)
+    print(f"throughput: {summary['tokens_per_s_median']:.0f} tokens/s; results in {out}/summary.json"
+          + (" and loss.png" if plotted else ""))
+
+
+def _summary(run, hist, val_loss: float, step_ms_all: list[float]) -> dict[str, Any]:
+    args, losses = run.args, hist.losses
+    k = max(1, min(5, len(losses) // 4))
+    summary: dict[str, Any] = {
+        "ranks": run.world, "steps": args.steps, "device": run.device.type, "model": args.model,
+        "grad_accum": args.grad_accum, "mp": args.mp,
+        "activation_checkpointing": args.activation_checkpointing, "clip": args.clip,
+        "loss_start": statistics.mean(losses[:k]), "loss_end": statistics.mean(losses[-k:]),
+        "loss_mean_steps": k, "val_loss_end": val_loss,
+        "optimizer_step_ms_median_per_rank": step_ms_all,
+        "tokens_per_s_median": statistics.median(hist.tok_s[1:] or hist.tok_s),
+        "bytes_per_step": statistics.median(hist.step_bytes),
+        "collectives_per_step": hist.step_calls,
+        "plan_imbalance": run.plan.imbalance, "plan_imbalance_bound": run.plan.imbalance_bound,
+        "losses": losses,
+    }
+    if hist.norms:
+        summary["grad_norms"] = hist.norms  # global, before clipping; null where not finite
+    if args.skip_nonfinite:
+        summary["skipped_steps"] = hist.skipped
+    if hist.saves:
+        summary["checkpoints"] = [{"path": str(c.path), "seconds": c.seconds, "bytes": c.bytes,
+                                   "blocking_seconds": c.blocking_seconds} for c in hist.saves]
+        summary["async_save"] = bool(getattr(args, "async_save", False))
+    summary["step_wall_ms"] = hist.step_wall_ms  # rank 0, from the start; saves' blocking parts in
+    summary["save_steps"] = hist.save_steps
+    return summary
+
+
+def _print_summary(summary: dict[str, Any], args, plan) -> None:
+    k, norms = summary["loss_mean_steps"], summary.get("grad_norms", [])
+    calls = summary["collectives_per_step"]
+    print("\n== summary ==")
+    print(f"loss (mean of first/last {k} steps): {summary['loss_start']:.3f} -> "
+          f"{summary['loss_end']:.3f}  (held-out: {summary['val_loss_end']:.3f}; "
+          f"uniform bytes would be {math.log(256):.3f})")
+    print("optimizer step (median ms per rank, no collectives): "
+          + ", ".join(f"r{r} {t:.1f}" for r, t in enumerate(summary["optimizer_step_ms_median_per_rank"])))
+    print(f"communicated per step per rank: {summary['bytes_per_step'] / 2**20:.2f} MiB payload "
+          f"in {sum(calls.values())} collectives ({calls})")
+    finite = [n for n in norms if n is not None and math.isfinite(n)]
+    if finite:
+        print(f"gradient norm (global, before clipping): median {statistics.median(finite):.3f}, "
+              f"max {max(finite):.3f}" + (f"; clipped to {args.clip}" if args.clip else ""))
+    if args.skip_nonfinite:
+        print(f"steps skipped for non-finite gradients: {len(summary['skipped_steps'])}")
+    print(f"plan balance: NS-cost max/mean {plan.imbalance:.3f} (lower bound "
+          f"{plan.imbalance_bound:.3f})")
