@@ -512,32 +512,22 @@ _guard_registered = False
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """A global optimizer step pre-hook (torch's public registry), for every optimizer:
 
+    * an optimizer that is not element-wise stepping row shards, or L-BFGS on any shard,
+      would compute on one rank's piece and differ from one process silently: refused by
+      ``matrix_optim.check_optimizer_step`` (from placements, alike on every rank) before
+      anything below runs.
     * HSDP: a step changes the matrices one replica owns, on that replica only, so their
       units must broadcast them before the next gather. Marked here, where replicas start
       to differ: every rank steps the same parameters (placeholders included), so every
-      rank marks the same units, whatever ran between backward and step.
-    * torch.optim.Muon or Adafactor on a row shard, or L-BFGS on any shard, would compute
-      on one rank's piece and differ from one process silently: refused.
-      matrixfsdp.Muon does Muon exactly."""
-    checked = isinstance(optimizer, _ROW_SENSITIVE + _GLOBAL)
+      rank marks the same units, whatever ran between backward and step."""
+    from .matrix_optim import check_optimizer_step  # (it imports nothing of the runtime's)
+    check_optimizer_step(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
             info = sharded_param(p)
-            if info is None:
-                continue
-            pl, unit = info.placement, info.unit
-            if unit.has_replica_owned:
-                unit.finish_broadcast()  # one in flight (a unit forward skipped) ends first
-                unit.needs_broadcast = True
-            if not checked or p.grad is None:
-                continue
-            if isinstance(optimizer, _GLOBAL) or tuple(p.shape) != pl.spec.shape:
-                raise RuntimeError(
-                    f"matrixfsdp: {type(optimizer).__name__} would step parameter "
-                    f"'{pl.spec.name}' from this rank's piece {tuple(p.shape)} of the full "
-                    f"{pl.spec.shape}, which differs from one process. Use matrixfsdp.Muon "
-                    "(Muon on whole matrices, AdamW on shards) with matrixfsdp.muon_param_groups"
-                    "(model), or an element-wise optimizer (AdamW, SGD, ...)")
+            if info is not None and info.unit.has_replica_owned:
+                info.unit.finish_broadcast()  # one in flight (a unit forward skipped) ends first
+                info.unit.needs_broadcast = True
 
 
 def _collect_params(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None
