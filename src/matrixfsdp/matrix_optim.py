@@ -97,17 +97,19 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
             if glob and world > 1:
                 raise RuntimeError(
                     f"matrixfsdp: {type(optimizer).__name__} reads all parameters at once, but "
-                    f"parameter '{pl.spec.name}' {pl.spec.shape} is spread over {world} ranks: "
-                    "it would compute on this rank's pieces and differ from one process")
+                    f"parameter '{pl.spec.name}' {pl.spec.shape} is spread over {world} ranks: it "
+                    f"would compute from this rank's piece {tuple(p.shape)} and differ from one "
+                    "process. Use matrixfsdp.Muon, or any optimizer on matrixfsdp.matrix_params")
             if not glob and not _whole_here(pl):
                 raise RuntimeError(
                     f"matrixfsdp: {type(optimizer).__name__} is not an element-wise optimizer, and "
                     f"parameter '{pl.spec.name}' {pl.spec.shape} is sharded by rows over the ranks: "
-                    "it would step each rank's slice as if it were the whole tensor and differ "
-                    "from one process. Give it matrixfsdp.matrix_params(model) (the whole matrices "
-                    "this rank owns) and an element-wise optimizer (AdamW, SGD, ...) "
-                    "matrixfsdp.shard_params(model); or, if this class is element-wise, "
-                    "matrixfsdp.register_elementwise(its class)")
+                    f"it would step it from this rank's piece {tuple(p.shape)} as if it were the "
+                    "whole tensor and differ from one process. Give it "
+                    "matrixfsdp.matrix_params(model) (the whole matrices this rank owns) and an "
+                    "element-wise optimizer (AdamW, SGD, ...) matrixfsdp.shard_params(model), or "
+                    "use matrixfsdp.Muon; if this class is element-wise, "
+                    "matrixfsdp.register_elementwise(it)")
 
 
 def _root(model: nn.Module):
