@@ -64,9 +64,9 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
-def _model(seed: int = 0) -> nn.Sequential:
+def _model(seed: int = 0, blocks: int = BLOCKS) -> nn.Sequential:
     torch.manual_seed(seed)
-    return nn.Sequential(*[Block() for _ in range(BLOCKS)], nn.Linear(D, 1))
+    return nn.Sequential(*[Block() for _ in range(blocks)], nn.Linear(D, 1))
 
 
 def _data(world: int):
@@ -95,9 +95,9 @@ def _reference(make, batches, split: int = 1, steps: int = STEPS) -> dict[str, t
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _sharded(world: int):
-    model = _model()
-    for block in list(model)[:BLOCKS]:
+def _sharded(world: int, blocks: int = BLOCKS):
+    model = _model(blocks=blocks)
+    for block in list(model)[:blocks]:
         mf.fully_shard(block)
     mf.fully_shard(model)
     return model
@@ -136,6 +136,8 @@ def _parity(rank, world, out_dir):
             diffs[f"{name}|split"] = max((split[n] - ref[n]).abs().max().item() for n in ref)
     if world == 2:
         _refusals(rank, world)
+    if world == 3:
+        _owner_of_nothing(rank, world)
     if rank == 0:
         with open(os.path.join(out_dir, f"parity{world}.json"), "w") as f:
             json.dump(diffs, f)
@@ -156,6 +158,31 @@ def _refusals(rank, world):
     assert all(torch.equal(before[n], after[n]) for n in before)
     mf.register_elementwise(type(opt))
     opt.step()  # allowed now
+
+
+def _owner_of_nothing(rank, world):
+    """One block (2 matrices) on 3 ranks: one rank owns none. matrix_optimizer gives it the
+    same class on an empty placeholder; it steps, keeps the group counters of the others,
+    and checkpoints with them."""
+    model = _sharded(world, blocks=1)
+    opts = _optimizers(model, OPTIMIZERS["SOAP"])
+    owned = len(mf.matrix_params(model))
+    counts = [None] * world
+    dist.all_gather_object(counts, owned)
+    assert sorted(counts) == [0, 1, 1], counts
+    assert isinstance(opts[0], po.SOAP)
+    for _ in range(2):
+        model(torch.randn(PER_RANK, D)).sum().backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    steps = [None] * world
+    dist.all_gather_object(steps, opts[0].param_groups[0]["step"])
+    assert steps == [2] * world, steps
+    state = mf.get_state_dict(model, opts)
+    assert len(state["optim"]["param_groups"]) == 2 and "params" not in state["optim"]["param_groups"][0]
+    assert sum(n.endswith("weight") and n[0] == "0" and n.split(".")[1] in ("up", "down")
+               for n in state["optim"]["state"]) == owned
 
 
 def _dcp(rank, world, ckpt, out_dir):
@@ -268,3 +295,24 @@ def test_dcp_save_at_3_load_at_2(tmp_path):
         diff = max((ours[n] - ref[n]).abs().max().item() for n in ref)
         print(name, diff)
         assert diff == 0.0, (name, diff)
+
+
+class _Experts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4, 5))
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_matrix_params_refuses_expert_stacks(world1):
+    """An expert stack is split by experts over ranks: a matrix optimizer would treat this
+    rank's slice as one tensor, so matrix_params names it instead of returning it."""
+    model = nn.Sequential(_Experts())
+    mf.fully_shard(model[0])
+    mf.fully_shard(model)
+    with pytest.raises(ValueError, match=r"'0\.w' \(3, 4, 5\) is an expert stack"):
+        mf.matrix_params(model)
+    assert [p.shape for p in mf.shard_params(model)] == [torch.Size([5])]  # fc.bias; fc.weight is a matrix

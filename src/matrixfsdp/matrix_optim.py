@@ -39,8 +39,9 @@ _ELEMENTWISE: set[type] = {
     if hasattr(torch.optim, n)}
 # Optimizers that read every parameter at once (L-BFGS: dot products over all of them).
 _GLOBAL: tuple[type, ...] = (torch.optim.LBFGS,)
-# Placeholders matrix_optimizer hands a rank that owns no matrix.
-_PLACEHOLDERS: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+# Placeholders matrix_optimizer hands a rank that owns no matrix: id -> weak reference (a
+# WeakSet would compare tensors with ==).
+_PLACEHOLDERS: dict[int, weakref.ref] = {}
 
 
 def register_elementwise(cls: type) -> type:
@@ -62,7 +63,8 @@ def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
 
 def is_placeholder(p: torch.Tensor) -> bool:
     """Whether ``p`` is the empty stand-in :func:`matrix_optimizer` gives a rank owning no matrix."""
-    return p in _PLACEHOLDERS
+    ref = _PLACEHOLDERS.get(id(p))
+    return ref is not None and ref() is p
 
 
 def _whole_here(pl: Placement) -> bool:
@@ -172,7 +174,8 @@ def matrix_optimizer(cls: Callable[..., torch.optim.Optimizer], model: nn.Module
     if not params:
         device = _root(model).units[0].local.device
         placeholder = nn.Parameter(torch.empty(0, 0, device=device))
-        _PLACEHOLDERS.add(placeholder)
+        key = id(placeholder)
+        _PLACEHOLDERS[key] = weakref.ref(placeholder, lambda _: _PLACEHOLDERS.pop(key, None))
         params = [placeholder]
     optimizer = cls(params, **kwargs)
     optimizer.register_step_pre_hook(lambda opt, args, kw: align_grads(opt))
