@@ -79,3 +79,20 @@ def test_bench_hsdp_refuses_systems_without_hsdp(capsys):
     with pytest.raises(SystemExit):
         main(["--world-size", "2", "--replicas", "2", "--systems", "fsdp2_dist_muon"])
     assert "do not run with --replicas 2" in capsys.readouterr().err
+
+
+def test_bench_soap_systems_are_optional_and_exact(tmp_path):
+    """The SOAP row (fsdp2_soap gathers, matrixfsdp_soap steps on owners) runs when asked
+    for, compares the two with each other, and stays out of the default system list."""
+    from matrixfsdp.bench.config import OPTIONAL_SYSTEMS, SYSTEMS
+    assert not set(OPTIONAL_SYSTEMS) & set(SYSTEMS)
+    rc = main(["--world-size", "2", "--layers", "1", "--d-model", "32", "--heads", "2",
+               "--mlp", "64", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1",
+               "--systems", "fsdp2_soap,matrixfsdp_soap", "--out", str(tmp_path)])
+    assert rc == 0
+    systems = json.loads((tmp_path / "results.json").read_text())["systems"]
+    ours = systems["matrixfsdp_soap"]
+    assert systems["fsdp2_soap"]["status"] == "ok" and ours["status"] == "ok", ours["error"]
+    assert ours["exactness"]["reference"] == "fsdp2_soap" and ours["exactness"]["ok"]
+    assert ours["collectives"]["step"]["calls"] == 0
+    assert systems["fsdp2_soap"]["collectives"]["step"]["calls"] > 0

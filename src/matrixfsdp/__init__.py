@@ -13,6 +13,7 @@ from .hf import shard_model
 from .init import init_weights
 from .integrity import CheckpointError, verify_checkpoint
 from .interop import load_full_checkpoint, save_pretrained
+from .matrix_optim import matrix_optimizer, matrix_params, register_elementwise, shard_params
 from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .plan import Plan, format_report, make_plan
 from .runtime import (
@@ -25,11 +26,13 @@ from .runtime import (
 
 __all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard",
            "get_state_dict", "init_weights", "latest_checkpoint", "load_checkpoint",
-           "load_full_checkpoint", "load_full_state_dict", "make_plan", "Muon",
-           "muon_param_groups", "nonfinite_grad_names", "Plan", "plan_of", "plan_report",
-           "RowShard", "save_checkpoint", "save_pretrained", "set_modules_to_backward_prefetch",
-           "set_modules_to_forward_prefetch", "set_state_dict", "shard_model", "total_grad_norm",
-           "verify_checkpoint", "wait_for_checkpoint", "zeropower_via_newtonschulz"]
+           "load_full_checkpoint", "load_full_state_dict", "make_plan", "matrix_optimizer",
+           "matrix_params", "Muon", "muon_param_groups", "nonfinite_grad_names", "Plan",
+           "plan_of", "plan_report", "register_elementwise", "RowShard", "save_checkpoint",
+           "save_pretrained", "set_modules_to_backward_prefetch",
+           "set_modules_to_forward_prefetch", "set_state_dict", "shard_model", "shard_params",
+           "total_grad_norm", "verify_checkpoint", "wait_for_checkpoint",
+           "zeropower_via_newtonschulz"]
 __version__ = "0.1.0"
 
 

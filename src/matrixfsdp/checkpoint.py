@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +21,7 @@ import torch
 from torch import nn
 
 from .dcp import RowShard
-from .layout import local_rows
-from .optim import PLAN_KEYS, Muon, _scalar_dtype
+from .optim_checkpoint import Optimizers, as_list, load_optim_state, local_piece, optim_state_dict
 from .param import placement_of
 from .plan import Placement
 from .root import Root
@@ -73,10 +71,6 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
 
 
 # ---- torch.distributed.checkpoint ---------------------------------------------------------
-# Optimizer state per parameter, by kind: what ``Muon._muon_step`` / ``_adamw_step`` keep.
-STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq")}
-
-
 @dataclass
 class _Entry:
     name: str
@@ -113,21 +107,24 @@ def _placement(p: torch.Tensor, name: str) -> Placement:
     return pl
 
 
-def get_state_dict(model: nn.Module, optimizer: Muon | None = None) -> dict[str, Any]:
+def get_state_dict(model: nn.Module, optimizers: Optimizers | None = None) -> dict[str, Any]:
     """``{"model": ..., "optim": ...}`` for ``torch.distributed.checkpoint``, keyed by name.
 
     * ``model``: every name of ``model.state_dict()`` (tied parameters under each name);
       parameters as :class:`~matrixfsdp.dcp.RowShard` views of this rank's shards (the
       fp32 masters under a mixed-precision policy), persistent buffers as the full tensors
       every rank holds (replicated: DCP writes one copy).
-    * ``optim`` (if ``optimizer`` is given), shaped like torch's ``get_state_dict``:
-      ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``. Muon
-      parameters hold ``momentum_buffer``, placed like the matrix (written by its owner;
-      under HSDP by its owner world rank only, the other replicas propose nothing);
-      AdamW ones ``exp_avg`` / ``exp_avg_sq`` placed like the rows, and ``step``, a 0-d
-      tensor equal on every rank holding rows (replicated). Frozen parameters have no state.
-      State the optimizer lacks is created first (``Muon.init_state``: zeros, as the first
-      step would create them), so a fresh optimizer can be loaded into.
+    * ``optim`` (if ``optimizers`` are given: one optimizer or a list), shaped like torch's
+      ``get_state_dict`` (several optimizers merged into one):
+      ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``.
+      ``matrixfsdp.Muon``: ``momentum_buffer`` placed like the matrix (written by its owner;
+      under HSDP by its owner world rank only), AdamW's ``exp_avg`` / ``exp_avg_sq`` placed
+      like the rows and ``step``, a 0-d tensor equal on every rank holding rows
+      (replicated). Any other optimizer: on whole matrices (``matrix_params``) all its state,
+      of any shape, saved whole by the owner; on row shards its element-wise state placed
+      like the rows (see :mod:`matrixfsdp.optim_checkpoint`). Frozen parameters have no
+      state. State a fresh optimizer lacks is created first (``Muon.init_state``; for other
+      optimizers a step with zero gradients and lr 0, as torch does), so it can be loaded into.
 
     Under HSDP the matrices stepped since the last forward are first broadcast to the
     other replicas (a collective then), so replicas propose identical pieces and DCP keeps
@@ -153,65 +150,9 @@ def get_state_dict(model: nn.Module, optimizer: Muon | None = None) -> dict[str,
         else:
             state[e.name] = e.tensor.detach()
     out: dict[str, Any] = {"model": state}
-    if optimizer is not None:
-        out["optim"] = _optim_state(optimizer, root)
+    if optimizers is not None:
+        out["optim"] = optim_state_dict(as_list(optimizers), root)
     return out
-
-
-def _optim_state(optimizer: Muon, root: Root) -> dict[str, Any]:
-    if not isinstance(optimizer, Muon):
-        raise TypeError(f"matrixfsdp.get_state_dict: expected a matrixfsdp.Muon, got "
-                        f"{type(optimizer).__name__}")
-    optimizer.init_state()
-    state: dict[str, dict[str, Any]] = {}
-    groups = []
-    for group in optimizer.param_groups:
-        names = []
-        for p in group["params"]:
-            pl = _placement(p, f"of shape {tuple(p.shape)}")
-            name = pl.spec.name
-            names.append(name)
-            if not p.requires_grad or not pl.spec.numel:
-                continue  # frozen, or empty: no state anywhere
-            held = optimizer.state.get(p, {})
-            entry: dict[str, Any] = {}
-            for key in STATE_KEYS[bool(group["use_muon"])]:
-                t = held.get(key)
-                if key == "step":
-                    if t is not None:  # only where this rank holds rows
-                        entry[key] = t
-                    continue
-                if not root.groups.steps_here(pl):  # HSDP: another replica writes it
-                    t = p.new_empty((0, *p.shape[1:]))
-                elif t is None:  # this rank holds no element of it (init_state made the rest)
-                    t = torch.empty(p.shape, dtype=p.dtype, device=p.device)
-                entry[key] = RowShard.of(t, pl, root.rank)
-            state[name] = entry
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
-    return {"state": state, "param_groups": groups}
-
-
-def _local_rows(value: Any, pl: Placement, rank: int, what: str) -> torch.Tensor:
-    """This rank's piece of ``value`` (a RowShard of this placement, or a full tensor)."""
-    spec = pl.spec
-    shape = pl.local_shape(rank)
-    if isinstance(value, RowShard):
-        start = pl.row_ranges[rank][0]
-        want = (start, *[0] * (len(spec.shape) - 1)) if spec.shape else ()
-        if tuple(value.shape) != spec.shape or tuple(value.local.shape) != tuple(shape) or \
-                (math.prod(shape) and value.offsets != want):
-            raise ValueError(
-                f"matrixfsdp.set_state_dict: {what} holds rows {value.offsets[:1]} +"
-                f"{tuple(value.local.shape)} of {tuple(value.shape)}, but rank {rank} holds "
-                f"{shape} at row {start} of {spec.shape}: the state was made for another placement. "
-                "Build it with matrixfsdp.get_state_dict on this model, then dcp.load into it")
-        return value.local
-    if isinstance(value, torch.Tensor):
-        if tuple(value.shape) != spec.shape:
-            raise ValueError(f"matrixfsdp.set_state_dict: {what} has shape {tuple(value.shape)}, "
-                             f"the model {spec.shape}")
-        return local_rows(value, pl, rank)
-    raise TypeError(f"matrixfsdp.set_state_dict: {what} is a {type(value).__name__}, not a tensor")
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -223,17 +164,19 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def set_state_dict(model: nn.Module, optimizer: Muon | None, state: dict[str, Any], *,
+def set_state_dict(model: nn.Module, optimizers: Optimizers | None, state: dict[str, Any], *,
                    strict: bool = True) -> None:
-    """Load ``state`` (``{"model": ..., "optim": ...}``) into the model and the optimizer.
+    """Load ``state`` (``{"model": ..., "optim": ...}``) into the model and the optimizers
+    (one or a list, as given to :func:`get_state_dict`).
 
     Values may be the :class:`~matrixfsdp.dcp.RowShard` s of :func:`get_state_dict` on this
     model (typically after ``dcp.load`` filled them; where they view the live tensors nothing
     is copied) or full tensors (as in ``torch.load`` of a file written by
     ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``): each rank keeps its
-    rows. The optimizer's hyperparameters (lr, betas, ...) are restored from ``param_groups``,
-    matched to this optimizer's groups by parameter name; state is set where this rank holds
-    elements (momentum on the owner only) and dropped elsewhere. ``strict``: every name of
+    rows. The optimizers' hyperparameters (lr, betas, ...) are restored from ``param_groups``,
+    group by group in order (checked by parameter name where the names were saved); state is
+    set where this rank steps the parameter (a whole matrix's, of any shape, on its owner,
+    wherever it was saved) and dropped elsewhere. ``strict``: every name of
     ``model.state_dict()`` must be in ``state["model"]`` and nothing else. No communication.
 
     Raises ``ValueError`` naming the parameter on a missing or unexpected name, a shape, a
@@ -243,10 +186,10 @@ def set_state_dict(model: nn.Module, optimizer: Muon | None, state: dict[str, An
     if "model" not in state:
         raise ValueError("matrixfsdp.set_state_dict: the state has no 'model' entry")
     _load_model(model, root, state["model"], strict)
-    if optimizer is not None:
+    if optimizers is not None:
         if "optim" not in state:
             raise ValueError("matrixfsdp.set_state_dict: the state has no 'optim' entry")
-        _load_optim(optimizer, root, state["optim"])
+        load_optim_state(as_list(optimizers), root, state["optim"], model)
 
 
 def _load_model(model: nn.Module, root: Root, sd: dict[str, Any], strict: bool) -> None:
@@ -263,7 +206,7 @@ def _load_model(model: nn.Module, root: Root, sd: dict[str, Any], strict: bool) 
             continue
         value = sd[e.name]
         if e.is_param:
-            src = _local_rows(value, _placement(e.tensor, e.name), root.rank, f"parameter '{e.name}'")
+            src = local_piece(value, _placement(e.tensor, e.name), root.rank, f"parameter '{e.name}'")
             _copy(e.tensor, src)
             loaded.add(id(e.tensor))
         elif e.tensor.is_meta:  # a model built on meta: the buffer gets the loaded tensor
@@ -277,65 +220,3 @@ def _load_model(model: nn.Module, root: Root, sd: dict[str, Any], strict: bool) 
     if all(id(p) in loaded for u in root.units for p in u.sharded):
         for u in root.units:  # a model built on meta is initialised now
             u.needs_init = False
-
-
-def _load_optim(optimizer: Muon, root: Root, osd: dict[str, Any]) -> None:
-    if not isinstance(optimizer, Muon):
-        raise TypeError(f"matrixfsdp.set_state_dict: expected a matrixfsdp.Muon, got "
-                        f"{type(optimizer).__name__}")
-    where: dict[str, tuple[dict, torch.Tensor]] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            where[_placement(p, f"of shape {tuple(p.shape)}").spec.name] = (group, p)
-    saved_groups = osd["param_groups"]
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"matrixfsdp.set_state_dict: the state has {len(saved_groups)} parameter "
-                         f"groups, the optimizer {len(optimizer.param_groups)}")
-    updates = []
-    for i, saved in enumerate(saved_groups):
-        names = list(saved["params"])
-        unknown = [n for n in names if n not in where]
-        if unknown:
-            raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} of the state holds "
-                             f"'{unknown[0]}', which the optimizer does not hold")
-        group = where[names[0]][0] if names else optimizer.param_groups[i]
-        here = [_placement(p, "").spec.name for p in group["params"]]
-        if set(here) != set(names) or len(here) != len(names):
-            other = sorted(set(here) ^ set(names))
-            raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} differs from the "
-                             f"optimizer's (e.g. '{other[0] if other else names[0]}')")
-        if bool(saved.get("use_muon", group["use_muon"])) != bool(group["use_muon"]):
-            raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} has use_muon="
-                             f"{saved['use_muon']} in the state, {group['use_muon']} here")
-        updates.append((group, {k: v for k, v in saved.items() if k != "params" and k not in PLAN_KEYS}))
-    unknown = [n for n in osd["state"] if n not in where]
-    if unknown:
-        raise ValueError(f"matrixfsdp.set_state_dict: the optimizer state holds '{unknown[0]}', "
-                         "which the optimizer does not hold")
-    for group, hyper in updates:
-        group.update(hyper)
-    for name, (group, p) in where.items():
-        saved = osd["state"].get(name)
-        held = optimizer.state.get(p, {})
-        if not saved or not p.numel() or not root.groups.steps_here(placement_of(p)):
-            optimizer.state.pop(p, None)  # nothing saved, this rank holds none of it, or
-            continue  # (HSDP) another replica steps it
-        new: dict[str, Any] = {}
-        for key, value in saved.items():
-            old = held.get(key)
-            if key == "step":
-                step = torch.as_tensor(value).detach()
-                if old is not None and old.shape == step.shape:
-                    _copy(old, step)
-                    new[key] = old
-                else:
-                    new[key] = (step.to(torch.float32, device=p.device) if group.get("fused")
-                                else step.to(_scalar_dtype(), copy=True))
-                continue
-            src = _local_rows(value, placement_of(p), root.rank, f"optimizer state '{key}' of '{name}'")
-            if old is not None and old.shape == src.shape and old.dtype == p.dtype:
-                _copy(old, src)
-                new[key] = old
-            else:
-                new[key] = src.to(dtype=p.dtype, device=p.device, copy=True)
-        optimizer.state[p] = new

@@ -8,6 +8,8 @@ from typing import Any
 
 SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "fsdp2_dist_muon",
                             "fsdp2_muon_fsdp2", "matrixfsdp")
+# Run only when asked for (--systems): SOAP on whole matrices, gathered (FSDP2) or on owners.
+OPTIONAL_SYSTEMS: tuple[str, ...] = ("fsdp2_soap", "matrixfsdp_soap")
 # HSDP mode (``--replicas R``): the systems that run on a 2-D (replicate, shard) mesh.
 # DistMuon's HSDP support is an open torchtitan PR; muon-fsdp2 handles 1-D meshes only.
 HSDP_SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "matrixfsdp")

@@ -12,7 +12,11 @@ hyperparameters:
 ``fsdp2_dist_muon``    FSDP2 + torchtitan ``DistMuon`` (+ AdamW)
 ``fsdp2_muon_fsdp2``   FSDP2 + ``muon_fsdp2.Muon``
 ``matrixfsdp``         ``matrixfsdp.fully_shard`` per block, then root + ``matrixfsdp.Muon``
+``fsdp2_soap``         (only with ``--systems``) FSDP2 + SOAP on gathered whole matrices
+``matrixfsdp_soap``    (only with ``--systems``) MatrixFSDP + SOAP on the owners' matrices
 =====================  ================================================================
+
+The two SOAP systems (``bench/matrix_systems.py``) compare with each other for exactness.
 
 Muon matrices for the peers are the ones MatrixFSDP's default rule selects (2-D weights
 inside the blocks, from ``plan_module``); everything else gets AdamW. Each system gets its
@@ -134,7 +138,15 @@ import torch
 import torch.multiprocessing as mp
 
 from ..ranks import positive_float
-from .config import EXACT_BOUND, HSDP_SYSTEMS, PG_TIMEOUT_S, PRESETS, SYSTEMS, BenchConfig
+from .config import (
+    EXACT_BOUND,
+    HSDP_SYSTEMS,
+    OPTIONAL_SYSTEMS,
+    PG_TIMEOUT_S,
+    PRESETS,
+    SYSTEMS,
+    BenchConfig,
+)
 from .report import write_results
 from .run import rank_main
 
@@ -154,8 +166,8 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--steps", type=int, default=5, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system first")
     p.add_argument("--systems", default=None,
-                   help=f"comma list out of {','.join(SYSTEMS)} (default: all; with --replicas: "
-                        f"{','.join(HSDP_SYSTEMS)})")
+                   help=f"comma list out of {','.join(SYSTEMS + OPTIONAL_SYSTEMS)} (default: "
+                        f"{','.join(SYSTEMS)}; with --replicas: {','.join(HSDP_SYSTEMS)})")
     p.add_argument("--replicas", type=int, default=1, metavar="R",
                    help="HSDP: run every system on a (R, world-size / R) (replicate, shard) mesh")
     p.add_argument("--out", default="runs/bench", help="output directory")
@@ -173,8 +185,9 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     preset = a.preset or "cpu"
     if preset == "gpu" and not cuda:
         p.error("--preset gpu needs CUDA")
-    known = SYSTEMS if a.replicas == 1 else HSDP_SYSTEMS
-    systems = [s.strip() for s in (a.systems or ",".join(known)).split(",") if s.strip()]
+    default = SYSTEMS if a.replicas == 1 else HSDP_SYSTEMS
+    known = default + OPTIONAL_SYSTEMS if a.replicas == 1 else HSDP_SYSTEMS
+    systems = [s.strip() for s in (a.systems or ",".join(default)).split(",") if s.strip()]
     unknown = [s for s in systems if s not in known]
     if unknown or not systems:
         hsdp = f" with --replicas {a.replicas} (HSDP)" if a.replicas > 1 else ""
@@ -192,7 +205,7 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     if sizes["d_model"] % sizes["heads"]:
         p.error(f"--d-model {sizes['d_model']} is not divisible by --heads {sizes['heads']}")
     return BenchConfig(world_size=world, steps=a.steps, warmup=a.warmup,
-                       systems=[s for s in SYSTEMS if s in systems], out=a.out, preset=preset,
+                       systems=[s for s in known if s in systems], out=a.out, preset=preset,
                        device_type="cuda" if cuda else "cpu", backend="nccl" if cuda else "gloo",
                        timeout_s=a.timeout, mp=a.mp, replicas=a.replicas,
                        **sizes)

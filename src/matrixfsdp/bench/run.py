@@ -184,7 +184,7 @@ def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> 
     try:
         data = make_data(cfg, rank, device)
         systems: dict[str, Any] = {}
-        reference: tuple[str, dict[str, torch.Tensor]] | None = None
+        references: dict[str, tuple[str, dict[str, torch.Tensor]]] = {}  # per optimizer family
         for name in cfg.systems:
             barrier(device)
             if rank == 0:
@@ -204,8 +204,8 @@ def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> 
             summary = summarise(name, gathered)
             summary["seconds"] = time.perf_counter() - t0
             if summary["status"] == "ok" and name != BASELINE and full:
-                if reference is None:
-                    reference = (name, full)
+                family = "soap" if name.endswith("_soap") else "muon"  # compared within a family
+                reference = references.setdefault(family, (name, full))
                 summary["exactness"] = compare(full, *reference)
             systems[name] = summary
             print(f"[bench] {name}: {summary['status']} ({summary['seconds']:.1f} s)"

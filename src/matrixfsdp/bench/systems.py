@@ -7,7 +7,9 @@ block then at the root, and its optimizers:
 * ``fsdp2_adamw``: FSDP2's ``fully_shard`` + ``torch.optim.AdamW`` on every parameter;
 * ``fsdp2_torch_muon``, ``fsdp2_dist_muon``, ``fsdp2_muon_fsdp2``: FSDP2 + the peer Muon
   optimizers of :mod:`.peers`, on the matrices MatrixFSDP's default rule picks
-  (:func:`split_muon`), AdamW on the rest.
+  (:func:`split_muon`), AdamW on the rest;
+* ``fsdp2_soap``, ``matrixfsdp_soap`` (optional): SOAP on whole matrices, gathered under
+  FSDP2 or on the owners (:mod:`.matrix_systems`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import matrixfsdp as mf
 from ..plan import plan_module
 from . import peers
 from .config import BenchConfig
+from .matrix_systems import SOAP_SYSTEMS, build_soap_system
 
 
 @dataclass
@@ -59,6 +62,8 @@ def build_system(name: str, cfg: BenchConfig, mesh: Any, device: torch.device,
     model = GPT(cfg.model_config()).to(device=device, dtype=getattr(torch, cfg.dtype))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.mp == "bf16" else MixedPrecisionPolicy()
+    if name in SOAP_SYSTEMS:
+        return System(model, group, build_soap_system(name, model, mesh, mp, cfg))
     if name == "matrixfsdp":
         for block in model.layers:
             mf.fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -94,7 +99,7 @@ def build_system(name: str, cfg: BenchConfig, mesh: Any, device: torch.device,
 
 def full_params(name: str, model: nn.Module, keep: bool) -> dict[str, torch.Tensor]:
     """Full parameters as fp32 CPU tensors (a collective; only kept where ``keep``)."""
-    if name == "matrixfsdp":
+    if name.startswith("matrixfsdp"):
         full = mf.full_state_dict(model)
         names = [n for n, _ in model.named_parameters()]
         return {n: full[n].detach().float().cpu() for n in names} if keep else {}
