@@ -26,8 +26,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def all_gather_single(*args, **kwargs):
+    """torch >= 2.13's name, or the older one (looked up at each call, as FSDP2 does)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 PHASE_OF = {"all_gather": "gather", "broadcast": "gather", "reduce_scatter": "reduce",
             "reduce": "reduce", "all_reduce": "reduce", "replicate_allreduce": "replicate",

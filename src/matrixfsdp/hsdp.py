@@ -124,6 +124,7 @@ class Replication:
         self.enabled = comm is not None
         self._stale: set[int] = set()  # units whose replica-owned matrices changed
         self._inflight: dict[int, Pending] = {}
+        self.max_inflight = 0  # most broadcasts in flight at once (overlap: all units')
 
     def reduce_across(self, out: torch.Tensor, runs: list[tuple[int, int]]) -> Pending:
         """``out`` is this rank's segment of gradients, averaged over its shard group.
@@ -157,6 +158,7 @@ class Replication:
             self._inflight[unit_index] = Pending.all([
                 self.comm.broadcast(local[start:start + n], i)
                 for i, (start, n) in enumerate(runs[1:]) if n])
+            self.max_inflight = max(self.max_inflight, len(self._inflight))
 
     def finish_broadcast(self, unit_index: int) -> None:
         pending = self._inflight.pop(unit_index, None)

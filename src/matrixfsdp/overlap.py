@@ -34,6 +34,10 @@ class Schedule:
         self._this_step: list[Any] = []
         self._reduces: list[Pending] = []
         self._follow_ups: list[Pending] = []  # HSDP: the replicate-dim reduces
+        # what overlap did, since the last reset (read by tests and the bench):
+        # gathers already in flight when their unit needed them, reduces left in flight
+        # when the next one was issued, replicate-dim reduces in flight at the end of backward
+        self.counts = dict(prefetched=0, deferred_reduces=0, deferred_follow_ups=0)
 
     # ---- order ------------------------------------------------------------------------
     def record(self, unit: Any) -> None:
@@ -69,6 +73,7 @@ class Schedule:
 
     # ---- reduces in flight ----------------------------------------------------------------
     def add_reduce(self, pending: Pending) -> None:
+        self.counts["deferred_reduces"] += len(self._reduces)
         self._reduces.append(pending)
         while len(self._reduces) > (self.max_reduces if self.enabled else 0):
             self._reduces.pop(0).wait()
@@ -99,4 +104,5 @@ class Schedule:
     def finish_reduces(self) -> None:
         while self._reduces:  # finishing one may start a follow-up
             self._reduces.pop(0).wait()
+        self.counts["deferred_follow_ups"] += len(self._follow_ups)
         self.finish_follow_ups()

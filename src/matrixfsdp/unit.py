@@ -117,6 +117,8 @@ class Unit:
     @torch.no_grad()
     def unshard(self) -> None:
         if not self.is_unsharded:
+            if self._gather is not None:
+                self.root.schedule.counts["prefetched"] += 1
             self.prefetch(BACKWARD_GATHER if self.in_backward else FORWARD_GATHER)
             self._gather.wait()
             self._gather = None
