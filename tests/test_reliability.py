@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import spawn
-from reference import reference_ns_fp32
+from reference import assert_params_close, reference_ns_fp32
+from reference import is_muon_name as _default_rule
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -23,10 +24,6 @@ from matrixfsdp.plan import ParamSpec, make_plan
 
 CFG = dict(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=24, seq_len=8)
 RESHARD_HINT = r"matrixfsdp\.get_state_dict .* matrixfsdp\.set_state_dict \(which reshards\)"
-
-
-def _default_rule(name: str, p: torch.Tensor) -> bool:
-    return name.startswith("layers.") and p.dim() == 2
 
 
 def _fc_only(name: str, p: torch.Tensor) -> bool:
@@ -262,8 +259,7 @@ def _empty_reference(world_size: int) -> dict:
 def _check_empty_run(ours: dict, world_size: int) -> None:
     ref = _empty_reference(world_size)
     assert list(ours) == list(ref)
-    for n, p in ref.items():
-        torch.testing.assert_close(ours[n], p, rtol=1e-6, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    assert_params_close(ours, ref)
 
 
 def _empty_worker(rank, world_size, out_dir):
