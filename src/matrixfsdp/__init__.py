@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ._exit import exit_rank
 from .checkpoint import (
     full_state_dict,
     get_state_dict,
@@ -29,7 +30,7 @@ from .runtime import (
     set_modules_to_forward_prefetch,
 )
 
-__all__ = ["clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard", "get_state_dict",
+__all__ = ["clip_grad_norm_", "comm_stats", "exit_rank", "full_state_dict", "fully_shard", "get_state_dict",
            "init_weights", "latest_checkpoint", "load_full_checkpoint", "load_full_state_dict",
            "make_plan", "Muon", "muon_param_groups", "nonfinite_grad_names", "Plan", "plan_of",
            "plan_report", "RowShard", "save_checkpoint", "save_pretrained",
