@@ -30,6 +30,8 @@ from matrixfsdp.comm import LinkDelay
 from matrixfsdp.models import GPT, GPTConfig
 from matrixfsdp.ranks import device_for, sync
 
+from .measure import machine_info, machine_line
+
 
 def _time_steps(args, overlap: bool, gbps: float | None) -> tuple[float, int]:
     """Fastest forward+backward over the timed steps (the sample least disturbed by other
@@ -85,13 +87,14 @@ def _rank(args) -> None:
         r["hidden"] = 1 - (r["on_ms"] - free_ms) / added if added > 0.25 * free_off_ms else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(config=vars(args), free_ms=free_ms, free_off_ms=free_off_ms,
-                  sent_bytes_per_step=sent, rows=rows)
+    result = dict(config=vars(args), machine=machine_info(), free_ms=free_ms,
+                  free_off_ms=free_off_ms, sent_bytes_per_step=sent, rows=rows)
     (out / "link.json").write_text(json.dumps(result, indent=2))
     lines = [f"{dist.get_world_size()} ranks, GPT {args.layers} layers, d_model {args.d_model}, "
              f"seq {args.seq}, batch {args.batch}/rank; {sent / 2**20:.1f} MiB sent per rank "
              f"per step; forward+backward without any delay: {free_ms:.0f} ms with overlap, "
              f"{free_off_ms:.0f} ms without (slowest rank, fastest of {args.steps} steps).", "",
+             machine_line(result["machine"]), "",
              "| link GB/s | overlap on ms | overlap off ms | communication hidden |",
              "|---:|---:|---:|---:|"]
     for r in rows:
