@@ -212,7 +212,7 @@ CASES = {1: ("hand", "qwen"), 2: ("hand",), 3: ("hand", "qwen"), 4: ("hand",)}
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_experts_match_per_expert_torch_muon(world_size, tmp_path, request):
     """Different data per rank, fp32 NS: parameters and per-expert momentum match
-    torch.optim.Muon on each expert (plus torch.optim.AdamW) to 1e-6. At 2-4 ranks the
+    torch.optim.Muon on each expert (plus torch.optim.AdamW) to PARITY_TOL. At 2-4 ranks the
     5-expert stacks split unevenly; at 4 the 3-expert stacks leave a rank without any of
     their experts. One rank runs in this process (a one-rank gloo group), the rest spawn."""
     kinds = CASES[world_size]
