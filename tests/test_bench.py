@@ -11,6 +11,9 @@ from matrixfsdp.bench.harness import main
 
 
 def test_bench_tiny_runs_and_checks_exactness(tmp_path):
+    """Every system runs; MatrixFSDP ends within config.EXACT_BOUND (5e-3) of torch's Muon
+    (measured 6.6e-4; with its Muon step skipped, 2.7e-2: this fails); its step issues no
+    collective; the machine (CPU model, AMX, threads per rank) is in the JSON and the table."""
     rc = main(["--world-size", "2", "--layers", "1", "--d-model", "32", "--heads", "2",
                "--mlp", "64", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1",
                "--systems", "fsdp2_adamw,fsdp2_torch_muon,fsdp2_dist_muon,matrixfsdp",
@@ -23,7 +26,11 @@ def test_bench_tiny_runs_and_checks_exactness(tmp_path):
     assert mf["status"] == "ok", mf["error"]
     assert mf["exactness"]["ok"], mf["exactness"]
     assert mf["collectives"]["step"]["calls"] == 0
-    assert (tmp_path / "results.md").exists()
+    machine = results["machine"]
+    assert machine["cpu_model"] and machine["cpu_capability"], machine
+    assert isinstance(machine["bf16_matmul_amx"], bool) and machine["torch_threads"] == 1, machine
+    table = (tmp_path / "results.md").read_text()
+    assert f"Machine: {machine['cpu_model']} (" in table and "bf16 matmuls on AMX: " in table
 
 
 def test_the_cli_and_the_bench_do_not_import_each_other():
@@ -47,7 +54,7 @@ def test_bench_link_sweep_runs(tmp_path):
     result = json.loads((tmp_path / "link.json").read_text())
     assert [r["gbps"] for r in result["rows"]] == [0.1, 1.0]
     assert all(r["on_ms"] > 0 and r["off_ms"] > 0 for r in result["rows"])
-    assert (tmp_path / "link.md").exists()
+    assert result["machine"]["cpu_model"] and "Machine: " in (tmp_path / "link.md").read_text()
 
 
 def test_bench_hsdp_mode_runs_and_matches_fsdp2_hsdp_bytes(tmp_path):
@@ -96,3 +103,24 @@ def test_bench_soap_systems_are_optional_and_exact(tmp_path):
     assert ours["exactness"]["reference"] == "fsdp2_soap" and ours["exactness"]["ok"]
     assert ours["collectives"]["step"]["calls"] == 0
     assert systems["fsdp2_soap"]["collectives"]["step"]["calls"] > 0
+
+
+def test_exactness_bound_flags_a_skipped_muon_step_and_allows_bf16_rounding():
+    """:func:`compare` against the bound's two parts (config.EXACT_BOUND's reasoning): a
+    difference of one Muon step's size (9e-3 per step in the tiny run) fails; bf16 NS's
+    rounding (6.6e-4 in the tiny run) passes; a bf16 parameter near 1.0 one bf16 rounding
+    away (7.8e-3) passes, as does no difference; a missing parameter fails."""
+    import torch
+
+    from matrixfsdp.bench.config import EXACT_BOUND
+    from matrixfsdp.bench.measure import compare
+
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.05
+    ln = torch.ones(8, dtype=torch.bfloat16)
+    ref = {"w": w, "ln": ln}
+    assert compare(dict(ref), "ref", ref)["ok"]
+    assert compare({"w": w + 6.6e-4, "ln": ln}, "ref", ref)["ok"]
+    assert compare({"w": w, "ln": ln + 2**-7}, "ref", ref)["ok"]  # one bf16 rounding at 1.0
+    skipped = compare({"w": w + 9e-3, "ln": ln}, "ref", ref)
+    assert not skipped["ok"] and skipped["worst_param"] == "w" and skipped["bound"] == EXACT_BOUND
+    assert not compare({"w": w}, "ref", ref)["ok"]

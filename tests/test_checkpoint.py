@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist import spawn
-from reference import batches, build_model, is_muon_name, linear_decay, reference_ns_fp32
+from reference import PARITY_TOL, batches, build_model, is_muon_name, linear_decay, reference_ns_fp32
 from test_moe import MoELM
 from test_parity import ODD
 from torch.distributed.checkpoint import FileSystemReader
@@ -33,7 +33,7 @@ MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)  # eps: see test_parity
 PHASES = [(4, 3), (2, 3), (3, 2)]  # (world size, steps): save at 4, load at 2, save, load at 3
 ALL_STEPS = sum(n for _, n in PHASES) + 1  # one more step after the chain, at 1 rank / in torch
-BOUND = 1e-6  # the fp32-NS parity bound of test_parity
+BOUND = PARITY_TOL  # the fp32-NS parity bound (reference.py: where it comes from)
 
 
 def _tie_and_freeze(model):
@@ -310,7 +310,7 @@ def chain(tmp_path_factory):
 def test_reshard_chain_4_2_3_matches_one_process(chain):
     """Save at 4 ranks, load at 2, train, save, load at 3, train, save. Each checkpoint holds
     what torch.optim.Muon (fp32 NS) + torch.optim.AdamW on one process hold after the same
-    steps: parameters, momentum, exp_avg, exp_avg_sq by name within 1e-6, steps exactly;
+    steps: parameters, momentum, exp_avg, exp_avg_sq by name within PARITY_TOL, steps exactly;
     each reload, saved again, equals the checkpoint it came from bit for bit (also for a model
     whose 3-D expert stacks are split by experts: 5 and 3 experts over 4, 2, 3 ranks)."""
     tmp, diffs = chain["tmp"], {}

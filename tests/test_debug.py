@@ -1,11 +1,11 @@
-"""Diagnosis: ranks that take different paths get a clear error on every rank within
-seconds (debug mode), and a mesh smaller than the world is flagged."""
+"""Diagnosis: ranks that take different paths get a clear error on every rank at the first
+collective that differs (debug mode), not a timeout, and a mesh smaller than the world is
+flagged."""
 
 from __future__ import annotations
 
 import os
 import re
-import time
 
 import pytest
 import torch
@@ -57,26 +57,26 @@ def _diverge(rank, world_size, debug, out_dir):
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh, debug=debug)
     opt = mf.Muon(mf.muon_param_groups(model))
-    t0 = time.monotonic()
     message = train_until_error(model, opt)
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(f"{time.monotonic() - t0:.1f}\n{message}")
+        f.write(message)
 
 
 def test_debug_mode_names_the_diverging_rank_on_every_rank(tmp_path):
-    """Rank 1 skips block 1 at step 2: with debug on, every rank raises within seconds,
-    naming each rank's step, unit and phase (without it: a gloo timeout, or worse, a
-    gather of one unit paired with another's). With prefetch on, the first collective that
-    differs may come a little later than the skipped block (the next block's prefetched
-    gather looks the same on both ranks), but within the same step."""
+    """Rank 1 skips block 1 at step 2: with debug on, every rank raises the debug check's
+    error, naming each rank's step, unit and phase, at the step it happened (without it: a
+    gloo timeout after 60 s, or worse, a gather of one unit paired with another's). With
+    prefetch on, the first collective that differs may come a little later than the
+    skipped block (the next block's prefetched gather looks the same on both ranks), but
+    within the same step. No rank waits for a timeout: neither message is the check's
+    "waited N s" one."""
     spawn(_diverge, 2, True, str(tmp_path), timeout=120)
     for rank in range(2):
-        elapsed, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n", 1)
-        assert "ranks diverged" in message, message
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        assert "ranks diverged" in message and "waited" not in message, message
         where = re.findall(r"rank (\d): (step \d+, unit '[^']+', [a-z ]+)", message)
         assert [r for r, _ in where] == ["0", "1"] and where[0][1] != where[1][1], message
         assert all(w.startswith("step 2, ") for _, w in where), message  # the step it happened
-        assert float(elapsed) < 30, elapsed
 
 
 def _frozen_apart(rank, world_size, out_dir):

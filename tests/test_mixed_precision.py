@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from _dist import spawn
-from reference import batches, build_model, is_muon_name, rank_slice, reference_ns_fp32
+from reference import assert_params_close, batches, build_model, is_muon_name, rank_slice, reference_ns_fp32
 from test_parity import ODD, STEP_MARK, _count_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -118,19 +118,12 @@ def test_bf16_policy_same_data_two_ranks_bit_identical(tmp_path):
 def test_bf16_policy_different_data(world_size, tmp_path):
     """Different data per rank, fp32 NS. Exact meaning of the policy: each rank's bf16
     gradient cast to fp32 and averaged; one process doing that over the rank slices agrees
-    to fp32 rounding (1e-6, as test_parity). One process on the whole batch in bf16 rounds
-    differently (bf16 has 8 mantissa bits): printed for the docs, bounded loosely."""
+    to fp32 rounding (PARITY_TOL; measured: bit-identical). (One process on the whole batch
+    in bf16 rounds differently, 1.97e-2 measured once for the docs; no bound can tell a bug
+    from bf16 rounding there, so the suite does not compare against it.)"""
     ours = _run(tmp_path, world_size, policy=BF16, same_data=False, ns_fp32=True)
     ref = reference(world_size, same_data=False, ns_fp32=True, per_rank=True)
-    for n, p in ref.items():
-        torch.testing.assert_close(ours["params"][n], p, rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, n=n: f"{n}: {m}")
-    whole = reference(world_size, same_data=False, ns_fp32=True)
-    worst = max((ours["params"][n] - p).abs().max().item() for n, p in whole.items())
-    tight = max((ours["params"][n] - p).abs().max().item() for n, p in ref.items())
-    print(f"bf16 policy, {world_size} ranks, different data: max |diff| {tight:.2e} vs per-rank "
-          f"reference, {worst:.2e} vs one bf16 process on the whole batch")
-    assert worst < 5e-2, worst
+    assert_params_close(ours["params"], ref)
 
 
 def test_bf16_policy_halves_gather_bytes_and_output_dtype(tmp_path):
@@ -142,44 +135,3 @@ def test_bf16_policy_halves_gather_bytes_and_output_dtype(tmp_path):
     assert mixed["bytes"]["gather"] * 2 == fp32["bytes"]["gather"]
     assert mixed["bytes"]["reduce"] == fp32["bytes"]["reduce"]
     assert mixed["logits_dtype"] == torch.float32 and fp32["logits_dtype"] == torch.float32
-
-
-def _fsdp2_worker(rank, world_size, out_path):
-    """FSDP2 with the same policy and torch's optimizers on its DTensor parameters."""
-    from torch.distributed.fsdp import fully_shard
-
-    model = build_model("gpt", GPTConfig(**ODD))
-    mesh = init_device_mesh("cpu", (world_size,))
-    mp = MixedPrecisionPolicy(**BF16)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    named = list(model.named_parameters())
-    opts = [torch.optim.Muon([p for n, p in named if is_muon_name(n, p)], **MUON),
-            torch.optim.AdamW([p for n, p in named if not is_muon_name(n, p)], **ADAMW)]
-    for x in batches(STEPS, world_size, PER_RANK, SEQ):
-        x = x[:PER_RANK]
-        logits = model(x[:, :-1])
-        torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                          x[:, 1:].reshape(-1)).backward()
-        for o in opts:
-            o.step()
-            o.zero_grad()
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    if rank == 0:
-        torch.save(full, out_path)
-
-
-def test_fsdp2_with_the_same_policy_beside_us(tmp_path):
-    """Not a claim about FSDP2, a measurement for docs/mixed_precision.md: FSDP2 with the
-    same policy and torch.optim.Muon/AdamW on its DTensors, equal data on 2 ranks, against
-    the same single-process meaning. Ours is bit-identical (test above); FSDP2's Muon runs NS
-    on DTensors and its LayerNorm weight gradients differ (see PRIMER), so it is only close."""
-    out = os.path.join(tmp_path, "fsdp2.pt")
-    spawn(_fsdp2_worker, 2, out)
-    theirs, ref = torch.load(out), reference(2, same_data=True, ns_fp32=False)
-    diffs = {n: (theirs[n] - p).abs().max().item() for n, p in ref.items()}
-    worst = max(diffs, key=diffs.get)
-    print(f"FSDP2 + bf16 policy vs the single-process meaning: max |diff| {diffs[worst]:.2e} "
-          f"({worst}); {sum(d > 0 for d in diffs.values())} of {len(diffs)} parameters differ")
-    assert diffs[worst] < 5e-2

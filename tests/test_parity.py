@@ -9,6 +9,7 @@ import pytest
 import torch
 from _dist import spawn
 from reference import (
+    assert_params_close,
     batches,
     build_model,
     is_muon_name,
@@ -163,12 +164,10 @@ FP32_CASES = {
 @pytest.mark.parametrize("world_size", sorted(FP32_CASES))
 def test_different_data_fp32_ns_matches_torch(world_size, tmp_path):
     """Each rank reads different data; with fp32 NS on both sides the parameters after 10
-    steps match torch's single-process run to 1e-6 (absolute plus relative)."""
+    steps match torch's single-process run to PARITY_TOL (absolute plus relative)."""
     case = {**dict(same_data=False, ns_fp32=True, muon=MUON, adamw=ADAMW), **FP32_CASES[world_size]}
     ours, ref = _run(case, world_size, tmp_path)
-    for name, p in ref.items():
-        torch.testing.assert_close(ours["params"][name], p, rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_params_close(ours["params"], ref)
     if world_size == 8:
         assert len(set(ours["owners"].values())) == 6, "6 matrices should use 6 distinct owners"
 
@@ -176,14 +175,12 @@ def test_different_data_fp32_ns_matches_torch(world_size, tmp_path):
 def test_multihead_attention_module(tmp_path):
     """torch's nn.MultiheadAttention reads in_proj_weight as an attribute; it must train
     exactly (same data on 3 ranks: the mean of three equal fp32 gradients is not always
-    bit-equal to one, so fp32 NS and a 1e-6 bound)."""
+    bit-equal to one, so fp32 NS and PARITY_TOL)."""
     case = dict(kind="mha", cfg=dict(vocab_size=256, d_model=24, n_heads=4, n_layers=2, seq_len=17),
                 same_data=True, ns_fp32=True, muon=MUON, adamw=ADAMW)
     ours, ref = _run(case, 3, tmp_path)
     assert "layers.0.attn.in_proj_weight" in ours["owners"]
-    for name, p in ref.items():
-        torch.testing.assert_close(ours["params"][name], p, rtol=1e-6, atol=1e-6,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_params_close(ours["params"], ref)
 
 
 def test_different_data_bf16_ns_coarse(tmp_path):

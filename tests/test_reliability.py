@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import spawn
-from reference import reference_ns_fp32
+from reference import assert_params_close, reference_ns_fp32
+from reference import is_muon_name as _default_rule
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -23,10 +24,6 @@ from matrixfsdp.plan import ParamSpec, make_plan
 
 CFG = dict(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=24, seq_len=8)
 RESHARD_HINT = r"matrixfsdp\.get_state_dict .* matrixfsdp\.set_state_dict \(which reshards\)"
-
-
-def _default_rule(name: str, p: torch.Tensor) -> bool:
-    return name.startswith("layers.") and p.dim() == 2
 
 
 def _fc_only(name: str, p: torch.Tensor) -> bool:
@@ -77,14 +74,29 @@ def _load_error(opt, sd: dict) -> str | None:
     return None
 
 
+def _state_differences(saved: dict, loaded: dict) -> list[str]:
+    """What differs between two optimizer state dicts: missing or extra entries, tensors
+    not bit-equal (a load copies them), and the number of entries compared."""
+    diffs = [f"entries {sorted(saved['state'])} vs {sorted(loaded['state'])}"] \
+        if set(saved["state"]) != set(loaded["state"]) else []
+    for i, st in saved["state"].items():
+        for k, v in st.items():
+            w = loaded["state"].get(i, {}).get(k)
+            if not (isinstance(w, torch.Tensor) and torch.equal(v, w)):
+                diffs.append(f"state[{i}][{k}]")
+    return diffs + [f"compared {sum(len(st) for st in saved['state'].values())}"]
+
+
 def _save_worker(rank, world_size, out_dir):
     model, opt = _gpt(world_size)
     _train(model, opt, rank)
     sd = opt.state_dict()
     torch.save(sd, os.path.join(out_dir, f"default{rank}.pt"))
-    # Same world size, same plan: loads (test_parity checks it continues bit-identically).
+    # Same world size, same plan: loads, every tensor back as saved (test_same_plan_loads;
+    # test_parity checks that training continues bit-identically).
     _, again = _gpt(world_size)
     again.load_state_dict(torch.load(os.path.join(out_dir, f"default{rank}.pt")))
+    torch.save(_state_differences(sd, again.state_dict()), os.path.join(out_dir, f"same_plan{rank}.pt"))
     # Same world size, another plan with the same group sizes (test_other_plan_is_refused).
     _, other = _gpt(world_size, muon_filter=_other_plan)
     torch.save(_load_error(other, sd), os.path.join(out_dir, f"other_plan{rank}.pt"))
@@ -101,7 +113,16 @@ def saved_at_2(tmp_path_factory) -> dict[str, list]:
     out = str(tmp_path_factory.mktemp("optim_state_2"))
     spawn(_save_worker, 2, out)
     return {kind: [torch.load(os.path.join(out, f"{kind}{r}.pt")) for r in range(2)]
-            for kind in ("default", "fc", "other_plan")}
+            for kind in ("default", "fc", "other_plan", "same_plan")}
+
+
+def test_same_plan_loads_every_tensor_back(saved_at_2):
+    """Same world size, same plan: the state dict loads, and every state tensor it holds
+    (momentum on the owner, AdamW's step, exp_avg, exp_avg_sq shards) comes back bit-equal."""
+    for rank, diffs in enumerate(saved_at_2["same_plan"]):
+        *wrong, compared = diffs
+        assert not wrong, f"rank {rank}: {wrong}"
+        assert int(compared.split()[1]) > 0, f"rank {rank}: no state to compare"
 
 
 def test_other_plan_is_refused(saved_at_2):
@@ -262,8 +283,7 @@ def _empty_reference(world_size: int) -> dict:
 def _check_empty_run(ours: dict, world_size: int) -> None:
     ref = _empty_reference(world_size)
     assert list(ours) == list(ref)
-    for n, p in ref.items():
-        torch.testing.assert_close(ours[n], p, rtol=1e-6, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    assert_params_close(ours, ref)
 
 
 def _empty_worker(rank, world_size, out_dir):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ._exit import exit_rank
 from .checkpoint import full_state_dict, get_state_dict, load_full_state_dict, set_state_dict
 from .checkpoint_io import latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
@@ -24,12 +25,12 @@ from .runtime import (
     set_modules_to_forward_prefetch,
 )
 
-__all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard",
-           "get_state_dict", "init_weights", "latest_checkpoint", "load_checkpoint",
-           "load_full_checkpoint", "load_full_state_dict", "make_plan", "matrix_optimizer",
-           "matrix_params", "Muon", "muon_param_groups", "nonfinite_grad_names", "Plan",
-           "plan_of", "plan_report", "register_elementwise", "RowShard", "save_checkpoint",
-           "save_pretrained", "set_modules_to_backward_prefetch",
+__all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank", "full_state_dict",
+           "fully_shard", "get_state_dict", "init_weights", "latest_checkpoint",
+           "load_checkpoint", "load_full_checkpoint", "load_full_state_dict", "make_plan",
+           "matrix_optimizer", "matrix_params", "Muon", "muon_param_groups",
+           "nonfinite_grad_names", "Plan", "plan_of", "plan_report", "register_elementwise",
+           "RowShard", "save_checkpoint", "save_pretrained", "set_modules_to_backward_prefetch",
            "set_modules_to_forward_prefetch", "set_state_dict", "shard_model", "shard_params",
            "total_grad_norm", "verify_checkpoint", "wait_for_checkpoint",
            "zeropower_via_newtonschulz"]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 import matrixfsdp as mf
+from matrixfsdp.bench.measure import machine_info, machine_line
 from matrixfsdp.comm import Comm, Load, Pending
 from matrixfsdp.models import GPT, GPTConfig
 from matrixfsdp.ranks import device_for, launch, sync
@@ -66,6 +67,7 @@ def use_link(root, gbps: float | None) -> None:
     root.comm = LinkComm(root.comm, link)
     if root.replication.comm is not None:
         root.replication.comm = LinkComm(root.replication.comm, link)
+
 
 
 def _time_steps(args, overlap: bool, gbps: float | None) -> tuple[float, int]:
@@ -122,14 +124,15 @@ def _rank(args) -> None:
         r["hidden"] = 1 - (r["on_ms"] - free_ms) / added if added > 0.25 * free_off_ms else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(config=vars(args), free_ms=free_ms, free_off_ms=free_off_ms,
-                  critical_bytes_per_step=sent, rows=rows)
+    result = dict(config=vars(args), machine=machine_info(), free_ms=free_ms,
+                  free_off_ms=free_off_ms, critical_bytes_per_step=sent, rows=rows)
     (out / "link.json").write_text(json.dumps(result, indent=2))
     lines = [f"{dist.get_world_size()} ranks, GPT {args.layers} layers, d_model {args.d_model}, "
              f"seq {args.seq}, batch {args.batch}/rank; {sent / 2**20:.1f} MiB per step on the "
              f"critical path (each collective's most loaded rank); forward+backward without any "
              f"delay: {free_ms:.0f} ms with overlap, "
              f"{free_off_ms:.0f} ms without (slowest rank, fastest of {args.steps} steps).", "",
+             machine_line(result["machine"]), "",
              "| link GB/s | overlap on ms | overlap off ms | communication hidden |",
              "|---:|---:|---:|---:|"]
     for r in rows:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .config import BASELINE, EXACT_BOUND, MUON_REFERENCE, PHASES
+from .measure import machine_line
 
 MIB = 2**20
 
@@ -115,36 +116,45 @@ def replicate_dim_bytes(res: dict[str, Any], replicas: int) -> dict[str, float]:
     return out
 
 
-def render_markdown(results: dict[str, Any]) -> str:
-    """The two tables (and the run's settings) as Markdown."""
-    cfg, systems = results["config"], results["systems"]
+class _View:
+    """The ok systems of a run and the figures every table reads off them."""
+
+    def __init__(self, results: dict[str, Any]):
+        self.cfg, self.systems = results["config"], results["systems"]
+        self.ok = {n: s for n, s in self.systems.items() if s["status"] == "ok"}
+        self.replicas = self.cfg.get("replicas", 1)
+        peers = [self.med(n, "step") for n in ("fsdp2_dist_muon", "fsdp2_muon_fsdp2") if n in self.ok]
+        self.best_peer = min(peers) if peers else None
+
+    def med(self, name: str, ph: str) -> float | None:
+        return self.ok[name]["phases"][ph]["wall_ms"]["median"] if name in self.ok else None
+
+    def fb(self, name: str) -> float | None:
+        return None if name not in self.ok else self.med(name, "forward") + self.med(name, "backward")
+
+    def total_bytes(self, name: str) -> float | None:
+        return None if name not in self.ok else sum(self.ok[name]["collectives"][p]["bytes"]
+                                                    for p in PHASES)
+
+    def mem(self, name: str) -> float | None:
+        return self.ok[name]["memory"]["peak_mib"] if name in self.ok else None
+
+
+def _header(results: dict[str, Any], v: _View) -> list[str]:
+    """The run's settings, the machine it ran on, and how to read the main table."""
+    cfg, R = v.cfg, v.replicas
     mp = " with a bf16 MixedPrecisionPolicy (fp32 reduce)" if cfg.get("mp") == "bf16" else ""
-    ok = {n: s for n, s in systems.items() if s["status"] == "ok"}
-    exact_ref = next((s["exactness"]["reference"] for s in ok.values() if s.get("exactness")),
-                     MUON_REFERENCE)
-
-    def med(name: str, ph: str) -> float | None:
-        return ok[name]["phases"][ph]["wall_ms"]["median"] if name in ok else None
-
-    def fb(name: str) -> float | None:
-        return None if name not in ok else med(name, "forward") + med(name, "backward")
-
-    def total_bytes(name: str) -> float | None:
-        return None if name not in ok else sum(ok[name]["collectives"][p]["bytes"] for p in PHASES)
-
-    def mem(name: str) -> float | None:
-        return ok[name]["memory"]["peak_mib"] if name in ok else None
-
-    peers = [med(n, "step") for n in ("fsdp2_dist_muon", "fsdp2_muon_fsdp2") if n in ok]
-    best_peer = min(peers) if peers else None
-    R = cfg.get("replicas", 1)
     hsdp = f" as HSDP ({R} replicas x {cfg['world_size'] // R})" if R > 1 else ""
-    lines = [
+    exact_ref = next((s["exactness"]["reference"] for s in v.ok.values() if s.get("exactness")),
+                     MUON_REFERENCE)
+    return [
         f"MatrixFSDP benchmark: {cfg['world_size']} ranks{hsdp} on {results['device']} "
         f"({cfg['backend']}), GPT {cfg['layers']} layers, d_model {cfg['d_model']}, "
         f"{cfg['heads']} heads, MLP {cfg['mlp']}, seq {cfg['seq']}, batch {cfg['batch']}/rank, "
         f"{cfg['dtype']}{mp}; {cfg['warmup']} warm-up + {cfg['steps']} timed steps "
         f"(+1 profiled); torch {results['torch']}.",
+        "",
+        machine_line(results.get("machine")),
         "",
         "Times: wall ms, median [min, max] over timed steps x ranks; each phase starts after a "
         "barrier; total includes the barriers between phases. CPU ms: median process CPU time "
@@ -152,81 +162,103 @@ def render_markdown(results: dict[str, Any]) -> str:
         "step, payload rule in the harness docstring. Peak: MiB, max over ranks. "
         f"max|Δ|: max abs parameter difference vs {exact_ref} (bound {EXACT_BOUND:g}).",
         "",
+    ]
+
+
+def _system_row(name: str, s: dict[str, Any], v: _View) -> str:
+    if s["status"] != "ok":
+        err = s["error"].splitlines()[0].replace("|", "\\|") if s.get("error") else ""
+        return f"| {name} | does not run here: {err[:300]} |" + " |" * 14
+    ph = s["phases"]
+    cpu = "/".join(f"{ph[p]['cpu_ms']['median']:.0f}" for p in PHASES)
+    ex = s.get("exactness")
+    exs = "—" if ex is None else f"{ex['max_abs_diff']:.1e} " + ("ok" if ex["ok"] else "**FAIL**")
+    return (
+        f"| {name} | {_fmt_range(ph['forward']['wall_ms'])} | {_fmt_range(ph['backward']['wall_ms'])} "
+        f"| {_fmt_range(ph['step']['wall_ms'])} | {_fmt_range(ph['total']['wall_ms'])} | {cpu} "
+        f"| {_coll(s, 'forward')} | {_coll(s, 'backward')} | {_coll(s, 'step')} "
+        f"| {s['memory']['peak_mib']:.1f} | {_ratio(v.fb(name), v.fb(BASELINE))} "
+        f"| {_ratio(v.total_bytes(name), v.total_bytes(BASELINE))} "
+        f"| {_ratio(v.mem(name), v.mem(BASELINE))} "
+        f"| {_ratio(v.med(name, 'step'), v.med(MUON_REFERENCE, 'step'))} "
+        f"| {_ratio(v.med(name, 'step'), v.best_peer)} | {exs} |")
+
+
+def _systems_table(v: _View) -> list[str]:
+    return [
         "| system | fwd ms | bwd ms | step ms | total ms | CPU ms f/b/s | coll fwd | coll bwd "
         "| coll step | peak MiB | fwd+bwd vs adamw | bytes vs adamw | mem vs adamw "
         "| step vs torch_muon | step vs best(dist_muon, muon_fsdp2) | max abs Δ |",
         "|" + "---|" * 16,
+        *(_system_row(name, s, v) for name, s in v.systems.items()),
     ]
-    for name, s in systems.items():
-        if s["status"] != "ok":
-            err = s["error"].splitlines()[0].replace("|", "\\|") if s.get("error") else ""
-            lines.append(f"| {name} | does not run here: {err[:300]} |" + " |" * 14)
-            continue
-        ph = s["phases"]
-        cpu = "/".join(f"{ph[p]['cpu_ms']['median']:.0f}" for p in PHASES)
-        ex = s.get("exactness")
-        exs = "—" if ex is None else (f"{ex['max_abs_diff']:.1e} "
-                                      + ("ok" if ex["ok"] else "**FAIL**"))
+
+
+def _balance_table(v: _View) -> list[str]:
+    m = v.ok.get("matrixfsdp", {}).get("matrixfsdp")
+    if not m:
+        return []
+    step, cpu = v.med("matrixfsdp", "step"), m["step_cpu_ms_per_rank"]
+    return [
+        "",
+        "MatrixFSDP plan balance. NS cost = Newton-Schulz FLOPs per rank. ns_limit = max over "
+        "ranks of the median time of bf16 NS alone on the matrices a rank owns (all ranks at "
+        "once; wall ms and process CPU ms): the floor of an owner-computes step here. "
+        "The CPU-time ratio is the robust one on a shared machine.",
+        "",
+        "| NS-cost imbalance (max/mean) | best possible | step CPU ms per rank | "
+        "step CPU spread (max/min) | ns_limit wall ms | ns_limit CPU ms | step wall ms "
+        "| step wall / ns_limit wall | max step CPU / ns_limit CPU | comm_stats = profiler |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {m['imbalance']:.3f} | {m['imbalance_bound']:.3f} "
+        f"| {', '.join(f'{c:.0f}' for c in cpu)} | {m['step_cpu_spread']:.2f} "
+        f"| {m['ns_limit_ms']:.1f} | {m['ns_limit_cpu_ms']:.1f} | {step:.1f} "
+        f"| {_ratio(step, m['ns_limit_ms'])} | {_ratio(max(cpu), m['ns_limit_cpu_ms'])} "
+        f"| {'yes' if m['comm_stats_matches_profiler'] else 'NO'} |",
+    ]
+
+
+def _replicate_table(v: _View) -> list[str]:
+    R, ok = v.replicas, v.ok
+    if R <= 1 or not ok:
+        return []
+    base = replicate_dim_bytes(ok[BASELINE], R)["wire"] if BASELINE in ok else None
+    lines = [
+        "",
+        "Across the replicate dim (HSDP), MiB per rank per step, one profiled step: payload "
+        "per collective kind, and bytes each rank sends in a ring (all-reduce 2n(R-1)/R, "
+        "reduce and broadcast n(R-1)/R). The first table counts payloads, where a reduce plus "
+        "a broadcast count a matrix twice and an all-reduce once though both send the same: "
+        "compare bytes sent here. NS matrices per rank: MatrixFSDP steps each "
+        "matrix on its owner world rank only; FSDP2 + torch Muon runs every matrix's NS on "
+        "every rank.",
+        "",
+        "| system | all_reduce | reduce | broadcast | sent (ring) | sent vs fsdp2_adamw "
+        "| NS matrices per rank |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    owned = ok["matrixfsdp"]["matrixfsdp"]["ns_owned_matrices_per_rank"] if "matrixfsdp" in ok else None
+    for name, s in ok.items():
+        b = replicate_dim_bytes(s, R)
+        ns = "—"
+        if name == "matrixfsdp":
+            ns = ", ".join(str(k) for k in owned)
+        elif name == MUON_REFERENCE and owned is not None:
+            ns = f"{sum(owned)} (all)"
         lines.append(
-            f"| {name} | {_fmt_range(ph['forward']['wall_ms'])} | {_fmt_range(ph['backward']['wall_ms'])} "
-            f"| {_fmt_range(ph['step']['wall_ms'])} | {_fmt_range(ph['total']['wall_ms'])} | {cpu} "
-            f"| {_coll(s, 'forward')} | {_coll(s, 'backward')} | {_coll(s, 'step')} "
-            f"| {s['memory']['peak_mib']:.1f} | {_ratio(fb(name), fb(BASELINE))} "
-            f"| {_ratio(total_bytes(name), total_bytes(BASELINE))} | {_ratio(mem(name), mem(BASELINE))} "
-            f"| {_ratio(med(name, 'step'), med(MUON_REFERENCE, 'step'))} "
-            f"| {_ratio(med(name, 'step'), best_peer)} | {exs} |")
-    m = ok.get("matrixfsdp", {}).get("matrixfsdp")
-    if m:
-        step = med("matrixfsdp", "step")
-        cpu = m["step_cpu_ms_per_rank"]
-        lines += [
-            "",
-            "MatrixFSDP plan balance. NS cost = Newton-Schulz FLOPs per rank. ns_limit = max over "
-            "ranks of the median time of bf16 NS alone on the matrices a rank owns (all ranks at "
-            "once; wall ms and process CPU ms): the floor of an owner-computes step here. "
-            "The CPU-time ratio is the robust one on a shared machine.",
-            "",
-            "| NS-cost imbalance (max/mean) | best possible | step CPU ms per rank | "
-            "step CPU spread (max/min) | ns_limit wall ms | ns_limit CPU ms | step wall ms "
-            "| step wall / ns_limit wall | max step CPU / ns_limit CPU | comm_stats = profiler |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-            f"| {m['imbalance']:.3f} | {m['imbalance_bound']:.3f} "
-            f"| {', '.join(f'{c:.0f}' for c in cpu)} | {m['step_cpu_spread']:.2f} "
-            f"| {m['ns_limit_ms']:.1f} | {m['ns_limit_cpu_ms']:.1f} | {step:.1f} "
-            f"| {_ratio(step, m['ns_limit_ms'])} | {_ratio(max(cpu), m['ns_limit_cpu_ms'])} "
-            f"| {'yes' if m['comm_stats_matches_profiler'] else 'NO'} |",
-        ]
-    if R > 1 and ok:
-        base = replicate_dim_bytes(ok[BASELINE], R)["wire"] if BASELINE in ok else None
-        lines += [
-            "",
-            "Across the replicate dim (HSDP), MiB per rank per step, one profiled step: payload "
-            "per collective kind, and bytes each rank sends in a ring (all-reduce 2n(R-1)/R, "
-            "reduce and broadcast n(R-1)/R). The first table counts payloads, where a reduce plus "
-            "a broadcast count a matrix twice and an all-reduce once though both send the same: "
-            "compare bytes sent here. NS matrices per rank: MatrixFSDP steps each "
-            "matrix on its owner world rank only; FSDP2 + torch Muon runs every matrix's NS on "
-            "every rank.",
-            "",
-            "| system | all_reduce | reduce | broadcast | sent (ring) | sent vs fsdp2_adamw "
-            "| NS matrices per rank |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        n_muon = None
-        if "matrixfsdp" in ok:
-            n_muon = sum(ok["matrixfsdp"]["matrixfsdp"]["ns_owned_matrices_per_rank"])
-        for name, s in ok.items():
-            b = replicate_dim_bytes(s, R)
-            ns = "—"
-            if name == "matrixfsdp":
-                ns = ", ".join(str(k) for k in s["matrixfsdp"]["ns_owned_matrices_per_rank"])
-            elif name == MUON_REFERENCE and n_muon is not None:
-                ns = f"{n_muon} (all)"
-            lines.append(
-                f"| {name} | {b['c10d::allreduce_'] / MIB:.2f} | {b['c10d::reduce_'] / MIB:.2f} "
-                f"| {b['c10d::broadcast_'] / MIB:.2f} | {b['wire'] / MIB:.2f} "
-                f"| {_ratio(b['wire'], base)} | {ns} |")
-    failed = [n for n, s in ok.items() if s.get("exactness") and not s["exactness"]["ok"]]
+            f"| {name} | {b['c10d::allreduce_'] / MIB:.2f} | {b['c10d::reduce_'] / MIB:.2f} "
+            f"| {b['c10d::broadcast_'] / MIB:.2f} | {b['wire'] / MIB:.2f} "
+            f"| {_ratio(b['wire'], base)} | {ns} |")
+    return lines
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """The tables (and the run's settings and machine) as Markdown: every system, then
+    MatrixFSDP's plan balance, then (HSDP) the replicate-dim bytes, then any exactness
+    failure."""
+    v = _View(results)
+    lines = [*_header(results, v), *_systems_table(v), *_balance_table(v), *_replicate_table(v)]
+    failed = [n for n, s in v.ok.items() if s.get("exactness") and not s["exactness"]["ok"]]
     if failed:
         lines += ["", f"**Exactness check failed** (max abs diff > {EXACT_BOUND:g}): "
                   + ", ".join(failed)]

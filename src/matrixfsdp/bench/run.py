@@ -6,7 +6,8 @@ other. For each, :func:`run_system` builds it on a process group of its own, run
 ``warmup`` untimed steps, ``steps`` timed steps and one profiled step (:func:`train_step`:
 forward, backward, optimizer step, each started after a barrier), then rank 0 gathers every
 rank's record, folds it into the system's results entry and checks exactness. A system
-that raises is recorded with its error and the next one runs.
+that raises is recorded with its error and the next one runs. Rank 0 also records the
+machine as its ranks see it (:func:`.measure.machine_info`: CPU model, AMX, threads).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from .measure import (
     clock,
     compare,
     live_storages,
+    machine_info,
     ns_owned_ms,
     optimizer_tensors,
     phase_range,
@@ -175,8 +177,9 @@ def run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device, dat
 
 
 def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> None:
-    """One spawned rank: run every system of ``cfg``; rank 0 writes the per-system results
-    entries to ``result_file`` (JSON)."""
+    """One spawned rank: run every system of ``cfg``; rank 0 writes
+    ``{"systems": per-system results entries, "machine": machine_info()}`` to
+    ``result_file`` (JSON)."""
     torch.set_num_threads(1)
     device = device_for(rank) if cfg.device_type == "cuda" else torch.device("cpu")
     dist.init_process_group(cfg.backend, init_method=f"file://{init_file}", rank=rank,
@@ -213,7 +216,7 @@ def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> 
             del full
         if rank == 0:
             with open(result_file, "w") as f:
-                json.dump(systems, f)
+                json.dump({"systems": systems, "machine": machine_info()}, f)
         barrier(device)
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,9 @@
 """Where MatrixFSDP's optimizer step spends its time, operation by operation.
 
-``python -m matrixfsdp.bench.step_ops [--ranks 4] [--steps 6]`` (CPU, gloo) trains the benchmark's
-default model (``matrixfsdp bench``'s CPU preset) on local ranks and, in every step, times
+``python -m matrixfsdp.bench.step_ops [--ranks 4] [--steps 6] [bench model options]`` (CPU,
+gloo) trains the benchmark's default model (``matrixfsdp bench``'s CPU preset, or what the
+``matrixfsdp bench`` options ``--layers``, ``--d-model``, ... given after it say) on local
+ranks and, in every step, times
 each operation of the Muon update on every owned matrix in thread CPU time: momentum
 ``lerp_``, Nesterov ``lerp`` into the NS dtype, Newton-Schulz, decay ``mul_`` and update
 ``add_`` (tall and wide matrices apart). It prints, per rank, the median over the steps
@@ -78,7 +80,7 @@ def _check_same_as_real_step(opt: mf.Muon, group: dict) -> None:
 def _profile(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    cfg = bench_config(["--world-size", str(world)])
+    cfg = bench_config(["--world-size", str(world), *args.model])
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config())
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,))
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6, help="steps, the first two untimed")
-    args = ap.parse_args(argv)
+    args, args.model = ap.parse_known_args(argv)
+    bench_config(["--world-size", str(args.ranks), *args.model])  # bad model options exit here
     if args.steps < 3:
         ap.error("--steps must be >= 3")
     if torch.cuda.is_available():
