@@ -128,6 +128,13 @@ def unit_layout(plan: Plan, unit: int) -> UnitLayout:
     return layout_of(plan.unit_params(unit), plan.shard_size, plan.replicas)
 
 
+ALIGN = 16  # elements: whole pieces start 64-byte aligned (fp32), in storage and unsharded
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def _is_whole(pl: Placement) -> bool:
     return pl.spec.muon and pl.spec.numel > 0
 
@@ -144,26 +151,27 @@ def layout_of(placements: list[Placement], P: int, R: int) -> UnitLayout:
     whole_offset, whole_numel = {}, 0
     for i, pl in enumerate(placements):
         if _is_whole(pl):
-            whole_offset[i] = whole_numel
-            whole_numel += pl.spec.numel
+            whole_offset[i] = _aligned(whole_numel)
+            whole_numel = whole_offset[i] + pl.spec.numel
     # Segment order: even part, then experts (kind 0), matrices of replica 0, 1, ...
     kind = {i: 0 if placements[i].owner is None else 1 + placements[i].owner_replica
             for i in whole_offset}
     pieces, seg_sizes, runs = [], [], []
     for r in range(P):
         run_sizes = [0] * (R + 1)
-        run_sizes[0] = even_numel
         offset = even_numel
         for i in sorted(whole_offset, key=lambda i: (kind[i], i)):
             pl = placements[i]
             start, stop = pl.row_ranges[r]
             if stop > start:
                 n = (stop - start) * pl.spec.row_numel
-                pieces.append(Piece(i, r, start, stop, n, offset,
+                at = _aligned(offset)  # whole matrices 64-byte aligned: BLAS rounds alike
+                pieces.append(Piece(i, r, start, stop, n, at,
                                     whole_offset[i] + start * pl.spec.row_numel))
-                offset += n
-                run_sizes[kind[i]] += n
+                run_sizes[kind[i]] += at + n - offset
+                offset = at + n
         seg_sizes.append(offset)
+        run_sizes[0] += even_numel
         runs.append(list(zip([sum(run_sizes[:k]) for k in range(R + 1)], run_sizes)))
     pieces.sort(key=lambda pc: pc.offset)
     return UnitLayout(placements, P, even, chunk, even_offset, even_numel, whole_offset,

@@ -161,8 +161,13 @@ class UnitStorage:
                       dim=1, out=buf[:P * E].view(P, E))
         whole = buf[P * E:]
         if lay.whole_offset:
-            torch.cat([like.new_zeros(lay.placements[j].spec.numel) if grads[index[j]] is None
-                       else grads[index[j]].reshape(-1) for j in lay.whole_offset], out=whole)
+            parts, at = [], 0
+            for j, offset in lay.whole_offset.items():  # gaps: the alignment of each matrix
+                n, g = lay.placements[j].spec.numel, grads[index[j]]
+                parts += [like.new_zeros(offset - at)] if offset > at else []
+                parts.append(like.new_zeros(n) if g is None else g.reshape(-1))
+                at = offset + n
+            torch.cat(parts, out=whole)
         out = buf.new_empty(lay.seg_sizes[self.rank])
         parts = [comm.reduce_scatter(out[:E], buf[:P * E])] if E else []
         parts += [comm.reduce(whole[pc.offset:pc.offset + pc.numel], pc.rank) for pc in lay.pieces]

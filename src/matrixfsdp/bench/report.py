@@ -252,12 +252,63 @@ def _replicate_table(v: _View) -> list[str]:
     return lines
 
 
+# ---- critical path (the most loaded rank of each collective) -------------------------------
+# profiler op -> the factor of its payload a ring moves through every rank: all-gather and
+# reduce-scatter (P-1)/P, all-reduce 2(P-1)/P (FSDP2's collectives are all of these kinds)
+_RING_OPS = {"c10d::_allgather_base_": 1, "c10d::allgather_into_tensor_coalesced_": 1,
+             "c10d::_reduce_scatter_base_": 1, "c10d::reduce_scatter_tensor_coalesced_": 1,
+             "c10d::allreduce_": 2}
+
+
+def critical_path(res: dict[str, Any], name: str, P: int) -> dict[str, float] | None:
+    """Bytes on the critical path of forward+backward (each collective charged to its most
+    loaded rank, summed) and the mean rank's, per step. MatrixFSDP: its own counters
+    (NCCL's ring and pipelined models, :mod:`matrixfsdp.comm`); FSDP2: its all-gathers,
+    reduce-scatters and all-reduces by the ring rule (every rank moves the same, so the
+    most loaded rank is the mean). Other systems: None (their all-to-alls, gathers and
+    scatters are charged as sent, which the profiler's payloads do not tell per rank)."""
+    phases = ("forward", "backward")
+    if name == "matrixfsdp":
+        own = res["matrixfsdp"]["comm_stats_rank0"]
+        crit = sum(c["critical_bytes"] for ph in phases for c in own[ph].values())
+        mean = sum(c["mean_bytes"] for ph in phases for c in own[ph].values())
+        return {"critical": crit, "mean": mean}
+    if not name.startswith("fsdp2"):
+        return None
+    total = 0.0
+    for ph in phases:
+        ops = res["collectives"][ph]["per_rank"][0].get("ops", {})
+        if any(op not in _RING_OPS for op in ops):
+            return None
+        total += sum(rec["bytes"] * _RING_OPS[op] * (P - 1) / P for op, rec in ops.items())
+    return {"critical": total, "mean": total}
+
+
+def _critical_table(v: _View) -> list[str]:
+    P = v.results["config"]["world_size"]
+    rows = {n: critical_path(s, n, P) for n, s in v.ok.items()}
+    rows = {n: r for n, r in rows.items() if r is not None}
+    if "matrixfsdp" not in rows or BASELINE not in rows:
+        return []
+    base = rows[BASELINE]["critical"]
+    lines = ["", "Forward+backward bytes per step on the critical path (each collective "
+             "charged to its most loaded rank, NCCL's algorithms), MiB, against "
+             f"{BASELINE}; P/(P-1) = {P / (P - 1):.3f} is the owner layout's floor:", "",
+             "| system | critical path MiB | mean rank MiB | critical vs " + BASELINE + " |",
+             "|---|---:|---:|---:|"]
+    for n, r in rows.items():
+        lines.append(f"| {n} | {r['critical'] / MIB:.2f} | {r['mean'] / MIB:.2f} | "
+                     f"{_ratio(r['critical'], base)} |")
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """The tables (and the run's settings and machine) as Markdown: every system, then
     MatrixFSDP's plan balance, then (HSDP) the replicate-dim bytes, then any exactness
     failure."""
     v = _View(results)
-    lines = [*_header(results, v), *_systems_table(v), *_balance_table(v), *_replicate_table(v)]
+    lines = [*_header(results, v), *_systems_table(v), *_critical_table(v), *_balance_table(v),
+             *_replicate_table(v)]
     failed = [n for n, s in v.ok.items() if s.get("exactness") and not s["exactness"]["ok"]]
     if failed:
         lines += ["", f"**Exactness check failed** (max abs diff > {EXACT_BOUND:g}): "
