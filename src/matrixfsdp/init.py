@@ -202,8 +202,31 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
            pending: dict[int, nn.Parameter], discard: set[tuple[int, str]]) -> None:
     """Run ``fn(module)`` with full tensors in place of the module's shards; keep this rank's rows."""
     mname = names.get(id(module), type(module).__name__)
+    shards, scratch = _full_params(module, mname, discard)
+    meta_buffers = {a: b for a, b in module._buffers.items() if b is not None and b.is_meta}
+    new_buffers: dict[str, torch.Tensor] = {}
+    for attr, b in meta_buffers.items():
+        fill = float("nan") if b.is_floating_point() or b.is_complex() else 0
+        new_buffers[attr] = torch.full(b.shape, fill, dtype=b.dtype, device=root.units[0].local.device)
+    module._buffers.update(new_buffers)
+    before = {id(t): t._version for t in [f for _, f, _ in shards.values()] + list(new_buffers.values())}
+    local_versions = [u.local._version for u in root.units]
+    values = _call_init(module, fn, shards, scratch, meta_buffers)
+    for u, v in zip(root.units, local_versions):
+        if u.local._version != v:
+            raise NotImplementedError(
+                f"matrixfsdp.init_weights: the init of module '{mname}' ({type(module).__name__}) "
+                f"wrote a parameter of another module (in unit '{u.name}'), where it sees only this "
+                "rank's rows of it; make each module's init write only its own parameters")
+    _keep_params(mname, shards, values, before, root, pending)
+    _keep_buffers(module, mname, meta_buffers, new_buffers, before)
+
+
+def _full_params(module: nn.Module, mname: str, discard: set[tuple[int, str]]):
+    """The module's shards, each with a NaN-filled full tensor and the attributes it sits at,
+    and the discarded places (a full tensor of their own, dropped after the init)."""
     shards: dict[int, tuple[nn.Parameter, nn.Parameter, list[str]]] = {}  # id -> (shard, full, attrs)
-    scratch: dict[str, nn.Parameter] = {}  # discarded places: a full tensor of their own, dropped
+    scratch: dict[str, nn.Parameter] = {}
     for attr, p in module._parameters.items():
         if p is None:
             continue
@@ -218,40 +241,35 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
         if id(p) not in shards:
             shards[id(p)] = (p, _nan_full(p), [])
         shards[id(p)][2].append(attr)
-    meta_buffers = {a: b for a, b in module._buffers.items() if b is not None and b.is_meta}
-    new_buffers: dict[str, torch.Tensor] = {}
-    for attr, b in meta_buffers.items():
-        fill = float("nan") if b.is_floating_point() or b.is_complex() else 0
-        new_buffers[attr] = torch.full(b.shape, fill, dtype=b.dtype, device=root.units[0].local.device)
+    return shards, scratch
 
+
+def _call_init(module: nn.Module, fn: InitFn, shards: dict, scratch: dict, meta_buffers: dict
+               ) -> dict[int, torch.Tensor]:
+    """``fn(module)`` with the full tensors registered; the shards back afterwards. Returns
+    what each full tensor's places hold then (an init may replace a tensor, not write it)."""
     for _, full, attrs in shards.values():
         for attr in attrs:
             module._parameters[attr] = full
     for attr, p in scratch.items():
         module._parameters[attr] = _nan_full(p)
-    module._buffers.update(new_buffers)
-    before = {id(t): t._version for t in [f for _, f, _ in shards.values()] + list(new_buffers.values())}
-    local_versions = [u.local._version for u in root.units]
     try:
         fn(module)
     except BaseException:
         module._buffers.update(meta_buffers)
         raise
     finally:
-        # The init may have replaced a tensor instead of writing into it: read back what is there.
         values = {i: next((v for v in (module._parameters[a] for a in attrs) if v is not full), full)
                   for i, (_, full, attrs) in shards.items()}
         for p, _, attrs in shards.values():
             for attr in attrs:
                 module._parameters[attr] = p
         module._parameters.update(scratch)
-    for u, v in zip(root.units, local_versions):
-        if u.local._version != v:
-            raise NotImplementedError(
-                f"matrixfsdp.init_weights: the init of module '{mname}' ({type(module).__name__}) "
-                f"wrote a parameter of another module (in unit '{u.name}'), where it sees only this "
-                "rank's rows of it; make each module's init write only its own parameters")
+    return values
 
+
+def _keep_params(mname: str, shards: dict, values: dict, before: dict, root: Root,
+                 pending: dict[int, nn.Parameter]) -> None:
     for i, (p, full, _) in shards.items():
         value, name = values[i], placement_of(p).spec.name
         if tuple(value.shape) != tuple(full.shape):
@@ -267,6 +285,10 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
                 "none of it, without reading it: no rank holds its previous value whole")
         p.copy_(local_rows(value.detach(), placement_of(p), root.rank))
         pending.pop(id(p), None)
+
+
+def _keep_buffers(module: nn.Module, mname: str, meta_buffers: dict, new_buffers: dict,
+                  before: dict) -> None:
     for attr, meta in meta_buffers.items():
         value = module._buffers.get(attr)
         if value is not new_buffers[attr]:
