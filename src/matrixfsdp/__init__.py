@@ -19,6 +19,7 @@ from .dcp import RowShard
 from .hf import shard_model
 from .init import init_weights
 from .interop import load_full_checkpoint, save_pretrained
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .plan import Plan, format_report, make_plan
 from .runtime import (
@@ -29,7 +30,8 @@ from .runtime import (
     set_modules_to_forward_prefetch,
 )
 
-__all__ = ["clip_grad_norm_", "comm_stats", "full_state_dict", "fully_shard", "get_state_dict",
+__all__ = ["clip_grad_norm_", "comm_stats", "FSDPModule", "full_state_dict", "fully_shard",
+           "get_state_dict", "register_fsdp_forward_method", "UnshardHandle",
            "init_weights", "latest_checkpoint", "load_full_checkpoint", "load_full_state_dict",
            "make_plan", "Muon", "muon_param_groups", "nonfinite_grad_names", "Plan", "plan_of",
            "plan_report", "RowShard", "save_checkpoint", "save_pretrained",

@@ -489,6 +489,7 @@ def install_step_hook(root) -> None:
         r = root_ref()
         if r is None:
             return
+        r.before_step()  # unsharded copies kept past backward would go stale
         r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
         check_optimizer_step(optimizer)
     root.hooks.append(register_optimizer_step_pre_hook(hook))
