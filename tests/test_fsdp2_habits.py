@@ -39,6 +39,8 @@ SCENARIOS = {
     # ... and set_reshard_after_backward(False) on those (the step must not see stale copies)
     "gpt_adamw_nosync": dict(kind="gpt", opt="adamw", micro=3, keep=True),
     "llama_muon_nosync": dict(kind="llama", opt="muon", micro=3),
+    # torch.nn.utils.clip_grad_value_ over model.parameters(): element-wise, so exact on shards
+    "gpt_muon_clip_value": dict(kind="gpt", opt="muon", clip_value=2e-3),
 }
 
 
@@ -173,6 +175,8 @@ def _habits_worker(rank, world_size, out_path):
                 if hook is not None:
                     hook.remove()
             assert not fail, "the injected exception did not fire"
+            if "clip_value" in sc:
+                torch.nn.utils.clip_grad_value_(model.parameters(), sc["clip_value"])
             for o in opts:
                 o.step()
                 o.zero_grad()
@@ -197,6 +201,8 @@ def reference(sc) -> dict[str, torch.Tensor]:
             if step in sc.get("fails", {}):
                 continue
             loss_of(model, x).backward()
+            if "clip_value" in sc:
+                torch.nn.utils.clip_grad_value_(model.parameters(), sc["clip_value"])
             for o in opts:
                 o.step()
                 o.zero_grad()
@@ -226,6 +232,13 @@ def test_optimizer_built_after_fully_shard_and_exceptions_caught(habits, name):
     training exactly like one process that skipped those steps (before: no parameter got a
     gradient again after the failed backward)."""
     _assert_matches(habits[name]["params"], reference(SCENARIOS[name]))
+
+
+def test_torch_clip_grad_value_is_exact(habits):
+    """torch.nn.utils.clip_grad_value_(model.parameters(), c) clamps each element: on the
+    shards it is the same clamp as on one process (c = 2e-3, small enough to clamp)."""
+    _assert_matches(habits["gpt_muon_clip_value"]["params"],
+                    reference(SCENARIOS["gpt_muon_clip_value"]))
 
 
 @pytest.mark.parametrize("name", ["gpt_adamw_nosync", "llama_muon_nosync"])
