@@ -246,6 +246,8 @@ def test_requires_gradient_sync_off_for_k_minus_1_micro_batches(habits, name):
     """set_requires_gradient_sync(False) on the first 2 of 3 micro-batches: those backward
     passes issue no reduce and move no byte; the step equals one process's (1e-6)."""
     _assert_matches(habits[name]["params"], reference(SCENARIOS[name]))
+    print(f"{name}: (synced, reduce calls, reduce bytes) per micro-batch of step 0:",
+          habits[name]["reduces"][:3])
     for last, calls, nbytes in habits[name]["reduces"]:
         if last:
             assert calls > 0 and nbytes > 0
