@@ -117,18 +117,20 @@ def test_debug_mode_names_ranks_that_froze_different_parameters(tmp_path):
 def _sub_mesh(rank, world_size, out_dir):
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = GPT(CFG)
-    for block in model.layers:
-        mf.fully_shard(block, mesh=mesh2d["shard"])
-    mf.fully_shard(model, mesh=mesh2d["shard"])
-    with pytest.warns(UserWarning, match=r"(?s)the mesh covers 2 of the 4 ranks.*"
-                                         r"fully_shard\(module, mesh=mesh2d\).*docs/hsdp\.md"):
-        mf.plan_of(model)
+    with pytest.raises(ValueError, match=r"(?s)\['replicate'\] dim.*replicas would train apart.*"
+                                         r"pass the 2-D mesh.*independent_replicas=True"):
+        mf.fully_shard(model.layers[0], mesh=mesh2d["shard"])
+    for block in model.layers:  # on purpose: independent replicas, still warned
+        mf.fully_shard(block, mesh=mesh2d["shard"], independent_replicas=True)
+    with pytest.warns(UserWarning, match=r"the mesh covers 2 of the 4 ranks"):
+        mf.fully_shard(model, mesh=mesh2d["shard"], independent_replicas=True)
     (open(os.path.join(out_dir, f"ok{rank}"), "w")).close()
 
 
 def test_mesh_smaller_than_the_world_is_flagged(tmp_path):
-    """mesh2d['shard'] passed where the replicas should sync: a warning on every rank,
-    pointing to HSDP with the 2-D mesh itself."""
+    """mesh2d['shard'] passed where the replicas should sync: an error on every rank,
+    pointing to HSDP with the 2-D mesh and to the explicit opt-out (before: a warning, then
+    replicas drifted apart); with the opt-out, the partial-mesh warning."""
     spawn(_sub_mesh, 4, str(tmp_path))
     assert all((tmp_path / f"ok{r}").exists() for r in range(4))
 

@@ -15,6 +15,7 @@ from .init import init_weights
 from .integrity import CheckpointError, verify_checkpoint
 from .interop import load_full_checkpoint, save_pretrained
 from .matrix_optim import matrix_optimizer, matrix_params, register_elementwise, shard_params
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method
 from .optim import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .plan import Plan, format_report, make_plan
 from .runtime import (
@@ -25,15 +26,15 @@ from .runtime import (
     set_modules_to_forward_prefetch,
 )
 
-__all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank", "full_state_dict",
-           "fully_shard", "get_state_dict", "init_weights", "latest_checkpoint",
-           "load_checkpoint", "load_full_checkpoint", "load_full_state_dict", "make_plan",
-           "matrix_optimizer", "matrix_params", "Muon", "muon_param_groups",
+__all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank", "FSDPModule",
+           "full_state_dict", "fully_shard", "get_state_dict", "init_weights",
+           "latest_checkpoint", "load_checkpoint", "load_full_checkpoint", "load_full_state_dict",
+           "make_plan", "matrix_optimizer", "matrix_params", "Muon", "muon_param_groups",
            "nonfinite_grad_names", "Plan", "plan_of", "plan_report", "register_elementwise",
-           "RowShard", "save_checkpoint", "save_pretrained", "set_modules_to_backward_prefetch",
-           "set_modules_to_forward_prefetch", "set_state_dict", "shard_model", "shard_params",
-           "total_grad_norm", "verify_checkpoint", "wait_for_checkpoint",
-           "zeropower_via_newtonschulz"]
+           "register_fsdp_forward_method", "RowShard", "save_checkpoint", "save_pretrained",
+           "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch",
+           "set_state_dict", "shard_model", "shard_params", "total_grad_norm", "UnshardHandle",
+           "verify_checkpoint", "wait_for_checkpoint", "zeropower_via_newtonschulz"]
 __version__ = "0.1.0"
 
 

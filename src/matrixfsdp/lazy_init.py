@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from .hsdp import MeshGroups
 from .layout import unit_layout
 from .mixed_precision import Precision
+from .module import guard_unit, unguard_unit
 from .param import ShardedParam, mark_sharded, unmark_sharded
 from .plan import Collected, MuonFilter, Plan, collect_params, make_plan, unit_members
 from .root import Root, mesh_device
@@ -78,6 +79,7 @@ def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: R
         mark_sharded(p, ShardedParam(u.layout.placements[i], u, i))
         u.sharded.append(p)
     u.register(u.sharded)
+    guard_unit(u)  # a submodule called outside its unit's forward raises (never wrong rows)
     for name, buf in u.module.named_buffers():
         if buf.device != device and buf.device.type != "meta":
             raise ValueError(f"matrixfsdp: buffer '{name}' of unit '{u.name}' is on "
@@ -173,6 +175,7 @@ def unshard_root(root: Root) -> None:
             rebind(p, f)
             unmark_sharded(p, u)
         u.register(u.sharded)
+        unguard_unit(u)
         u.root, u.storage, u.layout = None, None, None
         u.sharded, u.unsharded = [], []
         u.reset_step()

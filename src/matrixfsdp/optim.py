@@ -349,6 +349,9 @@ def install_step_hook(root) -> None:
             return
         check_optimizer_params(optimizer)
         check_optimizer_step(optimizer)
+        r.before_step()  # unsharded copies kept past backward would go stale
+        r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
+        check_optimizer_step(optimizer)
         r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
     root.hooks.append(register_optimizer_step_pre_hook(hook))
     weakref.finalize(root, root.hooks[-1].remove)

@@ -47,6 +47,7 @@ class Root:
             groups, Comm(groups.replicate, self.stats, "replicate_") if groups.replicas > 1 else None)
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
         self.in_backward = False
+        self.forward_open = False  # the root unit's forward started and has not returned
         self.need_check = True  # check_registered at the next root forward
         self.check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
             if debug and self.world_size > 1 else None
@@ -61,6 +62,7 @@ class Root:
 
     def pre_forward(self) -> None:
         """The root unit's forward starts (a new step, or an eval forward)."""
+        self.forward_open = True
         if self.need_check:  # once per training step (each eval forward)
             self.check_registered()
             self.need_check = not torch.is_grad_enabled()
@@ -112,6 +114,47 @@ class Root:
             info = sharded_param(p)
             if info is not None and info.root is self and info.unit.layout.has_replica_owned:
                 self.replication.mark_stepped(info.unit.index)
+
+    def step_failed(self, unit: Unit) -> bool:
+        """Whether the last forward or backward raised (and the caller caught it): a
+        backward pass that never reached its end-of-backward callback while no backward
+        runs now, or, at the root unit's forward, a root forward that never returned."""
+        if self.in_backward:
+            return torch._C._current_graph_task_id() == -1
+        return unit.index == 0 and self.forward_open
+
+    @torch.no_grad()
+    def recover(self) -> None:
+        """Leave the model as after a clean step, after a forward or backward raised.
+
+        Every rank runs this at the same point (the next forward), when every rank raised
+        at the same point (a check, an OOM retry): the gathers and reduces in flight are
+        the same on every rank and are waited for (gloo and NCCL cannot cancel them); the
+        reduces that had started land on the shards' ``.grad`` as torch leaves the
+        gradients a failed backward already accumulated (``zero_grad`` drops them, as in
+        torch); gradients still on unsharded parameters are dropped; every unit is
+        resharded, its step forgotten."""
+        for unit in self.units:
+            unit.abandon()
+        self.schedule.finish_reduces()
+        for unit in self.units:
+            self.replication.finish_broadcast(unit.index)
+        self.schedule.end_step()
+        self.in_backward = self.forward_open = False
+        self.need_check = True
+
+    def before_step(self) -> None:
+        """An optimizer is about to change the shards: drop the unsharded copies kept by
+        ``unshard()`` or ``set_reshard_after_backward(False)`` (gathered again when used)."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # stepping inside backward (optimizer-in-backward hooks)
+        if self.in_backward or self.forward_open:
+            self.recover()  # the step's forward or backward raised and was caught
+            return
+        for u in self.units:
+            if u.is_unsharded or u._gather is not None:
+                u.reshard()
+                u.register(u.sharded)
 
     def queue_final_callback(self) -> None:
         if not self.in_backward:

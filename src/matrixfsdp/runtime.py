@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .lazy_init import materialize, unit_modules, unshard_root
 from .mixed_precision import MixedPrecisionPolicy
+from .module import make_fsdp_module
 from .param import mark_pending, pending_unit, sharded_param
 from .plan import MuonFilter, Plan, unit_members
 from .root import Root
@@ -94,7 +95,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
                 muon_filter: MuonFilter | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, debug: bool = False,
-                overlap: bool = True, sync_module_states: bool = False) -> nn.Module:
+                overlap: bool = True, sync_module_states: bool = False,
+                offload_policy: object = None, independent_replicas: bool = False) -> nn.Module:
     """Make ``module`` one communication unit, like FSDP2's ``fully_shard``.
 
     Call it on every block, bottom-up, then on the root. The unit holds the module's
@@ -127,18 +129,22 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             rank checks that all ranks hold the same initial values (one small collective)
             and raises naming the first parameter that differs; True copies rank 0's
             values instead (docs/troubleshooting.md).
+        offload_policy: FSDP2's CPU offload is not implemented: anything but None (or
+            FSDP2's default ``OffloadPolicy()``) raises NotImplementedError.
+        independent_replicas: allow a 1-D slice of a mesh that has a data-parallel
+            replicate dim (``mesh["shard"]``): each replica then trains on its own,
+            nothing averages across them (see :func:`check_mesh`).
     Returns:
-        ``module``.
+        ``module``, whose class now also derives from :class:`matrixfsdp.FSDPModule`
+        (FSDP2's module methods).
     """
     _check_callable(module)
     mesh = mesh or default_mesh()
-    if mesh.ndim not in (1, 2):
-        raise NotImplementedError(
-            f"matrixfsdp: fully_shard needs a 1-D mesh or a 2-D (replicate, shard) mesh for "
-            f"HSDP, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
+    check_args(mesh, reshard_after_forward, offload_policy, independent_replicas)
     unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug, overlap,
                 sync_module_states)
     module._mf_unit = unit
+    make_fsdp_module(module)
     for mod, attr, _ in unit_members(module, "", lambda m: getattr(m, "_mf_unit", None) is not None):
         mark_pending(mod._parameters[attr], unit)
     # Under ``module.compile()`` / ``torch.compile(module)`` the hooks run eagerly, as
@@ -151,6 +157,52 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if len(unit_modules(module)) > 1 and _outermost_pending(unit) is unit:
         _make_root(unit)  # an outer call: the root (FSDP2 shards at each call; we plan here)
     return module
+
+
+def check_args(mesh: DeviceMesh, reshard_after_forward: object, offload_policy: object,
+               independent_replicas: bool) -> None:
+    """Refuse what fully_shard does not support, naming what to do instead."""
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError(
+            f"matrixfsdp: offload_policy={type(offload_policy).__name__} (CPU offload) is not "
+            "supported; keep parameters on the accelerator, shard over more ranks, or use a "
+            "MixedPrecisionPolicy with bf16 param_dtype to cut memory")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"matrixfsdp: reshard_after_forward={reshard_after_forward!r}: only True, False or "
+            "None are supported (FSDP2's int, resharding to a smaller group after forward, is "
+            "not implemented here)")
+    if mesh.ndim not in (1, 2):
+        raise NotImplementedError(
+            f"matrixfsdp: fully_shard needs a 1-D mesh or a 2-D (replicate, shard) mesh for "
+            f"HSDP, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
+    check_mesh(mesh, independent_replicas)
+
+
+REPLICATE_DIM_NAMES = ("replicate", "dp_replicate", "dp", "ddp", "hsdp")
+
+
+def check_mesh(mesh: DeviceMesh, independent_replicas: bool = False) -> None:
+    """Refuse a 1-D slice of a larger mesh whose other dims include a data-parallel
+    replicate dim (``mesh["shard"]`` of a ``("replicate", "shard")`` mesh): the replicas
+    would train apart, silently. Pass the 2-D mesh for HSDP. Other parent dims (``pp``,
+    ``tp``, ``cp``, ``ep``: pipeline stages train other parameters) are allowed, with the
+    partial-mesh warning. The rule reads the parent mesh's dim names; a replicate dim
+    named otherwise is not recognised."""
+    if mesh.ndim != 1 or independent_replicas:
+        return
+    parent = mesh._get_root_mesh()
+    if parent is mesh or parent.ndim < 2 or not parent.mesh_dim_names:
+        return
+    others = [n for n in parent.mesh_dim_names if n not in (mesh.mesh_dim_names or ())]
+    bad = [n for n in others if n.lower() in REPLICATE_DIM_NAMES]
+    if bad:
+        raise ValueError(
+            f"matrixfsdp: the mesh is the {mesh.mesh_dim_names} slice of a mesh with dims "
+            f"{parent.mesh_dim_names}; over its {bad} dim the replicas would train apart (no "
+            "gradient averaging across them). For HSDP pass the 2-D mesh itself "
+            f"(mesh[{tuple(parent.mesh_dim_names)!r}] or the init_device_mesh result); to train "
+            "independent replicas on purpose pass independent_replicas=True")
 
 
 def _shard_at_first_use(module: nn.Module, args) -> None:

@@ -85,6 +85,12 @@ class Unit:
         self.sharded: list[nn.Parameter] = []
         self.unsharded: list[nn.Parameter] = []
         self.needs_init = False  # built on meta: shards allocated, not yet initialised
+        # FSDP2's module methods (matrixfsdp.module.FSDPModule)
+        self.requires_gradient_sync = True  # False: keep the gradients unsharded, no reduce
+        self.reshard_after_backward = True
+        self.accumulated: list[torch.Tensor | None] = []  # unsynced grads, reduce dtype
+        self.pinned = False  # unshard() by the user: stays unsharded until reshard()
+        self.guards: list = []  # forward pre-hooks on the modules holding its parameters
         self.reset_step()
 
     def reset_step(self) -> None:
@@ -125,6 +131,7 @@ class Unit:
             self.is_unsharded = True
 
     def reshard(self) -> None:
+        self.pinned = False
         if self._gather is not None:  # never free a buffer a gather still writes into
             self._gather.wait()
             self._gather = None
@@ -165,11 +172,13 @@ class Unit:
         if self.needs_init:
             raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
+        if root.step_failed(self):
+            root.recover()  # the last forward or backward raised and the user caught it
         if self.new_step:
             self.calls, self.new_step = 0, False
-        if self.index == 0:
-            root.pre_forward()
         recompute = root.in_backward and self.in_backward
+        if self.index == 0 and not recompute:
+            root.pre_forward()
         self.unshard()
         if not root.in_backward:
             if not recompute:
@@ -201,6 +210,10 @@ class Unit:
         root = self.root
         if root.in_backward and self.in_backward:
             return output  # recomputation (see pre_forward): stay unsharded for backward
+        if self.index == 0:
+            root.forward_open = False
+        if self.pinned and not root.in_backward:
+            return self.precision.cast_output(output)  # unshard() by the user: kept
         self.register(self.sharded)
         output = self.precision.cast_output(output)
         outs = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
@@ -233,14 +246,29 @@ class Unit:
     def post_backward(self) -> None:
         """Reduce the gradients accumulated on the unsharded parameters (if any) to where
         each parameter lives, add them to the shards' ``.grad``, and reshard."""
+        grads = self._take_grads()
+        if not self.requires_gradient_sync:
+            self.accumulated = grads  # FSDP2's no-sync: accumulate unsharded, reduce later
+        elif any(g is not None for g in grads):
+            self._reduce(grads)
+        if self.reshard_after_backward:
+            self.reshard()
+        self.register(self.sharded)
+        self.in_backward = False
+
+    def _take_grads(self) -> list[torch.Tensor | None]:
+        """The unsharded parameters' gradients (cleared from them), plus those kept from
+        backward passes without gradient sync (in the reduce dtype, as FSDP2 keeps them)."""
         grads = [p.grad for p in self.unsharded]
         for p in self.unsharded:
             p.grad = None
-        if any(g is not None for g in grads):
-            self._reduce(grads)
-        self.reshard()
-        self.register(self.sharded)
-        self.in_backward = False
+        if self.accumulated or not self.requires_gradient_sync:
+            acc = self.accumulated or [None] * len(grads)
+            red = self.precision.reduce
+            grads = [a if g is None else g.to(red) if a is None else a.add_(g)
+                     for a, g in zip(acc, grads)]
+            self.accumulated = []
+        return grads
 
     def _reduce(self, grads: list[torch.Tensor | None]) -> None:
         root = self.root
@@ -252,7 +280,8 @@ class Unit:
             return
         root.before_collective(self, REDUCE, lay)
         started = self.storage.start_reduce(root.comm, grads, trainable)
-        self.reshard()  # the unsharded params are not needed any more
+        if self.reshard_after_backward:
+            self.reshard()  # the unsharded params are not needed any more
         pending, out, lay, index = started
         attach = self._attacher(out, lay, index)
         if lay.replica_runs is None:
@@ -282,6 +311,18 @@ class Unit:
                 else:
                     p.grad.add_(view)
         return attach
+
+    @torch.no_grad()
+    def abandon(self) -> None:
+        """A forward or backward that raised: finish the gather in flight (every rank
+        issued it), drop the unsharded gradients, reshard, forget the step."""
+        for p in self.unsharded:
+            p.grad = None
+        self.accumulated = []  # zero_grad after a failed step drops them too, as in torch
+        self.reshard()
+        if self.storage is not None:
+            self.register(self.sharded)
+        self.reset_step()
 
     def end_backward(self) -> None:
         """After every unit's final ``post_backward`` (which resharded it): a new pass."""
