@@ -27,17 +27,15 @@ def _shard(model, mesh=None, **root_kw):
 def test_mixed_dtypes_in_a_unit(world1):
     model = GPT(CFG)
     model.layers[0].mlp.fc.double()
-    _shard(model)
     with pytest.raises(ValueError, match=r"unit 'layers.0' mixes .*'layers.0.mlp.fc.weight'"):
-        mf.muon_param_groups(model)
+        _shard(model)  # the root's call shards the model: the error comes there
 
 
 def test_mixed_devices_in_a_unit(world1):
     model = GPT(CFG)
     model.layers[1].attn.q.to("meta")
-    _shard(model)
     with pytest.raises(ValueError, match=r"'layers.1.attn.q.weight' \(torch.float32, meta\)"):
-        mf.muon_param_groups(model)
+        _shard(model)
 
 
 def test_parameters_tied_across_units(world1):
@@ -45,10 +43,9 @@ def test_parameters_tied_across_units(world1):
     naming both parameters and both units."""
     model = GPT(CFG)
     model.layers[1].attn.q.weight = model.layers[0].attn.q.weight
-    _shard(model)
     with pytest.raises(NotImplementedError, match=r"'layers.1.attn.q.weight' \(unit 'layers.1'\) is the "
                        r"same tensor as 'layers.0.attn.q.weight' \(unit 'layers.0'\)"):
-        mf.muon_param_groups(model)
+        _shard(model)
 
 
 def test_state_dict_of_a_sharded_model_is_refused(world1):
@@ -71,15 +68,14 @@ def test_optimizer_built_before_root_fully_shard(world1):
         mf.Muon([dict(params=list(model.parameters()), use_muon=False)])
 
 
-def test_torch_optimizer_params_replaced_after_it_was_built(world1):
+def test_parameter_list_read_before_fully_shard_holds_the_shards(world1):
+    """Sharding keeps the parameter objects (each becomes its shard), so a list read before
+    fully_shard, such as an optimizer's, is never stale (before: it held dead tensors)."""
     model = GPT(CFG)
     params = list(model.parameters())
     _shard(model)
-    mf.muon_param_groups(model)  # plans: the originals are replaced by their shards
-    opt = mf.Muon([dict(params=[model.layers[0].attn.q.weight], use_muon=True)])
-    opt.param_groups[0]["params"] = [p for p in params if p.dim() == 2][:1]
-    with pytest.raises(RuntimeError, match="was replaced by its shard"):
-        opt.step()
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    assert all(mf.param.sharded_param(p) is not None for p in params)
 
 
 def test_three_dimensional_mesh(world1):
@@ -94,9 +90,8 @@ def test_non_floating_parameter(world1):
     model = GPT(CFG)
     model.layers[0].register_parameter("steps", nn.Parameter(torch.zeros(3, dtype=torch.long),
                                                               requires_grad=False))
-    _shard(model)
     with pytest.raises(ValueError, match=r"'layers.0.steps' has dtype torch.int64"):
-        mf.muon_param_groups(model)
+        _shard(model)
 
 
 def test_muon_group_with_a_row_sharded_parameter(world1):
@@ -111,16 +106,18 @@ def test_fully_shard_twice_and_after_planning(world1):
     model = _shard(GPT(CFG))
     with pytest.raises(ValueError, match="already called"):
         mf.fully_shard(model.layers[0], mesh=_mesh())
-    mf.muon_param_groups(model)
-    wrapper = nn.Sequential(model)
-    with pytest.raises(ValueError, match=r"after submodule '0' was already planned"):
-        mf.fully_shard(wrapper, mesh=_mesh())
+    # an outer call after the model was sharded re-plans every unit under it together,
+    # keeping the parameter objects (their values too)
+    before = {n: (p, p.detach().clone()) for n, p in model.named_parameters()}
+    wrapper = mf.fully_shard(nn.Sequential(model), mesh=_mesh())
+    assert [u.name for u in mf.get_root(wrapper).units][:2] == ["<root>", "0"]
+    for n, p in wrapper[0].named_parameters():
+        assert p is before[n][0] and torch.equal(p.detach(), before[n][1]), n
 
 
 def test_muon_filter_must_pick_matrices(world1):
-    model = _shard(GPT(CFG), muon_filter=lambda name, p: name.endswith("norm.weight"))
     with pytest.raises(ValueError, match=r"muon_filter selected parameter 'norm.weight' of shape \(16,\)"):
-        mf.muon_param_groups(model)
+        _shard(GPT(CFG), muon_filter=lambda name, p: name.endswith("norm.weight"))
 
 
 def test_groups_need_use_muon(world1):
@@ -146,6 +143,7 @@ def test_parameters_replaced_after_fully_shard(world1, change):
 
 def _torch_matrix_optimizers(rank, world_size, out_dir):
     import os
+    torch.manual_seed(0)  # the same initial values on every rank (checked at sharding)
     model = _shard(GPT(CFG), mesh=init_device_mesh("cpu", (world_size,)))
     x = torch.randint(0, 256, (2, 9))
     model.loss(x[:, :-1], x[:, 1:]).backward()

@@ -57,9 +57,10 @@ def _worker(rank, world_size, case, out_path):
     for state in opt.state.values():
         assert all(v.dtype == torch.float32 for k, v in state.items() if k != "step")
     inside, _ = _count_collectives(prof.events())
+    step_bytes = stats.phase()  # the last step's (full_state_dict's gathers count too)
     state = mf.full_state_dict(model)
     if rank == 0:
-        torch.save({"params": state, "bytes": stats.phase(), "step_collectives": inside,
+        torch.save({"params": state, "bytes": step_bytes, "step_collectives": inside,
                     "logits_dtype": logits_dtype}, out_path)
 
 

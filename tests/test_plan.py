@@ -106,21 +106,30 @@ def test_imbalance_stays_close_to_the_lower_bound_at_scale():
         assert plan.imbalance <= plan.imbalance_bound * 1.05, (world, plan.imbalance)
 
 
-def test_even_rows_rotate_so_no_rank_collects_remainders():
+def test_even_rows_are_fsdp2_chunks_padded_alike_on_every_rank():
+    """Even parameters split as FSDP2's Shard(0): ceil(rows / P)-row chunks, the last ranks'
+    short or empty; every rank stores each chunk padded, so the even part is one size."""
     specs = [ParamSpec(f"b{i}", (5,), 4, 0, False) for i in range(8)]
     plan = make_plan(specs, 4, ["u"])
-    per_rank = [sum(pl.local_rows(r) for pl in plan.placements.values()) for r in range(4)]
-    assert per_rank == [10, 10, 10, 10]  # 8 params x 5 rows: 1 extra row each, rotated
+    assert all(pl.row_ranges == [(0, 2), (2, 4), (4, 5), (5, 5)] for pl in plan.placements.values())
+    lay = unit_layout(plan, 0)
+    assert lay.even_numel == 8 * 2 and lay.seg_sizes == [16] * 4
+    assert plan.rank_bytes == [16 * 4] * 4
 
 
-def test_layout_segments_are_exact_and_whole_matrices_contiguous():
+def test_layout_pieces_are_whole_matrices_on_their_owners():
+    """The even part (7 rows over 3 ranks: chunks of 3) first, then each whole matrix on
+    its owner, 64-byte aligned in storage and in the unsharded buffer."""
     specs = [ParamSpec("w", (6, 5), 4, 0, True), ParamSpec("b", (7,), 4, 0, False),
              ParamSpec("v", (3, 4), 4, 0, True)]
     plan = make_plan(specs, 3, ["u"])
     lay = unit_layout(plan, 0)
-    assert sum(lay.seg_sizes) == 30 + 7 + 12  # no padding
-    assert lay.whole_on_one_rank(0) and lay.whole_on_one_rank(2)
-    assert [pc.row_stop - pc.row_start for pc in lay.pieces[1]] == [3, 2, 2]
+    assert lay.even == [1] and lay.chunk[1] == 3 and lay.even_numel == 3
+    assert sorted((pc.index, pc.numel) for pc in lay.pieces) == [(0, 30), (2, 12)]
+    for pc in lay.pieces:
+        assert pc.rank == plan.placements[specs[pc.index].name].owner
+        assert pc.seg_offset % 16 == 0 and pc.offset % 16 == 0 and pc.seg_offset >= lay.even_numel
+    assert lay.gathered_numel == 3 * 3 + lay.whole_numel and lay.whole_numel >= 30 + 12
 
 
 def test_report_is_readable():

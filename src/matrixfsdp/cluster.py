@@ -18,7 +18,7 @@ import torch
 from .costs import PlanCosts, plan_costs, recommend_shard_size, smallest_fitting_shard_size
 from .models import GPT, PRESETS
 from .plan import Plan, plan_module
-from .plan_report import fmt_bytes, format_costs, format_recommendation, format_report
+from .plan_table import fmt_bytes, format_costs, format_recommendation, format_report
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "kb": 10**3, "m": 2**20, "mib": 2**20,
           "mb": 10**6, "g": 2**30, "gib": 2**30, "gb": 10**9, "t": 2**40, "tib": 2**40,

@@ -308,9 +308,9 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
 
 
 def format_report(plan: Plan, max_rows: int = 32) -> str:
-    """The per-rank table of :func:`matrixfsdp.plan_report.format_report` (kept here for
+    """The per-rank table of :func:`matrixfsdp.plan_table.format_report` (kept here for
     the callers that import it from the planner)."""
-    from .plan_report import format_report as report
+    from .plan_table import format_report as report
     return report(plan, max_rows)
 
 
