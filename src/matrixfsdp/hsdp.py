@@ -68,6 +68,10 @@ class MeshGroups:
                 return None
 
         limit = timeout_of(dist.group.WORLD)
+        # Only where every rank of the world runs this (the mesh covers it) may groups be
+        # made: a mesh over some ranks (a pipeline stage) keeps its groups (creating one on
+        # some ranks only hangs the store's naming).
+        whole_world = mesh.size() == dist.get_world_size()
 
         made = cls.__dict__.get("_bounded_groups")
         if made is None:  # {(mesh group name, timeout): our group}, made once per mesh group
@@ -76,7 +80,7 @@ class MeshGroups:
 
         def bounded(g):
             own = timeout_of(g)
-            if limit is None or own is None or own <= limit:
+            if limit is None or own is None or own <= limit or not whole_world:
                 return g
             key = (g.group_name, limit)
             try:  # still registered (not from a process group destroyed since)
