@@ -285,7 +285,7 @@ def critical_path(res: dict[str, Any], name: str, P: int) -> dict[str, float] | 
 
 
 def _critical_table(v: _View) -> list[str]:
-    P = v.results["config"]["world_size"]
+    P = v.cfg["world_size"]
     rows = {n: critical_path(s, n, P) for n, s in v.ok.items()}
     rows = {n: r for n, r in rows.items() if r is not None}
     if "matrixfsdp" not in rows or BASELINE not in rows:
