@@ -73,7 +73,7 @@ class Root:
         """Raise if a parameter no longer views this root's storage: ``model.to_empty``,
         ``.to(device or dtype)``, ``.half()`` after ``fully_shard`` replace the tensors (or
         their storage), and training would silently go on with the old ones."""
-        check_unsharded_trainable(self.module)  # a module added after sharding
+        check_unsharded_trainable(self.module, {id(p) for u in self.units for p in u.unsharded})
         for u in self.units:
             base = u.local.untyped_storage().data_ptr()
             for (mod, attr), i in zip(u.refs, u.ref_param):

@@ -83,12 +83,14 @@ def check_same_init(named_params: Iterable[tuple[str, torch.Tensor]], group: Any
     return len(named)
 
 
-def check_unsharded_trainable(model: nn.Module) -> None:
+def check_unsharded_trainable(model: nn.Module, unsharded: set[int] = frozenset()) -> None:
     """Raise ``ValueError`` naming a trainable parameter of the sharded ``model`` that no
     unit holds (a module added or a parameter replaced after ``fully_shard``): its gradient
-    would never be averaged over the ranks, so each rank would train its own copy."""
+    would never be averaged over the ranks, so each rank would train its own copy.
+    ``unsharded``: ids of the units' unsharded parameters (registered while a unit is
+    gathered, e.g. between ``unshard()`` and ``reshard()``), which are the units' own."""
     for name, p in model.named_parameters():
-        if p.requires_grad and sharded_param(p) is None:
+        if p.requires_grad and sharded_param(p) is None and id(p) not in unsharded:
             raise ValueError(
                 f"matrixfsdp: parameter '{name}' {tuple(p.shape)} is trainable but belongs to no "
                 "MatrixFSDP unit (added after fully_shard?): its gradient would not be averaged "
