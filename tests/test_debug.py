@@ -116,6 +116,7 @@ def test_debug_mode_names_ranks_that_froze_different_parameters(tmp_path):
 
 def _sub_mesh(rank, world_size, out_dir):
     mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)  # the same initial values on every rank (checked at sharding)
     model = GPT(CFG)
     with pytest.raises(ValueError, match=r"(?s)\['replicate'\] dim.*replicas would train apart.*"
                                          r"pass the 2-D mesh.*independent_replicas=True"):
