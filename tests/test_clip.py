@@ -43,6 +43,28 @@ def _shard(model, mesh):
     return mf.fully_shard(model, mesh=mesh)
 
 
+def _torch_norms_refused(model) -> dict:
+    """torch's norm entry points over the sharded grads: the error each raised on this rank,
+    whether every grad is bit-unchanged afterwards, and the norm torch would have computed
+    (over this rank's pieces, taken as plain tensors)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    before = [g.clone() for g in grads]
+    calls = {"clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
+             "get_total_norm": lambda: torch.nn.utils.get_total_norm(grads),
+             "_foreach_norm": lambda: torch._foreach_norm(grads),
+             "Tensor.norm": lambda: grads[-1].norm()}
+    res = {}
+    for name, call in calls.items():
+        try:
+            call()
+            res[f"refused {name}"] = None
+        except RuntimeError as e:
+            res[f"refused {name}"] = str(e)
+    res["untouched"] = all(torch.equal(g, b) for g, b in zip(grads, before))
+    res["torch_own"] = torch.nn.utils.get_total_norm([g.as_subclass(torch.Tensor) for g in grads])
+    return res
+
+
 def _worker(rank, world_size, out_dir):
     cfg = GPTConfig(**CFG)
     mesh = init_device_mesh("cpu", (world_size,))
@@ -52,10 +74,10 @@ def _worker(rank, world_size, out_dir):
     model = _shard(build_model("gpt", cfg), mesh)
     x = rank_slice(batches(1, world_size, PER_RANK, SEQ)[0], rank, PER_RANK, same_data=False)
     model.loss(x[:, :-1], x[:, 1:]).backward()
+    res.update(_torch_norms_refused(model))
     for p in NORMS:
         res[f"ours_{p}"] = mf.clip_grad_norm_(model.parameters(), HUGE, norm_type=p)
         res[f"extra_{p}"] = mf.clip_grad_norm_([*model.parameters(), _extra_param()], HUGE, p)
-    res["torch_own"] = torch.nn.utils.clip_grad_norm_(model.parameters(), HUGE)
 
     # 2. Non-finite gradients: NaN in a Muon matrix on its owner (the last rank only), inf
     # in rank 1's row slice of the final norm's weight. Rank 0 sees only finite pieces.
@@ -128,13 +150,23 @@ def test_norm_is_global_and_equal_on_every_rank(run):
           f"{max(abs(ranks[0][k] / ref[k] - 1).item() for k in ref if k != 'params'):.2e}")
 
 
-def test_torch_own_clip_is_per_rank(run):
-    """Why ours exists: torch's clip_grad_norm_ on the sharded model sees only this rank's
-    pieces, so every rank gets a different norm, each below the true one."""
+def test_torch_own_clip_is_refused_on_every_rank(run):
+    """Why: torch's norm over this rank's pieces differs on every rank, each below the true
+    one (so its clip_grad_norm_ would scale each rank by its own factor). It is refused:
+    clip_grad_norm_, get_total_norm, _foreach_norm (CUDA's path) and a grad's .norm() raise
+    on every rank, naming a parameter, the rank and mf.clip_grad_norm_, and no grad has
+    changed (on 8448813: a per-rank norm, each rank's grads scaled by its own factor)."""
     world_size, ranks, ref = run
     own = [res["torch_own"].item() for res in ranks]
     assert len(set(own)) == world_size, own
     assert all(n < ref["ours_2.0"].item() * 0.99 for n in own), (own, ref["ours_2.0"])
+    for r, res in enumerate(ranks):
+        for key in [k for k in res if k.startswith("refused ")]:
+            err = res[key]
+            assert err is not None, f"rank {r}: {key} was not refused"
+            assert f"on rank {r}" in err and "sharded parameter '" in err, err
+            assert "mf.clip_grad_norm_" in err and "mf.total_grad_norm" in err, err
+        assert res["untouched"], f"rank {r}: a grad changed"
 
 
 def test_nonfinite_grads_raise_on_every_rank(run):

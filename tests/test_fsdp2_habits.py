@@ -125,6 +125,14 @@ def _module_checks(rank, world_size, mesh) -> dict:
         mf.register_fsdp_forward_method(m, "embed_ids")  # a no-op on the plain model
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     model(inputs_embeds=model.embed_ids(mine), labels=mine).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    try:  # torch's clip over model.parameters(): refused before any grad is scaled
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
+        out["torch_clip"] = None
+    except RuntimeError as e:
+        out["torch_clip"] = str(e)
+    out["grads_untouched"] = all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters()
+                                 if p.grad is not None)
     sgd.step()
     ref_sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
     plain(inputs_embeds=plain.embed_ids(ids), labels=ids).loss.backward()
@@ -261,12 +269,17 @@ def test_fsdp_module_methods_and_calls_outside_forward(habits):
     embedding called outside forward raises naming it and the fix (before: wrong rows on
     rank 1, silently); unshard() / unshard(async_op=True) / reshard() around inference
     give the right rows and logits; a method registered with register_fsdp_forward_method
-    computes inputs_embeds that train exactly (one SGD step vs one process)."""
+    computes inputs_embeds that train exactly (one SGD step vs one process); torch's
+    clip_grad_norm_ over model.parameters() raises before scaling any grad."""
     m = habits["module"]
     assert m["isinstance"] == (True, True, True, False)
     assert m["outside"] is not None and "'model.embed_tokens'" in m["outside"], m["outside"]
     assert "register_fsdp_forward_method" in m["outside"] and "unshard()" in m["outside"]
     assert m["unsharded_rows"] and m["after_forward"] and m["handle"] and m["async_rows"]
     assert m["logits"] < 1e-5, m["logits"]  # fp32, same parameters: summation order only
+    # torch.nn.utils.clip_grad_norm_ (1e-4: it would clip) raised, nothing scaled, and the
+    # SGD step after it is exact (method_diff)
+    assert m["torch_clip"] is not None and "mf.clip_grad_norm_" in m["torch_clip"], m["torch_clip"]
+    assert m["grads_untouched"]
     # the gradient of one process's mean vs the mean of 2 ranks' means: fp32 rounding, x lr
     assert m["method_diff"] < 1e-6, m["method_diff"]

@@ -57,7 +57,8 @@ def _local_stat(grads: list[torch.Tensor], p: float, acc: torch.dtype, device: t
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         if g.numel():  # an empty piece adds nothing (and has no inf norm)
-            groups.setdefault((g.device, g.dtype), []).append(g)
+            # this rank's piece as a plain tensor: a ShardedGrad refuses local norms
+            groups.setdefault((g.device, g.dtype), []).append(g.as_subclass(torch.Tensor))
     norms: list[torch.Tensor] = []
     for (dev, _), gs in groups.items():
         if foreach or (foreach is None and dev.type in ("cpu", "cuda")):

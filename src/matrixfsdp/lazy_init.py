@@ -21,7 +21,7 @@ from .hsdp import MeshGroups
 from .layout import unit_layout
 from .mixed_precision import Precision
 from .module import guard_unit, unguard_unit
-from .param import ShardedParam, mark_sharded, unmark_sharded
+from .param import ShardedParam, mark_sharded, set_sharded_grad, unmark_sharded
 from .plan import Collected, MuonFilter, Plan, collect_params, make_plan, unit_members
 from .root import Root, mesh_device
 from .setup_checks import check_same_init
@@ -109,7 +109,7 @@ class _EmptyGradToShard:
     def __call__(self, param: nn.Parameter) -> None:
         param.grad = None
         if self.shard.grad is None:
-            self.shard.grad = torch.zeros_like(self.shard)
+            set_sharded_grad(self.shard, torch.zeros_like(self.shard))
 
 
 def _check_units(named_units: list[tuple[str, Unit]], root_unit: Unit) -> None:

@@ -43,7 +43,7 @@ from .optim_groups import (
 )
 from .optim_state import PLAN_KEYS, check_loadable, plan_digest, world_size
 from .optim_state import param_name as _name
-from .param import sharded_param
+from .param import release_grads, sharded_param
 from .runtime import plan_params
 from .setup_checks import check_optimizer_params
 
@@ -350,8 +350,8 @@ def install_step_hook(root) -> None:
         check_optimizer_params(optimizer)
         check_optimizer_step(optimizer)
         r.before_step()  # unsharded copies kept past backward would go stale
-        r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
-        check_optimizer_step(optimizer)
-        r.mark_stepped(p for group in optimizer.param_groups for p in group["params"])
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        r.mark_stepped(params)
+        release_grads(params)  # the optimizer's own norms (per matrix, on its owner) are right
     root.hooks.append(register_optimizer_step_pre_hook(hook))
     weakref.finalize(root, root.hooks[-1].remove)

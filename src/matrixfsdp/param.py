@@ -9,6 +9,12 @@ something about a sharded parameter (the optimizer, clipping, checkpoints, init)
   in its unit, and the unit (whose ``root`` holds the groups, plan and counters);
 * a parameter of a unit not sharded yet maps to that unit (:func:`pending_unit`).
 
+Between backward and the optimizer step a shard's ``.grad`` is a :class:`ShardedGrad`: a
+plain tensor in every respect but one, a norm over it raises. That norm would be this
+rank's piece only, which is how ``torch.nn.utils.clip_grad_norm_`` goes silently wrong
+(FSDP2's DTensor grads make torch's function global; ours refuse it on every rank, before
+any gradient is scaled). The step pre-hook hands the optimizer plain tensors again.
+
 Sharding keeps the ``nn.Parameter`` objects: each original becomes its shard (its data
 rebound to a view of the unit's storage), so a parameter list read at any time is right.
 """
@@ -93,3 +99,57 @@ def unmark_sharded(p: torch.Tensor, unit: Unit) -> None:
     if hasattr(p, _INFO):
         delattr(p, _INFO)
     setattr(p, _PENDING, unit)
+
+
+# torch's norm entry points (clip_grad_norm_ and get_total_norm use the first two).
+_NORMS = frozenset({torch._foreach_norm, torch.linalg.vector_norm, torch.linalg.norm,
+                    torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm})
+
+
+class ShardedGrad(torch.Tensor):
+    """The gradient of a sharded parameter, as backward leaves it: element-wise ops (scaling,
+    ``clip_grad_value_``, ``zero_``) work as on any tensor and return plain tensors; a norm
+    raises, naming the parameter, the rank and the global-norm functions to use instead."""
+
+    param_name: str
+    rank: int
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:
+            grad = next(t for t in _tensors(args) if isinstance(t, ShardedGrad))
+            raise RuntimeError(
+                f"matrixfsdp: a norm ({getattr(func, '__name__', func)}) over the gradient of "
+                f"sharded parameter '{grad.param_name}' on rank {grad.rank} would see only "
+                "this rank's piece of it, so torch.nn.utils.clip_grad_norm_ / get_total_norm "
+                "would give each rank its own norm and clip by its own factor. Use "
+                "mf.clip_grad_norm_(model.parameters(), max_norm) or mf.total_grad_norm("
+                "model.parameters()) (torch's signatures, the global norm, one all-reduce); "
+                "for this rank's local value, take p.grad.as_subclass(torch.Tensor) first")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _tensors(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+        elif isinstance(a, torch.Tensor):
+            yield a
+
+
+def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Make ``grad`` the ``.grad`` of shard ``p`` (a :class:`ShardedGrad` view of it)."""
+    if not isinstance(grad, ShardedGrad):
+        grad = grad.as_subclass(ShardedGrad)
+        info = sharded_param(p)
+        grad.param_name = info.name if info is not None else "<unnamed>"
+        grad.rank = info.root.rank if info is not None and info.root is not None else -1
+    p.grad = grad
+
+
+def release_grads(params) -> None:
+    """Before an optimizer step: each shard's ``.grad`` back to a plain tensor (same data)."""
+    for p in params:
+        if isinstance(p.grad, ShardedGrad):
+            p.grad = p.grad.as_subclass(torch.Tensor)

@@ -32,6 +32,7 @@ from .comm import Pending
 from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, REPLICATE_BROADCAST, REPLICATE_REDUCE
 from .layout import UnitLayout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
+from .param import set_sharded_grad
 from .plan import MuonFilter
 from .storage import UnitStorage
 
@@ -306,10 +307,7 @@ class Unit:
                     continue  # nothing here, or HSDP: another replica steps it
                 start = lay.shard_offset(j, root.rank)
                 view = grad[start:start + p.numel()].view(p.shape)
-                if p.grad is None:
-                    p.grad = view
-                else:
-                    p.grad.add_(view)
+                set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
         return attach
 
     @torch.no_grad()
