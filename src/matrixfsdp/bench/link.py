@@ -6,10 +6,12 @@ every collective completes no earlier than ``issue + its most loaded rank's byte
 speed`` (a collective ends when its most loaded rank is done; the bytes are
 :class:`~matrixfsdp.comm.CommStats`' NCCL model, sent and received), on one link per rank:
 a transfer starts when the previous one ended.
-For each speed (GB/s) it times forward+backward with overlap on (prefetched gathers,
-asynchronous reduces) and off, and reports the fraction of the added communication time
-that overlap hides: ``1 - (t_on - t_on_free) / (t_off - t_off_free)``, with ``*_free`` the
-step without any delay. Each time is the fastest of the timed steps on the slowest rank.
+For each speed (GB/s) it times forward+backward of MatrixFSDP with overlap on (prefetched
+gathers, asynchronous reduces) and off, and of FSDP2 under the same link model
+(:func:`torch_link` wraps torch.distributed's collectives, charged alike), and reports the
+fraction of the added communication time that overlap hides:
+``1 - (t_on - t_on_free) / (t_off - t_off_free)``, with ``*_free`` the step without any
+delay. Each time is the fastest of the timed steps on the slowest rank.
 Where the communication adds less than a quarter of the step, the fraction is not
 reported (on a shared machine that is within the noise). Writes ``link.json``,
 ``link.md`` and ``link.png`` into ``--out``.
@@ -18,9 +20,12 @@ reported (on a shared machine that is within the noise). Writes ``link.json``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -28,7 +33,7 @@ import torch.distributed as dist
 
 import matrixfsdp as mf
 from matrixfsdp.bench.measure import machine_info, machine_line
-from matrixfsdp.comm import Comm, Load, Pending
+from matrixfsdp.comm import Comm, Load, Pending, ring_load
 from matrixfsdp.models import GPT, GPTConfig
 from matrixfsdp.ranks import device_for, launch, sync
 
@@ -39,6 +44,7 @@ class Link:
     def __init__(self, bytes_per_s: float, latency_s: float = 0.0):
         self.bytes_per_s, self.latency_s = bytes_per_s, latency_s
         self._free = 0.0
+        self.charged = 0  # bytes put on the link
 
     def ready_at(self, nbytes: int) -> float:
         start = max(time.perf_counter(), self._free)
@@ -70,76 +76,154 @@ def use_link(root, gbps: float | None) -> None:
 
 
 
-def _time_steps(args, overlap: bool, gbps: float | None) -> tuple[float, int]:
-    """Fastest forward+backward over the timed steps (the sample least disturbed by other
-    work on a shared machine), in seconds, and bytes sent per step."""
+class _DelayedWork(dist.Work):
+    """An asynchronous torch collective that is not done before ``ready_at``."""
+
+    def __init__(self, inner, ready_at: float):
+        super().__init__()
+        self.inner, self.ready_at = inner, ready_at
+
+    def wait(self, timeout=None) -> bool:
+        done = self.inner.wait() if self.inner is not None else True
+        _sleep_until(self.ready_at)
+        return done
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+
+
+# torch.distributed's collectives FSDP2 issues, and their ring factor (CommStats' model)
+_TORCH_OPS = {"all_gather_single": 1, "all_gather_into_tensor": 1, "reduce_scatter_single": 1,
+              "reduce_scatter_tensor": 1, "all_reduce": 2}
+
+
+@contextmanager
+def torch_link(gbps: float | None):
+    """torch.distributed's collectives (looked up at call time, as FSDP2 does) behind one
+    modelled link of ``gbps`` GB/s per rank, charged as ours are: ring all-gather /
+    reduce-scatter / all-reduce of the larger buffer (:func:`~matrixfsdp.comm.ring_load`).
+    A synchronous call returns once the link has carried its bytes; an asynchronous one
+    returns a work whose ``wait()`` does. Yields the :class:`Link` (``charged`` bytes)."""
+    link = Link(gbps * 1e9 if gbps else math.inf)
+    saved = {name: getattr(dist, name) for name in _TORCH_OPS if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def delayed(*args, **kwargs):
+            n = max(t.numel() * t.element_size() for t in (*args, *kwargs.values())
+                    if isinstance(t, torch.Tensor))
+            critical = ring_load(n, dist.get_world_size(kwargs.get("group")), _TORCH_OPS[name]).critical
+            link.charged += critical
+            ready = link.ready_at(critical)
+            work = fn(*args, **kwargs)
+            if kwargs.get("async_op"):
+                return _DelayedWork(work, ready)
+            _sleep_until(ready)
+            return work
+        return delayed
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield link
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _build(args, system: str, overlap: bool, device: torch.device):
+    """The benchmark GPT, sharded by ``system`` ("matrixfsdp" or "fsdp2"), and its optimizers."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
                     d_mlp=4 * args.d_model, seq_len=args.seq)
-    device = device_for(int(os.environ.get("LOCAL_RANK", dist.get_rank())))  # as launch chose
     model = GPT(cfg).to(device)
     mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    if system == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh, overlap=overlap)
-    opt = mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=3e-3))
-    root = mf.get_root(model)
-    use_link(root, gbps)
+    return model, mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=3e-3))
+
+
+def _time_steps(args, system: str, overlap: bool, gbps: float | None) -> tuple[float, int]:
+    """Fastest forward+backward over the timed steps (the sample least disturbed by other
+    work on a shared machine), in seconds, and critical-path bytes per step."""
+    device = device_for(int(os.environ.get("LOCAL_RANK", dist.get_rank())))  # as launch chose
+    model, opt = _build(args, system, overlap, device)
+    if system == "matrixfsdp":
+        root = mf.get_root(model)
+        use_link(root, gbps)
     g = torch.Generator().manual_seed(dist.get_rank())
-    times = []
-    for _ in range(args.warmup + args.steps):
-        x = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(device)
-        dist.barrier()
-        root.stats.reset()
-        t0 = time.perf_counter()
-        model.loss(x[:, :-1], x[:, 1:]).backward()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-        opt.step()
-        opt.zero_grad()
-    return min(times[args.warmup:]), root.stats.total("critical_bytes")
+    times, sent = [], 0
+    with torch_link(gbps) if system == "fsdp2" else contextlib.nullcontext() as link:
+        charged = (lambda: link.charged) if link is not None else (
+            lambda: root.stats.total("critical_bytes"))
+        for _ in range(args.warmup + args.steps):
+            x = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(device)
+            dist.barrier()
+            before = charged()
+            t0 = time.perf_counter()
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            sent = charged() - before
+            opt.step()
+            opt.zero_grad()
+    return min(times[args.warmup:]), sent
 
 
-def _rank(args) -> None:
-    rows = []
-    free_on, sent = _time_steps(args, True, None)
-    free_off, _ = _time_steps(args, False, None)
-    for gbps in args.link:
-        on, _ = _time_steps(args, True, gbps)
-        off, _ = _time_steps(args, False, gbps)
-        rows.append(dict(gbps=gbps, on_ms=on * 1e3, off_ms=off * 1e3))
-    # the slowest rank's times decide a step
+def _measure(args) -> tuple[dict, list[dict]]:
+    """Every configuration's time on this rank, then the slowest rank's (rank 0 only)."""
+    keys = [("matrixfsdp", True), ("matrixfsdp", False), ("fsdp2", False)]
+    free = {k: _time_steps(args, *k, None) for k in keys}
+    rows = [dict(gbps=gbps, **{f"{s}_{'on' if o else 'off'}_ms": _time_steps(args, s, o, gbps)[0] * 1e3
+                               for s, o in keys}) for gbps in args.link]
     device = device_for(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    flat = torch.tensor([free_on * 1e3, free_off * 1e3]
-                        + [v for r in rows for v in (r["on_ms"], r["off_ms"])], device=device)
+    flat = torch.tensor([free[k][0] * 1e3 for k in keys] + [v for r in rows for k, v in r.items()
+                                                           if k != "gbps"], device=device)
     every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, flat)
-    worst = torch.stack(every).max(dim=0).values.tolist()
-    if dist.get_rank() != 0:
-        return
-    free_ms, free_off_ms = worst[0], worst[1]
-    for i, r in enumerate(rows):
-        r["on_ms"], r["off_ms"] = worst[2 + 2 * i], worst[3 + 2 * i]
-        added = r["off_ms"] - free_off_ms  # the communication time overlap could hide
-        r["hidden"] = 1 - (r["on_ms"] - free_ms) / added if added > 0.25 * free_off_ms else None
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    result = dict(config=vars(args), machine=machine_info(), free_ms=free_ms,
-                  free_off_ms=free_off_ms, critical_bytes_per_step=sent, rows=rows)
-    (out / "link.json").write_text(json.dumps(result, indent=2))
+    dist.all_gather(every, flat)  # the slowest rank's times decide a step
+    worst = iter(torch.stack(every).max(dim=0).values.tolist())
+    base = dict(free_on_ms=next(worst), free_off_ms=next(worst), fsdp2_free_ms=next(worst),
+                critical_bytes_per_step=free[keys[0]][1], fsdp2_critical_bytes_per_step=free[keys[2]][1])
+    for r in rows:
+        for k in [k for k in r if k != "gbps"]:
+            r[k] = next(worst)
+        added = r["matrixfsdp_off_ms"] - base["free_off_ms"]  # the time overlap could hide
+        r["hidden"] = (1 - (r["matrixfsdp_on_ms"] - base["free_on_ms"]) / added
+                       if added > 0.25 * base["free_off_ms"] else None)
+    return base, rows
+
+
+def _table(args, base: dict, rows: list[dict], machine: dict) -> list[str]:
     lines = [f"{dist.get_world_size()} ranks, GPT {args.layers} layers, d_model {args.d_model}, "
-             f"seq {args.seq}, batch {args.batch}/rank; {sent / 2**20:.1f} MiB per step on the "
-             f"critical path (each collective's most loaded rank); forward+backward without any "
-             f"delay: {free_ms:.0f} ms with overlap, "
-             f"{free_off_ms:.0f} ms without (slowest rank, fastest of {args.steps} steps).", "",
-             machine_line(result["machine"]), "",
-             "| link GB/s | overlap on ms | overlap off ms | communication hidden |",
-             "|---:|---:|---:|---:|"]
+             f"seq {args.seq}, batch {args.batch}/rank. Critical path per step (each collective's "
+             f"most loaded rank, NCCL's algorithms): MatrixFSDP "
+             f"{base['critical_bytes_per_step'] / 2**20:.2f} MiB, FSDP2 "
+             f"{base['fsdp2_critical_bytes_per_step'] / 2**20:.2f} MiB. Forward+backward without "
+             f"any delay: MatrixFSDP {base['free_on_ms']:.0f} ms with overlap, "
+             f"{base['free_off_ms']:.0f} ms without; FSDP2 {base['fsdp2_free_ms']:.0f} ms "
+             f"(slowest rank, fastest of {args.steps} steps). FSDP2 overlaps only through CUDA "
+             "streams, so on CPU its collectives are synchronous: compare it with overlap off.",
+             "", machine_line(machine), "",
+             "| link GB/s | MatrixFSDP, overlap on ms | overlap off ms | FSDP2 ms "
+             "| FSDP2 / MatrixFSDP (off) | communication hidden by overlap |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         hidden = f"{r['hidden']:.0%}" if r["hidden"] is not None else "within noise"
-        lines.append(f"| {r['gbps']:g} | {r['on_ms']:.0f} | {r['off_ms']:.0f} | {hidden} |")
-    (out / "link.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        lines.append(f"| {r['gbps']:g} | {r['matrixfsdp_on_ms']:.0f} | {r['matrixfsdp_off_ms']:.0f} "
+                     f"| {r['fsdp2_off_ms']:.0f} | {r['fsdp2_off_ms'] / r['matrixfsdp_off_ms']:.2f}x "
+                     f"| {hidden} |")
+    return lines
+
+
+def _plot(out: Path, base: dict, rows: list[dict]) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -149,16 +233,32 @@ def _rank(args) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     speeds = [r["gbps"] for r in rows]
-    ax.plot(speeds, [r["on_ms"] for r in rows], "o-", label="overlap on")
-    ax.plot(speeds, [r["off_ms"] for r in rows], "s-", label="overlap off")
-    ax.axhline(free_ms, color="gray", ls="--", label="no communication delay")
+    for key, style, label in (("matrixfsdp_on_ms", "o-", "MatrixFSDP, overlap on"),
+                              ("matrixfsdp_off_ms", "s-", "MatrixFSDP, overlap off"),
+                              ("fsdp2_off_ms", "^--", "FSDP2")):
+        ax.plot(speeds, [r[key] for r in rows], style, label=label)
+    ax.axhline(base["free_on_ms"], color="gray", ls="--", label="no communication delay")
     ax.set_xscale("log")
     ax.set_xlabel("link speed per rank (GB/s, modelled)")
     ax.set_ylabel("forward + backward (ms)")
     ax.legend()
-    ax.set_title("MatrixFSDP step time against link speed")
+    ax.set_title("Step time against link speed")
     fig.tight_layout()
     fig.savefig(out / "link.png", dpi=120)
+
+
+def _rank(args) -> None:
+    base, rows = _measure(args)
+    if dist.get_rank() != 0:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = dict(config=vars(args), machine=machine_info(), **base, rows=rows)
+    (out / "link.json").write_text(json.dumps(result, indent=2))
+    lines = _table(args, base, rows, result["machine"])
+    (out / "link.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    _plot(out, base, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
