@@ -196,41 +196,15 @@ def build_dist_muon(model: nn.Module, mesh, blocks: Sequence[nn.Module],
     Returns torchtitan's ``OptimizersContainer`` (``.step()``, ``.zero_grad()``).
     ``mesh`` is the 1-D FSDP2 mesh; it must have a named axis.
     """
-    from torch.distributed.tensor import DTensor
     from torchtitan.components.checkpointer.utils import canonical_fqn
     from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
-    from torchtitan.distributed.flex_shard import BucketConfig, ComputeLayout, Owned
+    from torchtitan.distributed.flex_shard import ComputeLayout, Owned
 
     muon_params, adamw_params = list(muon_params), list(adamw_params)
-    _check_split(muon_params, adamw_params)
-    if mesh.ndim != 1:
-        raise ValueError(f"expected the 1-D FSDP2 mesh, got a {mesh.ndim}-D mesh")
-    if mesh.mesh_dim_names is None:
-        raise ValueError("torchtitan DistMuon keys compute layouts by mesh-axis name: create the "
-                         "FSDP2 mesh with init_device_mesh(..., mesh_dim_names=('fsdp',))")
-    axis = mesh.mesh_dim_names[0]
+    axis = _dist_muon_axis(mesh, model, muon_params, adamw_params)
     names = _names(model)
-    for p in muon_params:
-        if not isinstance(p, DTensor) or id(p) not in names:
-            raise ValueError("muon_params must be DTensor parameters of the FSDP2-sharded model")
     muon_fqns = [canonical_fqn(names[id(p)]) for p in muon_params]
     adamw_fqns = [canonical_fqn(names[id(p)]) for p in adamw_params]
-
-    # One bucket per block, in block order; Muon matrices outside every block get a last one.
-    prefixes = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
-    buckets, claimed = [], set()
-    for i, block in enumerate(blocks):
-        if id(block) not in prefixes:
-            raise ValueError(f"block {i} is not a submodule of the model")
-        prefix = prefixes[id(block)]
-        fqns = [f for f in muon_fqns if f not in claimed and (not prefix or f.startswith(prefix + "."))]
-        if fqns:
-            buckets.append(BucketConfig(patterns=tuple(fqns), name=prefix or f"block{i}"))
-            claimed.update(fqns)
-    rest = [f for f in muon_fqns if f not in claimed]
-    if rest:
-        buckets.append(BucketConfig(patterns=tuple(rest), name="rest"))
-
     owned = ComputeLayout(shardings_by_mesh_axis={axis: Owned()})
     on_cuda = any(p.device.type == "cuda" for p in muon_params + adamw_params)
     groups = []
@@ -251,9 +225,48 @@ def build_dist_muon(model: nn.Module, mesh, blocks: Sequence[nn.Module],
         implementation="foreach" if on_cuda else "for-loop",
         optimizer_factory_kwargs_by_name={"DistMuon": {
             "compute_sharding_by_fqn": {f: owned for f in muon_fqns},
-            "bucket_configs": tuple(buckets)}})
+            "bucket_configs": _block_buckets(model, blocks, muon_fqns)}})
     with _dist_muon_cpu_shim():
         return OptimizersContainer(config, model_parts=[model])
+
+
+def _dist_muon_axis(mesh, model: nn.Module, muon_params: list, adamw_params: list) -> str:
+    """The FSDP2 mesh's axis name, after checking what DistMuon needs."""
+    from torch.distributed.tensor import DTensor
+
+    _check_split(muon_params, adamw_params)
+    if mesh.ndim != 1:
+        raise ValueError(f"expected the 1-D FSDP2 mesh, got a {mesh.ndim}-D mesh")
+    if mesh.mesh_dim_names is None:
+        raise ValueError("torchtitan DistMuon keys compute layouts by mesh-axis name: create the "
+                         "FSDP2 mesh with init_device_mesh(..., mesh_dim_names=('fsdp',))")
+    names = _names(model)
+    for p in muon_params:
+        if not isinstance(p, DTensor) or id(p) not in names:
+            raise ValueError("muon_params must be DTensor parameters of the FSDP2-sharded model")
+    return mesh.mesh_dim_names[0]
+
+
+def _block_buckets(model: nn.Module, blocks: Sequence[nn.Module], muon_fqns: list[str]) -> tuple:
+    """One DistMuon bucket per block, in block order; Muon matrices outside every block
+    get a last one."""
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+    from torchtitan.distributed.flex_shard import BucketConfig
+
+    prefixes = {id(m): canonical_fqn(n) for n, m in model.named_modules()}
+    buckets, claimed = [], set()
+    for i, block in enumerate(blocks):
+        if id(block) not in prefixes:
+            raise ValueError(f"block {i} is not a submodule of the model")
+        prefix = prefixes[id(block)]
+        fqns = [f for f in muon_fqns if f not in claimed and (not prefix or f.startswith(prefix + "."))]
+        if fqns:
+            buckets.append(BucketConfig(patterns=tuple(fqns), name=prefix or f"block{i}"))
+            claimed.update(fqns)
+    rest = [f for f in muon_fqns if f not in claimed]
+    if rest:
+        buckets.append(BucketConfig(patterns=tuple(rest), name="rest"))
+    return tuple(buckets)
 
 
 # ---------------------------------------------------------------- muon-fsdp2

@@ -104,23 +104,14 @@ def run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device, dat
     profiled step, and for MatrixFSDP its plan, own collective counts and NS limit) and
     the full parameters at the end (empty unless ``keep_params``).
     """
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.profiler import ProfilerActivity, profile
-
     res: dict[str, Any] = {"rank": rank}
     gc.collect()
     before = set(live_storages(device)) if device.type == "cpu" else set()
     group = dist.new_group(list(range(cfg.world_size)), timeout=timedelta(seconds=cfg.timeout_s))
-    if cfg.replicas > 1:  # HSDP: replicate-major, as init_device_mesh lays out the world
-        mesh = init_device_mesh(device.type, (cfg.replicas, cfg.shard_size),
-                                mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
-    system = build_system(name, cfg, mesh, device, group)
+    system = build_system(name, cfg, _mesh(cfg, device, group), device, group)
     steps = iter(data)
     for _ in range(cfg.warmup):
         train_step(system, *next(steps), device)
-
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     res["timed"] = []
@@ -130,8 +121,33 @@ def run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device, dat
         res["timed"].append(times)
     if device.type == "cuda":
         res["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+    res.update(_profiled_step(name, cfg, system, device, next(steps), before))
+    if name == "matrixfsdp":
+        plan = mf.plan_of(system.model)
+        res["plan"] = {"imbalance": plan.imbalance, "imbalance_bound": plan.imbalance_bound,
+                       "report": mf.plan_report(system.model)}
+        res["ns_owned"] = ns_owned_ms(system.model, rank, device, system.group)
+    return res, full_params(name, system.model, keep_params)
 
-    # The profiled step: collectives per phase, transient memory, MatrixFSDP's counter.
+
+def _mesh(cfg: BenchConfig, device: torch.device, group: dist.ProcessGroup):
+    """The system's mesh: 1-D over the world, or HSDP's (replicate, shard), replicate-major
+    as init_device_mesh lays out the world."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if cfg.replicas > 1:
+        return init_device_mesh(device.type, (cfg.replicas, cfg.shard_size),
+                                mesh_dim_names=("replicate", "shard"))
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("fsdp",))
+
+
+def _profiled_step(name: str, cfg: BenchConfig, system: System, device: torch.device,
+                   batch: Batch, before: set) -> dict[str, Any]:
+    """One step under torch's profiler: collectives per phase, transient memory, state
+    bytes, and MatrixFSDP's own collective counters per phase."""
+    from torch.profiler import ProfilerActivity, profile
+
+    res: dict[str, Any] = {}
     stats = mf.comm_stats(system.model) if name == "matrixfsdp" else None
     own_counts: dict[str, Any] = {}
 
@@ -156,7 +172,7 @@ def run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device, dat
         del live
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  profile_memory=device.type == "cpu") as prof:
-        train_step(system, *next(steps), device, annotate=True, after_step=after_step,
+        train_step(system, *batch, device, annotate=True, after_step=after_step,
                    phase_hook=phase_hook if stats is not None else None)
     # all-gathers and reduce-scatters run in the shard group (every rank under HSDP too)
     res.update(analyse_profile(prof, cfg.shard_size, device))
@@ -166,14 +182,7 @@ def run_system(name: str, cfg: BenchConfig, rank: int, device: torch.device, dat
         res["peak_bytes"] = res["live_at_start_bytes"] + res["transient_peak_bytes"]
     if stats is not None:
         res["comm_stats"] = own_counts
-
-    if name == "matrixfsdp":
-        plan = mf.plan_of(system.model)
-        res["plan"] = {"imbalance": plan.imbalance, "imbalance_bound": plan.imbalance_bound,
-                       "report": mf.plan_report(system.model)}
-        res["ns_owned"] = ns_owned_ms(system.model, rank, device, system.group)
-
-    return res, full_params(name, system.model, keep_params)
+    return res
 
 
 def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> None:
