@@ -148,7 +148,8 @@ def _build(args, system: str, overlap: bool, device: torch.device):
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh, overlap=overlap)
-    return model, mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=3e-3))
+    # fp32 NS: the step is not timed here, and bf16 matmuls are slow on CPUs without AMX
+    return model, mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32))
 
 
 def _time_steps(args, system: str, overlap: bool, gbps: float | None) -> tuple[float, int]:

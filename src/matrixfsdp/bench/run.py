@@ -218,7 +218,8 @@ def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> 
             if summary["status"] == "ok" and name != BASELINE and full:
                 family = "soap" if name.endswith("_soap") else "muon"  # compared within a family
                 reference = references.setdefault(family, (name, full))
-                summary["exactness"] = compare(full, *reference)
+                if reference[0] != name:  # the first of its family has nothing to compare with
+                    summary["exactness"] = compare(full, *reference)
             systems[name] = summary
             print(f"[bench] {name}: {summary['status']} ({summary['seconds']:.1f} s)"
                   + (f" -- {summary['error']}" if summary.get("error") else ""), flush=True)
