@@ -48,6 +48,7 @@ class Root:
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
+        self.discarding = False  # recovering from a failed backward: reduces land nowhere
         self.need_check = True  # check_registered at the next root forward
         self.check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
             if debug and self.world_size > 1 else None
@@ -127,18 +128,31 @@ class Root:
     def recover(self) -> None:
         """Leave the model as after a clean step, after a forward or backward raised.
 
-        Every rank runs this at the same point (the next forward), when every rank raised
-        at the same point (a check, an OOM retry): the gathers and reduces in flight are
-        the same on every rank and are waited for (gloo and NCCL cannot cancel them); the
-        reduces that had started land on the shards' ``.grad`` as torch leaves the
-        gradients a failed backward already accumulated (``zero_grad`` drops them, as in
-        torch); gradients still on unsharded parameters are dropped; every unit is
-        resharded, its step forgotten."""
-        for unit in self.units:
-            unit.abandon()
-        self.schedule.finish_reduces()
-        for unit in self.units:
-            self.replication.finish_broadcast(unit.index)
+        Every rank runs this at the same point (the next forward or optimizer step), when
+        every rank raised at the same point (a check, an OOM retry): the gathers and reduces
+        in flight are the same on every rank and are waited for, in the same order, with
+        their follow-ups (gloo and NCCL cannot cancel them). A backward that raised leaves
+        gradients no rank can use: some of its reduces had landed, others were in flight,
+        and which ones differs per rank (a finished reduce is picked up when a rank polls),
+        so all of them are dropped, on every rank: every shard's ``.grad`` and every
+        gradient kept without sync becomes None, as ``zero_grad()`` would leave them (the
+        earlier micro-batches of that step included). A forward that raised leaves the
+        gradients of earlier backward passes as they were, as torch does. Gradients on
+        unsharded parameters are dropped; every unit is resharded, its step forgotten."""
+        failed_backward = self.in_backward
+        self.discarding = failed_backward
+        try:
+            for unit in self.units:
+                unit.abandon(failed_backward)
+            self.schedule.finish_reduces()
+            for unit in self.units:
+                self.replication.finish_broadcast(unit.index)
+        finally:
+            self.discarding = False
+        if failed_backward:
+            for unit in self.units:
+                for p in unit.sharded:
+                    p.grad = None
         self.schedule.end_step()
         self.in_backward = self.forward_open = False
         self.need_check = True

@@ -300,6 +300,8 @@ class Unit:
         root, prec = self.root, self.precision
 
         def attach() -> None:
+            if root.discarding:  # a backward that raised: its gradients are dropped
+                return
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
             for j, i in enumerate(index):
                 p = self.sharded[i]
@@ -311,12 +313,14 @@ class Unit:
         return attach
 
     @torch.no_grad()
-    def abandon(self) -> None:
+    def abandon(self, failed_backward: bool) -> None:
         """A forward or backward that raised: finish the gather in flight (every rank
-        issued it), drop the unsharded gradients, reshard, forget the step."""
+        issued it), drop the unsharded gradients, reshard, forget the step. After a failed
+        backward, the gradients kept without sync go too (see ``Root.recover``)."""
         for p in self.unsharded:
             p.grad = None
-        self.accumulated = []  # zero_grad after a failed step drops them too, as in torch
+        if failed_backward:
+            self.accumulated = []
         self.reshard()
         if self.storage is not None:
             self.register(self.sharded)
