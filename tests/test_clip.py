@@ -225,6 +225,20 @@ def test_one_rank_matches_torch(world1, dtype):
     assert mf.nonfinite_grad_names(model.parameters()) == []
 
 
+def test_torch_own_clip_works_on_one_rank(world1):
+    """On a one-rank mesh every gradient is whole here, so torch's clip_grad_norm_ is not
+    refused and gives torch's own norm and clipped gradients."""
+    plain, model = _one_rank_model()
+    x = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    for m in (plain, model):
+        m.loss(x[:, :-1], x[:, 1:]).backward()
+    ref = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    torch.testing.assert_close(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1), ref,
+                               rtol=1e-6, atol=0)
+    for a, b in zip(plain.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-9)
+
+
 def test_two_roots_and_bad_norm_type(world1):
     a, b = (_one_rank_model()[1] for _ in range(2))
     mf.plan_of(a), mf.plan_of(b)

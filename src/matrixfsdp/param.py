@@ -139,12 +139,14 @@ def _tensors(args):
 
 
 def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
-    """Make ``grad`` the ``.grad`` of shard ``p`` (a :class:`ShardedGrad` view of it)."""
-    if not isinstance(grad, ShardedGrad):
+    """Make ``grad`` the ``.grad`` of shard ``p``: a :class:`ShardedGrad` view of it where
+    the mesh has more than one rank (on one rank a local norm is the global one)."""
+    info = sharded_param(p)
+    spread = info is not None and info.root is not None and (
+        info.root.groups.shard_size * info.root.groups.replicas > 1)
+    if spread and not isinstance(grad, ShardedGrad):
         grad = grad.as_subclass(ShardedGrad)
-        info = sharded_param(p)
-        grad.param_name = info.name if info is not None else "<unnamed>"
-        grad.rank = info.root.rank if info is not None and info.root is not None else -1
+        grad.param_name, grad.rank = info.name, info.root.groups.world_rank
     p.grad = grad
 
 
