@@ -74,11 +74,15 @@ def test_no_import_cycle():
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():
-    """One interpreter imports torch once, then forks a child per module: each child starts
-    with no matrixfsdp module loaded and imports only that one."""
+    """One interpreter imports the package once (so torch and every other dependency are
+    loaded), forgets the package's own modules, then forks a child per module: each child
+    starts with no matrixfsdp module loaded and imports only that one."""
     names = sorted(_modules())
     code = (
-        "import os, sys, importlib, torch, traceback\n"
+        "import os, sys, importlib, traceback\n"
+        "import matrixfsdp, matrixfsdp.cli, matrixfsdp.bench.harness\n"
+        "for m in [m for m in sys.modules if m == 'matrixfsdp' or m.startswith('matrixfsdp.')]:\n"
+        "    del sys.modules[m]\n"
         f"names = {names!r}\n"
         "bad = []\n"
         "for n in names:\n"
