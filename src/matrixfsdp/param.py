@@ -117,7 +117,8 @@ class ShardedGrad(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _NORMS:
-            grad = next(t for t in _tensors(args) if isinstance(t, ShardedGrad))
+            grad = next(t for t in _tensors((*args, *(kwargs or {}).values()))
+                        if isinstance(t, ShardedGrad))
             raise RuntimeError(
                 f"matrixfsdp: a norm ({getattr(func, '__name__', func)}) over the gradient of "
                 f"sharded parameter '{grad.param_name}' on rank {grad.rank} would see only "
@@ -142,8 +143,7 @@ def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
     """Make ``grad`` the ``.grad`` of shard ``p``: a :class:`ShardedGrad` view of it where
     the mesh has more than one rank (on one rank a local norm is the global one)."""
     info = sharded_param(p)
-    spread = info is not None and info.root is not None and (
-        info.root.groups.shard_size * info.root.groups.replicas > 1)
+    spread = info is not None and info.root is not None and info.root.world_size > 1
     if spread and not isinstance(grad, ShardedGrad):
         grad = grad.as_subclass(ShardedGrad)
         grad.param_name, grad.rank = info.name, info.root.groups.world_rank

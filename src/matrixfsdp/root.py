@@ -48,7 +48,6 @@ class Root:
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
-        self.discarding = False  # recovering from a failed backward: reduces land nowhere
         self.need_check = True  # check_registered at the next root forward
         self.check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
             if debug and self.world_size > 1 else None
@@ -140,16 +139,12 @@ class Root:
         gradients of earlier backward passes as they were, as torch does. Gradients on
         unsharded parameters are dropped; every unit is resharded, its step forgotten."""
         failed_backward = self.in_backward
-        self.discarding = failed_backward
-        try:
-            for unit in self.units:
-                unit.abandon(failed_backward)
-            self.schedule.finish_reduces()
-            for unit in self.units:
-                self.replication.finish_broadcast(unit.index)
-        finally:
-            self.discarding = False
-        if failed_backward:
+        for unit in self.units:
+            unit.abandon(failed_backward)
+        self.schedule.finish_reduces()
+        for unit in self.units:
+            self.replication.finish_broadcast(unit.index)
+        if failed_backward:  # after the reduces: what they attached goes too
             for unit in self.units:
                 for p in unit.sharded:
                     p.grad = None

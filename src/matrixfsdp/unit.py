@@ -300,8 +300,6 @@ class Unit:
         root, prec = self.root, self.precision
 
         def attach() -> None:
-            if root.discarding:  # a backward that raised: its gradients are dropped
-                return
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
             for j, i in enumerate(index):
                 p = self.sharded[i]
