@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from matrixfsdp._exit import exit_rank
+from matrixfsdp.train.exit import exit_rank
 
 
 def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
@@ -25,7 +25,7 @@ def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
         fn(rank, world_size, *args)
     finally:
         dist.destroy_process_group()
-    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp._exit)
+    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp.train.exit)
 
 
 def spawn(fn, world_size: int, *args, timeout: float = 240.0) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import torch.optim._muon as torch_muon
 from torch import nn
 
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.train.models import GPT, GPTConfig
 
 
 class MHABlock(nn.Module):

@@ -18,9 +18,9 @@ from test_checkpoint import GLOBAL, SEQ, _build, _load, _state, _tie_and_freeze,
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import matrixfsdp as mf
-from matrixfsdp.checkpoint_io import AsyncCheckpoint, is_complete
-from matrixfsdp.dcp import RowShard, stage_state
-from matrixfsdp.param import placement_of
+from matrixfsdp.runtime.param import placement_of
+from matrixfsdp.state.dcp import RowShard, stage_state
+from matrixfsdp.state.files import AsyncCheckpoint, is_complete
 
 
 def _snapshot(model, opt, sched):
@@ -164,7 +164,7 @@ def test_async_checkpoint_loads_at_another_world_size_like_a_sync_one(tmp_path):
 
 
 # ---- the CLI: train --save-every 2 --async-save, then --resume ---------------------------------
-TRAIN = [sys.executable, "-m", "matrixfsdp.cli", "train", "--layers", "1", "--d-model", "32",
+TRAIN = [sys.executable, "-m", "matrixfsdp", "train", "--layers", "1", "--d-model", "32",
          "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2", "--steps", "4",
          "--save-every", "2", "--ranks", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

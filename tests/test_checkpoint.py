@@ -22,10 +22,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
-from matrixfsdp.dcp import RowShard
-from matrixfsdp.models import GPTConfig
-from matrixfsdp.param import placement_of
-from matrixfsdp.plan import ParamSpec, Placement
+from matrixfsdp.planning.types import ParamSpec, Placement
+from matrixfsdp.runtime.param import placement_of
+from matrixfsdp.state.dcp import RowShard
+from matrixfsdp.train.models import GPTConfig
 
 SEQ = 16
 GLOBAL = 12  # sequences per step, divisible by 4, 2 and 3: every world size sees the same batch
@@ -120,8 +120,9 @@ def test_set_state_dict_refuses_a_misplaced_missing_or_unknown_entry(world1):
     model, opt, _ = _build(1)
     name = "layers.0.attn.q.weight"
     for change, match in (
-            (lambda st: st["model"].pop(name), rf"missing names \['{name}'\]"),
-            (lambda st: st["model"].update(extra=torch.zeros(1)), r"unexpected names \['extra'\]"),
+            (lambda st: st["model"].pop(name), rf"the model has 1 names the checkpoint lacks \(\['{name}'\]"),
+            (lambda st: st["model"].update(extra=torch.zeros(1)),
+             r"the checkpoint has 1 names the model lacks \(\['extra'\]"),
             (lambda st: st["model"].update({name: RowShard(torch.zeros(0, 35), (35, 35), (0, 0))}),
              rf"parameter '{name}'.*another placement"),
             (lambda st: st["model"].update({name: torch.zeros(3, 35)}), rf"'{name}' has shape \(3, 35\)"),

@@ -13,8 +13,8 @@ from _dist import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
-from matrixfsdp.param import placement_of
+from matrixfsdp.runtime.param import placement_of
+from matrixfsdp.train.models import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -15,9 +15,9 @@ from _dist import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.checkpoint_io import checkpoint_dir, is_complete
-from matrixfsdp.integrity import CHECKSUMS, CheckpointError
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.state.files import checkpoint_dir, is_complete
+from matrixfsdp.state.integrity import CHECKSUMS, CheckpointError
+from matrixfsdp.train.models import GPT, GPTConfig
 
 
 def _model(layers: int = 1, seed: int = 0, world: int = 1):

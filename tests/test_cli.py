@@ -13,9 +13,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-import matrixfsdp.ranks as ranks
+import matrixfsdp.train.launch as ranks
+from matrixfsdp.__main__ import main
 from matrixfsdp.bench.harness import parse_args as bench_args
-from matrixfsdp.cli import main
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32",
         "--batch", "2"]
@@ -23,7 +23,7 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--se
 
 def _run(*args, cwd=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "matrixfsdp.cli", *args], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "matrixfsdp", *args], capture_output=True,
                          text=True, timeout=300, env=env, cwd=cwd)
     assert out.returncode == 0, f"matrixfsdp {' '.join(args)} exited {out.returncode}:\n{out.stderr[-4000:]}"
     return out

@@ -57,7 +57,7 @@ class _Launcher:
     def __init__(self, tmp_path):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "matrixfsdp.cli", *TRAIN, "--out", str(tmp_path)],
+            [sys.executable, "-m", "matrixfsdp", *TRAIN, "--out", str(tmp_path)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True)
         self.out: list[str] = []

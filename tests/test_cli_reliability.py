@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from matrixfsdp.checkpoint_io import is_complete
+from matrixfsdp.state.files import is_complete
 
 if not sys.platform.startswith("linux"):
     pytest.skip("signals and /proc", allow_module_level=True)
 
-TRAIN = [sys.executable, "-m", "matrixfsdp.cli", "train", "--layers", "1", "--d-model", "32",
+TRAIN = [sys.executable, "-m", "matrixfsdp", "train", "--layers", "1", "--d-model", "32",
          "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2", "--ranks", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.demo import build_model
-from matrixfsdp.train import clip_and_check
-from matrixfsdp.train_report import plot_losses
+from matrixfsdp.train.demo import build_model
+from matrixfsdp.train.loop import clip_and_check
+from matrixfsdp.train.report import plot_losses
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -124,7 +124,7 @@ def test_train_hf_llama_on_two_ranks(tmp_path):
     pytest.importorskip("transformers")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, "-m", "matrixfsdp.cli", "train", "--model", "hf-llama", "--ranks", "2",
+        [sys.executable, "-m", "matrixfsdp", "train", "--model", "hf-llama", "--ranks", "2",
          "--steps", "6", "--layers", "2", "--d-model", "32", "--heads", "2", "--mlp", "64",
          "--seq", "32", "--batch", "2", "--grad-accum", "2", "--activation-checkpointing",
          "--mp", "bf16", "--clip", "1.0", "--skip-nonfinite", "--out", str(tmp_path)],

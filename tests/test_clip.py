@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.train.models import GPT, GPTConfig
 
 # Shapes divisible by none of 2 and 3 (as in test_parity.py), one block to keep it fast.
 CFG = dict(vocab_size=256, d_model=35, n_heads=5, n_layers=1, d_mlp=55, seq_len=17)

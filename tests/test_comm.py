@@ -1,4 +1,4 @@
-"""matrixfsdp.comm: each collective's result and what it is charged (this rank's bytes, its
+"""matrixfsdp.runtime.collectives: each collective's result and what it is charged (this rank's bytes, its
 most loaded rank's, the mean), and a unit without parameters of its own issuing none."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from _dist import spawn
 
-from matrixfsdp.comm import Comm, CommStats, pipeline_load, ring_load
+from matrixfsdp.runtime.collectives import Comm, CommStats, pipeline_load, ring_load
 
 
 def _worker(rank, world_size):

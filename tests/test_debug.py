@@ -13,8 +13,8 @@ from _dist import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
-from matrixfsdp.param import placement_of
+from matrixfsdp.runtime.param import placement_of
+from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = GPTConfig(d_model=16, n_heads=2, n_layers=3, d_mlp=24, seq_len=8)
 

@@ -8,7 +8,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.runtime.param import sharded_param
+from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = GPTConfig(d_model=16, n_heads=2, n_layers=2, d_mlp=24, seq_len=8)
 
@@ -75,7 +76,7 @@ def test_parameter_list_read_before_fully_shard_holds_the_shards(world1):
     params = list(model.parameters())
     _shard(model)
     assert all(a is b for a, b in zip(params, model.parameters()))
-    assert all(mf.param.sharded_param(p) is not None for p in params)
+    assert all(sharded_param(p) is not None for p in params)
 
 
 def test_three_dimensional_mesh(world1):

@@ -10,7 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=32, seq_len=8)
 

@@ -15,7 +15,7 @@ from reference import batches, build_model, rank_slice, reference_ns_fp32
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPTConfig
+from matrixfsdp.train.models import GPTConfig
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
-from matrixfsdp.param import placement_of
+from matrixfsdp.runtime.param import placement_of
 
 transformers = pytest.importorskip("transformers")
 

@@ -28,9 +28,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.bench.measure import RANGE_PREFIX, analyse_profile
-from matrixfsdp.models import PRESETS, GPTConfig
-from matrixfsdp.param import placement_of
-from matrixfsdp.plan import format_report, plan_module
+from matrixfsdp.planning.planner import plan_module
+from matrixfsdp.planning.report import format_report
+from matrixfsdp.runtime.param import placement_of
+from matrixfsdp.train.models import PRESETS, GPTConfig
 
 STEPS, PER_RANK, SEQ = 4, 2, 16
 DIMS = ("replicate", "shard")
@@ -469,7 +470,7 @@ def test_plan_balances_ns_over_the_whole_world():
 
 
 def test_cli_plan_with_shard_size(capsys):
-    from matrixfsdp.cli import main
+    from matrixfsdp.__main__ import main
     main(["plan", "--model", "llama3-405b", "--world-size", "4096", "--shard-size", "8",
           "--max-rows", "4"])
     text = capsys.readouterr().out

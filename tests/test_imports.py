@@ -1,6 +1,8 @@
-"""The package's import graph: no cycle among module-level imports, and every module
-imports on its own in a fresh interpreter (no import that works only because another
-module happened to be imported first)."""
+"""The package's import graph, read from every import statement (module level, inside
+functions, under ``if TYPE_CHECKING``): no circle at any level, package modules imported
+only at module level (a deferred import is for an optional dependency, never a way around
+a circle), the layers' one-way order, no module over 450 lines, and every module imports on
+its own in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ from pathlib import Path
 import matrixfsdp
 
 PACKAGE = Path(matrixfsdp.__file__).parent
+MAX_LINES = 450
+# The layers, lowest first: a module may import its own layer and those below it.
+# bench and train sit side by side at the top (bench launches ranks with train's launcher).
+LAYERS = [("planning",), ("runtime",), ("optim",), ("state",), ("integrations",),
+          ("train", "bench")]
 
 
 def _modules() -> dict[str, Path]:
@@ -24,53 +31,97 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _module_level_imports(name: str, path: Path, known: set[str]) -> set[str]:
-    """Package modules imported at module level (not inside functions, not under
-    ``if TYPE_CHECKING``), resolved to module names."""
+def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(package module imported, line, at module level) for every import statement."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.dump(node.test):
-            continue  # typing only, never run
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            stmts = [node]
-        elif isinstance(node, (ast.If, ast.Try)):  # guarded imports still run at import time
-            stmts = [s for s in ast.walk(node) if isinstance(s, (ast.Import, ast.ImportFrom))]
+    deferred = {id(s) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for s in ast.walk(f) if isinstance(s, (ast.Import, ast.ImportFrom))}
+    found = []
+    for s in ast.walk(tree):
+        if isinstance(s, ast.Import):
+            targets = [a.name for a in s.names]
+        elif isinstance(s, ast.ImportFrom):
+            base = s.module or ""
+            if s.level:
+                up = package.split(".")
+                up = up[:len(up) - (s.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in s.names]
         else:
-            continue  # imports inside functions are lazy: they cannot form an import cycle
-        for s in stmts:
-            if isinstance(s, ast.Import):
-                targets = [a.name for a in s.names]
-            else:
-                base = s.module or ""
-                if s.level:
-                    up = package.split(".")
-                    up = up[:len(up) - (s.level - 1)]
-                    base = ".".join(up + ([base] if base else []))
-                targets = [base] + [f"{base}.{a.name}" for a in s.names]
-            found |= {t for t in targets if t in known and t != name}
+            continue
+        for t in dict.fromkeys(targets):
+            if t in known and t != name:
+                found.append((t, s.lineno, id(s) not in deferred))
     return found
 
 
-def test_no_import_cycle():
+def _graph() -> dict[str, set[str]]:
     mods = _modules()
-    graph = {n: _module_level_imports(n, p, set(mods)) for n, p in mods.items()}
+    return {n: {t for t, _, _ in _imports(n, p, set(mods))} for n, p in mods.items()}
+
+
+def _layer(name: str) -> int | None:
+    parts = name.split(".")
+    if len(parts) < 2 or parts[1] == "__main__":
+        return None  # the package's faces (API, command line): they may import every layer
+    for i, group in enumerate(LAYERS):
+        if parts[1] in group:
+            return i
+    return None
+
+
+def test_no_import_circle_at_any_level():
+    graph = _graph()
     state: dict[str, int] = {}
+    circles = []
 
     def visit(n: str, stack: list[str]) -> None:
         state[n] = 1
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                cycle = stack[stack.index(m):] + [m]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if m not in state:
+                circles.append(" -> ".join(stack[stack.index(m):] + [m]))
+            elif m not in state:
                 visit(m, stack + [m])
         state[n] = 2
 
     for n in sorted(graph):
         if n not in state:
             visit(n, [n])
+    assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def test_package_modules_are_imported_at_module_level():
+    mods = _modules()
+    late = [f"{p.relative_to(PACKAGE.parent)}:{line} imports {t} inside a function"
+            for n, p in mods.items() for t, line, top in _imports(n, p, set(mods)) if not top]
+    assert not late, "\n".join(late)
+
+
+def test_layers_import_downwards_only():
+    graph = _graph()
+    top = len(LAYERS) - 1  # the package's face (``import matrixfsdp``) counts as the top
+    up = [f"{n} imports {m}" for n, targets in graph.items() for m in targets
+          if _layer(n) is not None and (top if _layer(m) is None else _layer(m)) > _layer(n)]
+    assert not up, "\n".join(sorted(up))
+
+
+def test_every_module_sits_in_a_layer_folder_and_is_short():
+    mods = _modules()
+    loose = [n for n in mods if n not in ("matrixfsdp", "matrixfsdp.__main__") and _layer(n) is None]
+    assert not loose, f"modules outside the layer folders: {loose}"
+    long = {n: len(p.read_text().splitlines()) for n, p in mods.items()}
+    long = {n: c for n, c in long.items() if c > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_planning_never_imports_torch_distributed():
+    mods = _modules()
+    bad = [n for n, p in mods.items() if _layer(n) == 0
+           for s in ast.walk(ast.parse(p.read_text())) if isinstance(s, (ast.Import, ast.ImportFrom))
+           if any(m.startswith("torch.distributed")
+                  for m in ([a.name for a in s.names] if isinstance(s, ast.Import) else [s.module or ""]))]
+    assert not bad, bad
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():
@@ -80,7 +131,7 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
     names = sorted(_modules())
     code = (
         "import os, sys, importlib, traceback\n"
-        "import matrixfsdp, matrixfsdp.cli, matrixfsdp.bench.harness\n"
+        "import matrixfsdp, matrixfsdp.__main__, matrixfsdp.bench.harness\n"
         "for m in [m for m in sys.modules if m == 'matrixfsdp' or m.startswith('matrixfsdp.')]:\n"
         "    del sys.modules[m]\n"
         f"names = {names!r}\n"

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.train.models import GPT, GPTConfig
 
 # Row counts divisible by none of 2, 3, 4: uneven row splits everywhere.
 ODD = dict(vocab_size=257, d_model=35, n_heads=5, n_layers=2, d_mlp=55, seq_len=17)

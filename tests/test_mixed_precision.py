@@ -18,7 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPTConfig
+from matrixfsdp.train.models import GPTConfig
 
 STEPS, PER_RANK, SEQ = 6, 2, 16
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)

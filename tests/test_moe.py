@@ -17,9 +17,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
-from matrixfsdp.optim import adjusted_lr
-from matrixfsdp.param import placement_of
-from matrixfsdp.plan import ParamSpec, format_report, make_plan, ns_flops, plan_module
+from matrixfsdp.optim.muon import adjusted_lr
+from matrixfsdp.planning.planner import make_plan, ns_flops, plan_module
+from matrixfsdp.planning.report import format_report
+from matrixfsdp.planning.types import ParamSpec
+from matrixfsdp.runtime.param import placement_of
 
 STEPS, PER_RANK, SEQ, VOCAB = 3, 2, 8, 256
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)

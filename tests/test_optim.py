@@ -83,7 +83,7 @@ def test_muon_defaults_constant_matches_the_signature():
     """MUON_DEFAULTS (read by the benchmark) is Muon's own defaults, and torch's."""
     import inspect
 
-    from matrixfsdp.optim import MUON_DEFAULTS
+    from matrixfsdp.optim.muon import MUON_DEFAULTS
     sig = inspect.signature(mf.Muon).parameters
     assert {k: sig[k].default for k in MUON_DEFAULTS} == MUON_DEFAULTS
     torch_sig = inspect.signature(torch.optim.Muon).parameters
@@ -143,7 +143,7 @@ def test_parameters_without_grad_are_never_touched():
 
 
 def test_frozen_parameters_stay_out_of_the_groups(world1):
-    from matrixfsdp.models import GPT, GPTConfig
+    from matrixfsdp.train.models import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=32, seq_len=8))
     frozen = {"layers.0.attn.q.weight", "layers.0.norm1.weight", "head.weight"}

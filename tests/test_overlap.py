@@ -15,7 +15,7 @@ from _dist import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=4, d_mlp=64, seq_len=16)
 STEPS = 3

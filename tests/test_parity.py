@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPTConfig
-from matrixfsdp.param import placement_of
+from matrixfsdp.runtime.param import placement_of
+from matrixfsdp.train.models import GPTConfig
 
 STEPS, PER_RANK, SEQ = 10, 2, 16
 # Shapes divisible by none of 2, 3, 4, 8: d_model 35 (5 heads of 7), MLP 55, 17 positions.

@@ -9,9 +9,11 @@ import torch
 from _dist import spawn
 
 import matrixfsdp as mf
-from matrixfsdp.layout import unit_layout
-from matrixfsdp.models import GPT, PRESETS, GPTConfig
-from matrixfsdp.plan import ParamSpec, format_report, make_plan, ns_flops, plan_module
+from matrixfsdp.planning.planner import make_plan, ns_flops, plan_module
+from matrixfsdp.planning.report import format_report
+from matrixfsdp.planning.types import ParamSpec
+from matrixfsdp.runtime.layout import unit_layout
+from matrixfsdp.train.models import GPT, PRESETS, GPTConfig
 
 
 def _meta_plan(cfg, world_size, **kw):

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from matrixfsdp.cli import main
-from matrixfsdp.cluster import parse_bytes, plan_preset
-from matrixfsdp.costs import (
+from matrixfsdp.__main__ import main
+from matrixfsdp.planning.costs import (
     fsdp2_replica_traffic,
     fsdp2_unit_traffic,
     plan_costs,
@@ -16,8 +15,10 @@ from matrixfsdp.costs import (
     step_bytes,
     unit_traffic,
 )
-from matrixfsdp.plan import ParamSpec, Placement, Plan, make_plan
-from matrixfsdp.plan_table import format_costs
+from matrixfsdp.planning.planner import make_plan
+from matrixfsdp.planning.report import format_costs
+from matrixfsdp.planning.types import ParamSpec, Placement, Plan
+from matrixfsdp.train.cluster import parse_bytes, plan_preset
 
 GiB = 2**30
 

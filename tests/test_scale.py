@@ -5,7 +5,7 @@ to a collective is larger than FSDP2's for that unit.
 
 What each rank sends and receives is recorded by wrapping torch.distributed's collective
 functions in the rank's process (so it sees FSDP2's calls and ours alike) and charged by
-NCCL's algorithms, written out here independently of matrixfsdp.comm: ring all-gather /
+NCCL's algorithms, written out here independently of matrixfsdp.runtime.collectives: ring all-gather /
 reduce-scatter ``(P-1)/P`` of the buffer per rank, ring all-reduce twice that, pipelined
 broadcast / reduce the buffer once (the root only sends, or only receives)."""
 
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.storage import UnitStorage
+from matrixfsdp.runtime.storage import UnitStorage
 
 P = 8
 D, HIDDEN, VOCAB, BLOCKS = 64, 256, 64, 4  # every dim divisible by 8: FSDP2 pads nothing

@@ -16,10 +16,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.debug import FORWARD_GATHER, CollectiveCheck
-from matrixfsdp.hsdp import MeshGroups
-from matrixfsdp.models import GPT, GPTConfig
-from matrixfsdp.setup_checks import check_optimizer_params, check_same_init, check_unsharded_trainable
+from matrixfsdp.runtime.checks import (
+    check_optimizer_params,
+    check_same_init,
+    check_unsharded_trainable,
+)
+from matrixfsdp.runtime.debug import FORWARD_GATHER, CollectiveCheck
+from matrixfsdp.runtime.hsdp import MeshGroups
+from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1, d_mlp=24)
 

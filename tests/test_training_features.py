@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
+from matrixfsdp.train.models import GPT, GPTConfig
 
 STEPS, PER_RANK, SEQ = 4, 2, 16
 CFG = dict(vocab_size=256, d_model=35, n_heads=5, n_layers=2, d_mlp=55, seq_len=17)

@@ -42,7 +42,7 @@ def _median(xs: list[float]) -> float | None:
 def _run(mode: str, rep: int, args, extra: list[str]) -> dict:
     out = Path(args.out) / f"{mode}_{rep}"
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "matrixfsdp.cli", "train", "--ranks", str(args.ranks), "--steps",
+    cmd = [sys.executable, "-m", "matrixfsdp", "train", "--ranks", str(args.ranks), "--steps",
            str(args.steps), "--out", str(out), *extra]
     if mode != "none":
         cmd += ["--save-every", str(args.save_every)] + (["--async-save"] if mode == "async" else [])

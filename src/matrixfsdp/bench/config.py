@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..train.models import GPTConfig
+
 SYSTEMS: tuple[str, ...] = ("fsdp2_adamw", "fsdp2_torch_muon", "fsdp2_dist_muon",
                             "fsdp2_muon_fsdp2", "matrixfsdp")
 # Run only when asked for (--systems): SOAP on whole matrices, gathered (FSDP2) or on owners.
@@ -73,6 +75,5 @@ class BenchConfig:
         return self.world_size // self.replicas
 
     def model_config(self):
-        from matrixfsdp.models import GPTConfig
         return GPTConfig(vocab_size=self.vocab, seq_len=self.seq, d_model=self.d_model,
                          n_heads=self.heads, n_layers=self.layers, d_mlp=self.mlp)

@@ -145,7 +145,7 @@ from dataclasses import asdict
 import torch
 import torch.multiprocessing as mp
 
-from ..ranks import positive_float
+from ..train.launch import positive_float
 from .config import (
     EXACT_BOUND,
     HSDP_SYSTEMS,
@@ -155,6 +155,7 @@ from .config import (
     SYSTEMS,
     BenchConfig,
 )
+from .link import main as link_main
 from .report import write_results
 from .run import rank_main
 
@@ -224,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     ``--out`` and print the table. Returns 0, or 1 if a rank crashed outside a system.
     With ``--link``: the step-time-against-link-speed sweep of :mod:`.link` instead."""
     if any(a == "--link" or a.startswith("--link=") for a in (argv or [])):
-        from .link import main as link_main
         return link_main(argv)
     cfg = parse_args(argv)
     os.makedirs(cfg.out, exist_ok=True)

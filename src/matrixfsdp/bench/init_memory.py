@@ -15,7 +15,7 @@ occupy (``unit.local`` of every unit), the seconds from the start of the build t
 shards and, on CUDA, the peak allocated device memory. Both paths must leave the same shards
 (same seed): the run compares per-rank float64 checksums of the shards and fails if they
 differ. The table shows the maximum over ranks; ``DIR/<path>.json`` keeps every rank's
-figures. Rank processes are launched by :func:`matrixfsdp.ranks.launch` (local processes; under
+figures. Rank processes are launched by :func:`matrixfsdp.train.launch.launch` (local processes; under
 ``torchrun`` run one ``--path``).
 """
 
@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT, GPTConfig
-from matrixfsdp.ranks import launch
+
+from ..train.launch import launch
+from ..train.models import GPT, GPTConfig
 
 MiB = 1 << 20
 PATHS = ("meta", "naive")

@@ -4,7 +4,7 @@
 the benchmark model on local ranks under a model of a slower network (:func:`use_link`):
 every collective completes no earlier than ``issue + its most loaded rank's bytes / link
 speed`` (a collective ends when its most loaded rank is done; the bytes are
-:class:`~matrixfsdp.comm.CommStats`' NCCL model, sent and received), on one link per rank:
+:class:`~matrixfsdp.runtime.collectives.CommStats`' NCCL model, sent and received), on one link per rank:
 a transfer starts when the previous one ended.
 For each speed (GB/s) it times forward+backward of MatrixFSDP with overlap on (prefetched
 gathers, asynchronous reduces) and off, and of FSDP2 under the same link model
@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 import matrixfsdp as mf
 from matrixfsdp.bench.measure import machine_info, machine_line
-from matrixfsdp.comm import Comm, Load, Pending, ring_load
-from matrixfsdp.models import GPT, GPTConfig
-from matrixfsdp.ranks import device_for, launch, sync
+
+from ..runtime.collectives import Comm, Load, Pending, ring_load
+from ..train.launch import device_for, launch, sync
+from ..train.models import GPT, GPTConfig
 
 
 class Link:
@@ -53,7 +54,7 @@ class Link:
 
 
 class LinkComm(Comm):
-    """A :class:`~matrixfsdp.comm.Comm` whose collectives are not done before ``link``
+    """A :class:`~matrixfsdp.runtime.collectives.Comm` whose collectives are not done before ``link``
     has carried their most loaded rank's bytes (a wrapper: the runtime does not know)."""
 
     def __init__(self, inner: Comm, link: Link):
@@ -104,7 +105,7 @@ _TORCH_OPS = {"all_gather_single": 1, "all_gather_into_tensor": 1, "reduce_scatt
 def torch_link(gbps: float | None):
     """torch.distributed's collectives (looked up at call time, as FSDP2 does) behind one
     modelled link of ``gbps`` GB/s per rank, charged as ours are: ring all-gather /
-    reduce-scatter / all-reduce of the larger buffer (:func:`~matrixfsdp.comm.ring_load`).
+    reduce-scatter / all-reduce of the larger buffer (:func:`~matrixfsdp.runtime.collectives.ring_load`).
     A synchronous call returns once the link has carried its bytes; an asynchronous one
     returns a work whose ``wait()`` does. Yields the :class:`Link` (``charged`` bytes)."""
     link = Link(gbps * 1e9 if gbps else math.inf)

@@ -21,6 +21,8 @@ from torch import nn
 
 import matrixfsdp as mf
 
+from .peers import split_muon
+
 SOAP_SYSTEMS: tuple[str, ...] = ("fsdp2_soap", "matrixfsdp_soap")
 
 
@@ -70,7 +72,6 @@ def build_soap_system(name: str, model: nn.Module, mesh: Any, mp: Any, cfg: Any)
                                   eps=cfg.adamw_eps, weight_decay=cfg.adamw_weight_decay)]
     from torch.distributed.fsdp import fully_shard
 
-    from .systems import split_muon
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

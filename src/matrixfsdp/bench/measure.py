@@ -31,8 +31,8 @@ from torch import nn
 
 import matrixfsdp as mf
 
-from ..optim import MUON_DEFAULTS
-from ..ranks import sync
+from ..optim.muon import MUON_DEFAULTS
+from ..train.launch import sync
 from .config import EXACT_BOUND, EXACT_ULPS, PHASES
 
 NS_REPS = 5  # timed repetitions of the NS limit (after one warm-up)

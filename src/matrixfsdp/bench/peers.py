@@ -83,7 +83,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from ..optim import MUON_DEFAULTS
+from ..optim.muon import MUON_DEFAULTS
+from ..planning.planner import plan_module
 
 __all__ = ["build_dist_muon", "build_muon_fsdp2", "build_torch_muon"]
 
@@ -291,3 +292,14 @@ def build_muon_fsdp2(muon_params: Sequence[torch.Tensor],
                            betas=tuple(adamw_betas), eps=adamw_eps,
                            weight_decay=adamw_weight_decay))
     return Muon(groups)
+
+
+def split_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """``(muon, adamw)`` parameters: the peers' Muon matrices are exactly the ones
+    MatrixFSDP's default rule picks."""
+    plan = plan_module(model, list(model.layers), world_size=1)
+    names = {pl.spec.name for pl in plan.placements.values() if pl.spec.muon}
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        (muon if name in names else adamw).append(p)
+    return muon, adamw

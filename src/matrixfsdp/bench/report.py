@@ -263,7 +263,7 @@ _RING_OPS = {"c10d::_allgather_base_": 1, "c10d::allgather_into_tensor_coalesced
 def critical_path(res: dict[str, Any], name: str, P: int) -> dict[str, float] | None:
     """Bytes on the critical path of forward+backward (each collective charged to its most
     loaded rank, summed) and the mean rank's, per step. MatrixFSDP: its own counters
-    (NCCL's ring and pipelined models, :mod:`matrixfsdp.comm`); FSDP2: its all-gathers,
+    (NCCL's ring and pipelined models, :mod:`matrixfsdp.runtime.collectives`); FSDP2: its all-gathers,
     reduce-scatters and all-reduces by the ring rule (every rank moves the same, so the
     most loaded rank is the mean). Other systems: None (their all-to-alls, gathers and
     scatters are charged as sent, which the profiler's payloads do not tell per rank)."""

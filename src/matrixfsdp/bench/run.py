@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 import matrixfsdp as mf
 
-from .._exit import exit_rank
-from ..ranks import device_for
+from ..train.exit import exit_rank
+from ..train.launch import device_for
 from .config import BASELINE, BenchConfig
 from .measure import (
     analyse_profile,
@@ -230,4 +230,4 @@ def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> 
         barrier(device)
     finally:
         dist.destroy_process_group()
-    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp._exit)
+    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp.train.exit)

@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 
 import matrixfsdp as mf
-from matrixfsdp.models import GPT
-from matrixfsdp.optim import _newton_schulz_, adjusted_lr
-from matrixfsdp.ranks import launch
 
+from ..optim.muon import _newton_schulz_, adjusted_lr
+from ..train.launch import launch
+from ..train.models import GPT
 from .harness import parse_args as bench_config
 
 ELEMENTWISE = ("lerp_", "lerp_ns_dtype", "mul_", "add_tall", "add_wide")

@@ -23,10 +23,11 @@ from torch import nn
 
 import matrixfsdp as mf
 
-from ..plan import plan_module
+from ..train.models import GPT
 from . import peers
 from .config import BenchConfig
 from .matrix_systems import SOAP_SYSTEMS, build_soap_system
+from .peers import split_muon
 
 
 @dataclass
@@ -38,17 +39,6 @@ class System:
     optimizers: list[Any]
 
 
-def split_muon(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """``(muon, adamw)`` parameters: the peers' Muon matrices are exactly the ones
-    MatrixFSDP's default rule picks."""
-    plan = plan_module(model, list(model.layers), world_size=1)
-    names = {pl.spec.name for pl in plan.placements.values() if pl.spec.muon}
-    muon, adamw = [], []
-    for name, p in model.named_parameters():
-        (muon if name in names else adamw).append(p)
-    return muon, adamw
-
-
 def build_system(name: str, cfg: BenchConfig, mesh: Any, device: torch.device,
                  group: dist.ProcessGroup) -> System:
     """System ``name`` on this rank, over ``mesh``: 1-D, or 2-D ``(replicate, shard)`` for
@@ -56,7 +46,6 @@ def build_system(name: str, cfg: BenchConfig, mesh: Any, device: torch.device,
     own group for the harness's barriers."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from matrixfsdp.models import GPT
 
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model_config()).to(device=device, dtype=getattr(torch, cfg.dtype))

@@ -1,0 +1,258 @@
+"""The ``matrixfsdp`` command (``matrixfsdp train | plan | bench``, or ``python -m
+matrixfsdp``): argument parsing and validation over the layers below it (the training loop
+in :mod:`matrixfsdp.train.loop`, the launcher in :mod:`matrixfsdp.train.launch`, the
+benchmark in :mod:`matrixfsdp.bench.harness`). The package's command-line face, as
+``__init__`` is its API face: the one module above ``train`` and ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .bench.harness import main as bench_main
+from .train.cluster import DTYPE_BYTES, parse_bytes, plan_preset, preset_report, preset_table
+from .train.exit import exit_rank
+from .train.launch import DEFAULT_TIMEOUT_S, launch
+from .train.launch import positive_float as _positive_float
+from .train.loop import checkpoint_root, train
+from .train.models import PRESETS
+from .train.resume import plan_start
+
+log = logging.getLogger("matrixfsdp")
+DEFAULT_RANKS = 4
+
+
+# ---- plan ---------------------------------------------------------------------------------
+def _plan(args) -> None:
+
+    for n in args.world_size:
+        if args.shard_size is not None and n % args.shard_size:
+            raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {n}")
+    gather = DTYPE_BYTES[args.param_dtype] if args.param_dtype else None
+    if len(args.model) * len(args.world_size) > 1:
+        print(preset_table(args.model, args.world_size, args.shard_size, args.device_memory,
+                           gather))
+        return
+    cp = plan_preset(args.model[0], args.world_size[0], args.shard_size, args.device_memory,
+                     gather)
+    print(preset_report(cp, args.device_memory, args.max_rows, gather))
+
+
+# ---- command line -------------------------------------------------------------------------
+def _int_at_least(lo: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return parse
+
+
+def writable_dir_error(out: str) -> str | None:
+    """Why results cannot be written into directory ``out`` (created if missing), or None.
+    Checked before any rank starts, so a bad path does not cost a finished run."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".matrixfsdp-write-check-"):
+            pass
+    except OSError as e:
+        return f"--out {out}: cannot write there ({e.strerror or e})"
+    return None
+
+
+MAX_LR = 10.0  # above this the first step overflows the demo model: said before any rank starts
+
+
+def checkpoint_dir_error(args) -> str | None:
+    """Why ``train`` could not write its checkpoints (``<out>/checkpoints``, the longest
+    path it writes tried out), or None."""
+    probe = Path(args.out) / "checkpoints" / ".step_00000000.partial"
+    try:
+        probe.mkdir(parents=True, exist_ok=True)
+        (probe / "__0_0.distcp").write_bytes(b"")
+        shutil.rmtree(probe)
+    except OSError as e:
+        return f"--save-every: cannot write checkpoints under {probe.parent} ({e.strerror or e})"
+    return None
+
+
+def _validate_train(tr: argparse.ArgumentParser, args) -> None:
+    """Every ``train`` argument checked before any rank starts (one line each, no rank)."""
+    if args.d_model % args.heads:
+        tr.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.model == "hf-llama":
+        if (args.d_model // args.heads) % 2:
+            tr.error(f"--model hf-llama needs an even head size for its rotary embedding; "
+                     f"--d-model {args.d_model} / --heads {args.heads} = {args.d_model // args.heads}")
+        if importlib.util.find_spec("transformers") is None:
+            tr.error("--model hf-llama needs transformers (pip install transformers)")
+    for flag, lr in (("--lr", args.lr), ("--adamw-lr", args.adamw_lr)):
+        if lr > MAX_LR and os.environ.get("RANK", "0") == "0":
+            print(f"matrixfsdp train: note: {flag} {lr:g} is above {MAX_LR:g}; the first step will "
+                  "likely overflow the weights (--skip-nonfinite skips such steps)", file=sys.stderr)
+    if not args.out.strip():
+        tr.error("--out must name a directory (it is empty)")
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if torchrun and args.ranks is not None and args.ranks != int(os.environ["WORLD_SIZE"]):
+        tr.error(f"--ranks {args.ranks} under torchrun, which runs {os.environ['WORLD_SIZE']} ranks "
+                 "(WORLD_SIZE): drop --ranks and set the ranks with torchrun --nproc-per-node")
+    args.ranks = args.ranks or DEFAULT_RANKS
+    for needs, flag in ((args.async_save, "--async-save"), (args.keep_last, "--keep-last")):
+        if needs and not args.save_every:
+            tr.error(f"{flag} needs --save-every N")
+    if args.resume_fallback and args.resume is None:
+        tr.error("--resume-fallback needs --resume")
+    if args.resume and not Path(args.resume).is_dir():
+        tr.error(f"--resume {args.resume}: no such directory")
+    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes (under torchrun too)
+        problem = writable_dir_error(args.out) or (checkpoint_dir_error(args) if args.save_every else None)
+        if problem:
+            tr.error(problem)
+
+
+def _plan_start(tr: argparse.ArgumentParser, args) -> None:
+    """Which checkpoint ``--resume`` loads and what differs from it (before any rank)."""
+
+    quiet = os.environ.get("RANK", "0") != "0"
+    plan_start(args, checkpoint_root(args), tr.error,
+               lambda line: None if quiet else print(line, flush=True))
+
+
+def _bench_out_error(rest: list[str]) -> str | None:
+    """``--out`` of ``bench`` (its default too) checked before its ranks start."""
+    if "-h" in rest or "--help" in rest:
+        return None
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--out", default="runs/bench")  # harness.parse_args's default
+    known, _ = pre.parse_known_args(rest)
+    return writable_dir_error(known.out)
+
+
+def _add_train_args(sub) -> argparse.ArgumentParser:
+    tr = sub.add_parser("train", help="train a byte-level model on the stdlib sources")
+    pos = _int_at_least(1)
+    tr.add_argument("--ranks", type=pos, default=None,
+                    help=f"local ranks to start (default {DEFAULT_RANKS}; under torchrun, its own)")
+    tr.add_argument("--steps", type=pos, default=60)
+    tr.add_argument("--model", choices=("gpt", "hf-llama"), default="gpt",
+                    help="gpt: matrixfsdp.train.models.GPT; hf-llama: a randomly initialised "
+                         "transformers LlamaForCausalLM of the same sizes (needs transformers)")
+    tr.add_argument("--layers", type=pos, default=4)
+    tr.add_argument("--d-model", type=pos, default=128)
+    tr.add_argument("--heads", type=pos, default=4)
+    tr.add_argument("--mlp", type=pos, default=512)
+    tr.add_argument("--seq", type=pos, default=128)
+    tr.add_argument("--batch", type=pos, default=8, help="sequences per rank per micro-batch")
+    tr.add_argument("--grad-accum", type=pos, default=1, metavar="K",
+                    help="micro-batches per step, each backward of loss / K")
+    tr.add_argument("--lr", type=_positive_float, default=0.02)
+    tr.add_argument("--adamw-lr", type=_positive_float, default=3e-3)
+    tr.add_argument("--clip", type=_positive_float, default=None, metavar="X",
+                    help="clip gradients to global norm X (matrixfsdp.clip_grad_norm_)")
+    tr.add_argument("--debug", action="store_true",
+                    help="before each collective, check every rank is at the same step, unit and "
+                         "phase; raise naming the diverging rank (one extra tiny collective each)")
+    tr.add_argument("--skip-nonfinite", action="store_true",
+                    help="skip the optimizer step on every rank when the global gradient norm "
+                         "is NaN/inf, and log which gradients were not finite")
+    tr.add_argument("--mp", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    tr.add_argument("--activation-checkpointing", action="store_true",
+                    help="recompute each block's activations in backward")
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                    help="process-group timeout: a collective waiting longer fails "
+                         f"(default {DEFAULT_TIMEOUT_S:.0f})")
+    tr.add_argument("--out", default="runs/train")
+    tr.add_argument("--save-every", type=_int_at_least(0), default=0, metavar="N",
+                    help="save a checkpoint (torch.distributed.checkpoint, by parameter name) every N "
+                         "steps and at the last step, into <out>/checkpoints/step_<N>; a directory is "
+                         "complete or ignored")
+    tr.add_argument("--async-save", action="store_true",
+                    help="with --save-every: stage each checkpoint to CPU memory and write it in the "
+                         "background (torch.distributed.checkpoint.async_save) while training goes on")
+    tr.add_argument("--keep-last", type=pos, default=None, metavar="N",
+                    help="with --save-every: keep the newest N complete checkpoints, deleting older "
+                         "ones once a newer one is committed")
+    tr.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
+                    help="continue from the latest complete checkpoint in DIR or DIR/checkpoints "
+                         "(default <out>/checkpoints), saved at any --ranks, its checksums verified; "
+                         "none there is an error")
+    tr.add_argument("--resume-or-start", action="store_true",
+                    help="with --resume: start from step 0 when there is no checkpoint")
+    tr.add_argument("--resume-fallback", action="store_true",
+                    help="with --resume: if the newest checkpoint fails its checksums, load the "
+                         "previous complete one (saying so) instead of stopping")
+    tr.add_argument("--rss-every", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
+    return tr
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ap = argparse.ArgumentParser(prog="matrixfsdp", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tr = _add_train_args(sub)
+    pos = _int_at_least(1)
+    pl = sub.add_parser("plan", help="plan a known model on the meta device: per-rank memory, "
+                        "bytes per step against FSDP2, NS; a recommended HSDP shard size")
+
+    def size(text: str) -> int:
+        try:
+            return parse_bytes(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    pl.add_argument("--model", nargs="+", choices=sorted(PRESETS), default=["paper"],
+                    help="several models and/or world sizes: one summary row each")
+    pl.add_argument("--world-size", nargs="+", type=pos, default=[8])
+    pl.add_argument("--shard-size", type=pos, default=None,
+                    help="HSDP: ranks per shard group (default: the world size, no replicas)")
+    pl.add_argument("--device-memory", type=size, default="80GiB",
+                    help="memory per device, to say whether the largest rank fits (default 80GiB)")
+    pl.add_argument("--param-dtype", choices=("fp32", "bf16"), default=None,
+                    help="dtype of the gathers (MixedPrecisionPolicy param_dtype; default the "
+                         "model's, fp32); storage, reduce and optimizer state stay fp32")
+    pl.add_argument("--max-rows", type=_int_at_least(1), default=16)
+    bp = sub.add_parser("bench", help="benchmark against FSDP2 peers (see --help)", add_help=False)
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "bench":
+        problem = _bench_out_error(rest)
+        if problem:
+            bp.error(problem)
+        return bench_main(rest)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "train":
+        _validate_train(tr, args)
+        _plan_start(tr, args)
+        launch(train, args, args.ranks, args.timeout)
+    else:
+        _plan(args)
+    return 0
+
+
+def run() -> None:
+    """The ``matrixfsdp`` command (and ``python -m matrixfsdp``): :func:`main`, then leave
+    without interpreter finalization, which takes seconds with torch loaded (about 3 s here
+    after a failed run), so that a failure ends the command in about a second."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code
+    if isinstance(code, str):  # SystemExit("message"): as Python prints it, exit status 1
+        print(code, file=sys.stderr)
+        code = 1
+    exit_rank(0 if code is None else int(code))
+
+
+if __name__ == "__main__":
+    run()

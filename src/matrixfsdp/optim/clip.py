@@ -1,0 +1,189 @@
+"""Gradient clipping by the global norm, and the names of non-finite gradients.
+
+On a MatrixFSDP model each rank holds disjoint pieces of the global gradient: whole Muon
+matrices on their owner (an empty placeholder without ``.grad`` elsewhere) and a row slice
+of every other parameter. ``torch.nn.utils.clip_grad_norm_`` sees only this rank's pieces,
+so it returns a different norm on every rank and the ranks clip by different factors.
+Here every element is counted once: a local ``sum |g|^p`` (``max |g|`` for inf) over this
+rank's pieces, one all-reduce over the root's process group, then the root. Parameters that
+are not MatrixFSDP shards are taken to be replicated (identical on every rank) and are
+added once, after the all-reduce.
+
+HSDP: the all-reduce spans the whole mesh. A 2-D Muon matrix has a gradient on its owner
+world rank only; the other pieces (row shards, experts) are averaged over the replicas and
+identical on each, so only replica 0 counts them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..runtime.param import placement_of, root_of
+
+__all__ = ["clip_grad_norm_", "nonfinite_grad_names"]
+
+_Params = torch.Tensor | Iterable[torch.Tensor]
+
+
+def _split(parameters: _Params):
+    """(all params, sharded params, plain params, their root). Sharded ones must share a root."""
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    sharded, plain = [], []
+    root, first = None, None
+    for p in params:
+        pl = placement_of(p)
+        if pl is None:
+            plain.append(p)
+            continue
+        r = root_of(p)
+        if root is None:
+            root, first = r, pl.spec.name
+        elif r is not root:
+            raise ValueError(f"parameters '{first}' and '{pl.spec.name}' belong to different "
+                             "matrixfsdp roots; clip each model's parameters in its own call")
+        sharded.append(p)
+    return params, sharded, plain, root
+
+
+def _local_stat(grads: list[torch.Tensor], p: float, acc: torch.dtype, device: torch.device,
+                foreach: bool | None) -> torch.Tensor:
+    """``sum |g|^p`` over ``grads`` (``max |g|`` for p = inf) as a 0-d ``acc`` tensor on ``device``.
+
+    Per-tensor norms first (in ``acc``, whatever the grad dtype), as torch does."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        if g.numel():  # an empty piece adds nothing (and has no inf norm)
+            # this rank's piece as a plain tensor: a ShardedGrad refuses local norms
+            groups.setdefault((g.device, g.dtype), []).append(g.as_subclass(torch.Tensor))
+    norms: list[torch.Tensor] = []
+    for (dev, _), gs in groups.items():
+        if foreach or (foreach is None and dev.type in ("cpu", "cuda")):
+            norms += [n.to(device) for n in torch._foreach_norm(gs, p, dtype=acc)]
+        else:
+            norms += [torch.linalg.vector_norm(g, p, dtype=acc).to(device) for g in gs]
+    if not norms:
+        return torch.zeros((), dtype=acc, device=device)
+    stacked = torch.stack(norms)
+    return stacked.max() if math.isinf(p) else stacked.pow(p).sum()
+
+
+def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) -> torch.Tensor:
+    # Decided from the parameters, which every rank holds alike (placeholders included),
+    # never from the grads, which only some ranks have: the all-reduce must match.
+    acc = torch.float64 if any(q.dtype == torch.float64 for q in params) else torch.float32
+    plain_grads = [q.grad for q in plain if q.grad is not None]
+    if root is None:  # nothing sharded: torch's own result, same reduction
+        device = plain_grads[0].device if plain_grads else torch.device("cpu")
+        stat = _local_stat(plain_grads, p, acc, device, foreach)
+        return stat if math.isinf(p) else stat.pow(1.0 / p)
+    device = sharded[0].device
+    counted = [q.grad for q in sharded if q.grad is not None
+               and (root.groups.replica == 0 or placement_of(q).owner is not None)]
+    local = _local_stat(counted, p, acc, device, foreach)
+    if math.isinf(p):
+        # A MAX all-reduce need not propagate NaN (max(nan, x) may give x), so NaN travels
+        # as a separate flag in the same call.
+        nan = local.isnan()
+        buf = torch.stack([torch.where(nan, torch.zeros_like(local), local), nan.to(acc)])
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=root.groups.world)
+        total = torch.where(buf[1] > 0, torch.full_like(buf[0], math.nan), buf[0])
+        return torch.maximum(total, _local_stat(plain_grads, p, acc, device, foreach))
+    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=root.groups.world)
+    return (local + _local_stat(plain_grads, p, acc, device, foreach)).pow(1.0 / p)
+
+
+def _nonfinite(params, sharded, plain, root) -> list[str]:
+    names = []
+    if root is not None:
+        order = list(root.plan.placements)  # one fixed order on every rank: the plan's
+        index = {name: i for i, name in enumerate(order)}
+        flags = torch.zeros(len(order), dtype=torch.int32, device=sharded[0].device)
+        for q in sharded:
+            if q.grad is not None and q.grad.numel():
+                flags[index[placement_of(q).spec.name]] = (~torch.isfinite(q.grad).all()).to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=root.groups.world)
+        names = [order[i] for i in flags.nonzero().flatten().tolist()]
+    for i, q in enumerate(params):  # replicated: the same verdict on every rank, no collective
+        if (placement_of(q) is None and q.grad is not None
+                and not bool(torch.isfinite(q.grad).all())):
+            names.append(f"<parameter {i} of shape {tuple(q.shape)} (not sharded)>")
+    return names
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the global gradient of a MatrixFSDP model.
+
+    A collective: every rank of the model's process group must call it, with the same
+    parameters (``model.parameters()``: placeholders included). Each element of the
+    global gradient counts once: a Muon matrix on its owner, each row slice on the rank
+    holding it. Parameters that are not MatrixFSDP shards are taken to be replicated
+    (identical grads on every rank) and count once. Parameters without ``.grad`` are
+    skipped. Costs one all-reduce of one scalar (two for ``norm_type=inf``).
+
+    Args:
+        parameters: tensors whose ``.grad`` is clipped in place.
+        max_norm: grads are scaled by ``min(1, max_norm / (total_norm + 1e-6))``.
+        norm_type: p > 0 of the p-norm, or ``inf``.
+        error_if_nonfinite: raise ``RuntimeError`` (on every rank together) if the total
+            norm is NaN or inf, naming the parameters whose gradients are not finite.
+        foreach: as in torch; None picks the foreach kernels on CPU and CUDA.
+    Returns:
+        The total norm, a 0-d tensor on the shards' device, identical on every rank.
+        Accumulated and returned in float32 (float64 if a parameter is float64), also
+        for bf16 grads, where torch returns a bf16 norm.
+    """
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    params, sharded, plain, root = _split(parameters)
+    total = _total_norm(params, sharded, plain, root, p, foreach)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):  # same verdict on every rank
+        names = _nonfinite(params, sharded, plain, root)
+        where = (f"non-finite gradients: {', '.join(names)}" if names else
+                 "every gradient is finite: the norm overflowed")
+        raise RuntimeError(
+            f"The total norm of order {p} for gradients from `parameters` is non-finite, so "
+            "it cannot be clipped. To disable this error and scale the gradients by the "
+            f"non-finite norm anyway, set `error_if_nonfinite=False` ({where})")
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: _Params, norm_type: float = 2.0,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """The global gradient norm alone (``clip_grad_norm_`` without the scaling): the same
+    0-d tensor on every rank. A collective. With torch's
+    ``torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)`` on the local grads it
+    makes the split form of clipping, which lets a non-finite norm skip the step before any
+    gradient is scaled by it::
+
+        norm = mf.total_grad_norm(model.parameters())
+        if not torch.isfinite(norm):           # the norm is global: all ranks agree
+            log.warning("skipping step: %s", mf.nonfinite_grad_names(model.parameters()))
+            opt.zero_grad()
+            continue
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+    """
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    params, sharded, plain, root = _split(parameters)
+    return _total_norm(params, sharded, plain, root, p, foreach)
+
+
+@torch.no_grad()
+def nonfinite_grad_names(parameters: _Params) -> list[str]:
+    """Names of the parameters whose gradient holds a NaN or inf on any rank.
+
+    A collective (one all-reduce of one int32 flag per planned parameter), returning the
+    same list on every rank: sharded parameters by name, in plan order, then any
+    non-sharded ones by position in ``parameters``. Call it before any clipping scales
+    the gradients by a non-finite norm (see :func:`total_grad_norm`)."""
+    return _nonfinite(*_split(parameters))

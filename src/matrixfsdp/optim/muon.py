@@ -1,0 +1,332 @@
+"""Muon on whole owned matrices and AdamW on even shards, in one ``torch.optim.Optimizer``.
+
+Every Muon matrix lives whole on its owner, whose gradient is already the full average
+over ranks, so ``step()`` is local: no collective of any kind. On other ranks the matrix
+is an empty placeholder without a gradient, which the step skips; momentum therefore
+lives only on the owner. An expert stack ``(experts, m, n)`` is held as a ``(k, m, n)``
+tensor of k whole experts per rank; its NS runs batched over those k experts, each
+normalised and orthogonalised on its own, exactly as k separate matrices. AdamW is
+element-wise, so it runs unchanged on row shards.
+
+Every option ``torch.optim.Muon`` and ``torch.optim.AdamW`` have behaves as there (a Tensor
+lr, named parameters, AdamW's ``amsgrad`` and ``maximize``, a ``step`` loaded as a Python
+float) or is refused (``capturable``, ``differentiable``, unknown keys: ``optim_groups``).
+A scheduler that cycles momentum (OneCycleLR / CyclicLR ``cycle_momentum``) writes
+``momentum`` into every group, as for an optimizer whose defaults have ``momentum``: Muon
+groups use it as Muon's momentum, AdamW groups as beta1, which is what two torch optimizers
+(Muon and AdamW) would each get from their own scheduler.
+
+The state-dict checks (same world size and plan) are in ``optim_state``; other
+optimizers under MatrixFSDP (``matrix_params``, the element-wise guard) in ``matrix_optim``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.optim.adam import adam as _adam
+from torch.optim.optimizer import _to_scalar
+
+from ..runtime.checks import check_optimizer_step, register_elementwise
+from ..runtime.fully_shard import plan_params
+from ..runtime.param import sharded_param
+from .groups import (
+    ADAMW_DEFAULTS,
+    MUON_DEFAULTS,
+    check_adamw_group,
+    check_muon_group,
+    check_options,
+    check_planned_together,
+    muon_param_groups,
+    split_named,
+)
+from .plan_stamp import PLAN_KEYS, check_loadable, plan_digest, world_size
+from .plan_stamp import param_name as _name
+
+__all__ = ["MUON_DEFAULTS", "STATE_KEYS", "Muon", "adjusted_lr", "check_optimizer_step",
+           "muon_param_groups", "zeropower_via_newtonschulz"]
+_plan_digest = plan_digest  # the name tests knew
+
+# Optimizer state per parameter, by kind: what ``_muon_step`` / ``_adamw_step`` keep
+# (AdamW with ``amsgrad`` also ``max_exp_avg_sq``).
+STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+
+
+def zeropower_via_newtonschulz(g: torch.Tensor, coefficients: tuple[float, float, float],
+                               steps: int, eps: float,
+                               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximately orthogonalise the ``m x n`` matrix ``g`` (``torch.optim.Muon``'s NS),
+    or each matrix of a ``(k, m, n)`` stack (batched, each matrix on its own).
+
+    Runs in ``dtype`` on the wide orientation: Frobenius-normalise, then ``steps`` quintic
+    iterations ``X <- aX + (bA + cA^2) X`` with ``A = X X^T``. Returns a tensor of ``g``'s
+    shape in ``dtype``; ``g`` is not modified.
+    """
+    return _newton_schulz_(g.to(dtype, copy=True), coefficients, steps, eps)
+
+
+def _newton_schulz_(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                    eps: float) -> torch.Tensor:
+    """NS on ``x``, which the caller hands over (it is normalised in place)."""
+    a, b, c = coefficients
+    wide = x.size(-2) <= x.size(-1)
+    if not wide:
+        x = x.mT
+    if x.dim() == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:  # (k, m, n) experts: one batched NS, each expert with its own norm
+        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(steps):
+            gram = torch.bmm(x, x.mT)
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x if wide else x.mT
+
+
+def adjusted_lr(lr: float | torch.Tensor, adjust_lr_fn: str | None,
+                shape: torch.Size) -> float | torch.Tensor:
+    """Muon's per-matrix lr: "original" ``lr*sqrt(max(1, m/n))``, "match_rms_adamw"
+    ``0.2*lr*sqrt(max(m, n))``, with ``(m, n)`` the last two dims (one expert of a
+    ``(k, m, n)`` stack). Needs the whole matrix's shape, never a shard's."""
+    m, n = shape[-2:]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, m / n))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(m, n))
+    else:
+        raise ValueError(f"unknown adjust_lr_fn {adjust_lr_fn!r}")
+    return lr * ratio  # as torch rounds it: the ratio first (a 0-d Tensor lr stays one)
+
+
+# Optimizer state per parameter, by kind: what ``_muon_step`` / ``_adamw_step`` keep
+# (AdamW with ``amsgrad`` also ``max_exp_avg_sq``).
+STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for the ``use_muon=True`` groups, AdamW for the ``use_muon=False`` ones.
+
+    Muon groups take ``torch.optim.Muon``'s options and defaults (lr, weight_decay,
+    momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) plus ``ns_dtype``
+    (bf16 like torch; float32 for tight checks). A Muon parameter may be 2-D or a 3-D
+    ``(experts, m, n)`` stack, which is stepped as ``experts`` separate matrices.
+    AdamW groups take ``torch.optim.AdamW``'s (lr, betas, eps, weight_decay, amsgrad,
+    maximize, foreach, fused; ``capturable`` and ``differentiable`` only False);
+    constructor defaults for them are the ``adamw_`` keywords. With ``foreach`` and
+    ``fused`` both None (the default) the kernel is the one ``torch.optim.AdamW`` picks for
+    these tensors' device, so the result equals its default path bit for bit. A group's own
+    values win, as in every torch optimizer; a key that is no option of its kind is refused.
+    """
+
+    def __init__(self, params: Iterable[dict], *, lr: float | torch.Tensor = 1e-3,
+                 weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
+                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
+                 ns_dtype: torch.dtype = torch.bfloat16, adamw_lr: float | torch.Tensor = 1e-3,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float = 1e-2, adamw_amsgrad: bool = False,
+                 adamw_maximize: bool = False, adamw_foreach: bool | None = None,
+                 adamw_capturable: bool = False, adamw_differentiable: bool = False,
+                 adamw_fused: bool | None = None):
+        self._kind_defaults = {
+            True: dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                       ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                       adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype),
+            False: dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                        weight_decay=adamw_weight_decay, amsgrad=adamw_amsgrad,
+                        maximize=adamw_maximize, foreach=adamw_foreach,
+                        capturable=adamw_capturable, differentiable=adamw_differentiable,
+                        fused=adamw_fused),
+        }
+        assert self._kind_defaults[True].keys() == MUON_DEFAULTS.keys()
+        assert self._kind_defaults[False].keys() == ADAMW_DEFAULTS.keys()
+        self._ns_buffers: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> NS input
+        groups = list(params)
+        if not groups or not all(isinstance(g, dict) for g in groups):
+            raise ValueError("matrixfsdp.Muon takes parameter groups (dicts) with a 'use_muon' "
+                             "flag; build them with matrixfsdp.muon_param_groups(model)")
+        check_planned_together([p for g in groups for p in split_named(g["params"])[0]])
+        super().__init__(groups, {})
+        self.defaults = {**self._kind_defaults[True],
+                         **{f"adamw_{k}": v for k, v in self._kind_defaults[False].items()}}
+
+    def _ns_input(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(like.shape), dtype, like.device)
+        if key not in self._ns_buffers:
+            self._ns_buffers[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
+        return self._ns_buffers[key]
+
+    def add_param_group(self, param_group: dict) -> None:
+        if "use_muon" not in param_group:
+            raise ValueError("every matrixfsdp.Muon parameter group needs 'use_muon': True "
+                             "(Muon) or False (AdamW)")
+        use_muon = bool(param_group["use_muon"])
+        check_options(param_group, use_muon, f"matrixfsdp.Muon parameter group {len(self.param_groups)}")
+        group = dict(param_group)
+        tensors, names = split_named(group["params"])
+        tensors = plan_params(tensors)
+        group["params"] = tensors if names is None else list(zip(names, tensors))
+        for k, v in self._kind_defaults[use_muon].items():
+            group.setdefault(k, v)
+        (check_muon_group if use_muon else check_adamw_group)({**group, "params": tensors})
+        super().add_param_group(group)
+
+    def state_dict(self) -> dict:
+        """torch's state dict of this rank's state (parameters by index), each param group
+        also recording the world size and the digest of its parameters' plan (``PLAN_KEYS``)."""
+        sd = super().state_dict()
+        world = world_size(p for g in self.param_groups for p in g["params"])
+        if world is not None:
+            for saved, group in zip(sd["param_groups"], self.param_groups):
+                saved.update(mf_world_size=world, mf_plan=plan_digest(group["params"]))
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's ``load_state_dict``, once the state is known to fit this rank: the same
+        groups (sizes, ``use_muon``), the same world size and plan where recorded, and every
+        tensor of this rank's shape (momentum only where this rank holds the matrix). Else
+        a ``ValueError`` naming the parameter, this rank and the shapes, before anything is
+        loaded. The check reads the state dict only, so every rank decides alike where the
+        world size or plan differs, those whose own tensors happen to fit included."""
+        check_loadable(self, state_dict, STATE_KEYS)
+        groups = [{k: v for k, v in g.items() if k not in PLAN_KEYS} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
+    def __setstate__(self, state: dict) -> None:
+        """As ``torch.optim.AdamW``: an AdamW ``step`` loaded as a Python number becomes the
+        0-d tensor the step expects."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            if group.get("use_muon", True):
+                continue
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" in st and not torch.is_tensor(st["step"]):
+                    st["step"] = _step_tensor(float(st["step"]), p, group)
+
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create, for every trainable parameter this rank holds elements of and that has no
+        state yet, the state its first step would create (``_init_state``). Parameters are
+        not touched. torch's ``get_state_dict`` gets the same from a step with zero
+        gradients and lr 0; ``matrixfsdp.get_state_dict`` calls this so that a fresh
+        optimizer has tensors to load a checkpoint into."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p.numel() and not self.state.get(p) and _steps_here(p):
+                    _init_state(self.state[p], p, group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        lr = _to_scalar(group["lr"])  # a Tensor lr stays a (0-d) tensor, as in torch
+        for p in group["params"]:
+            if p.grad is None or not p.numel():  # a non-owner's placeholder, or empty
+                continue
+            grad = p.grad
+            if grad.is_sparse or torch.is_complex(p):
+                raise RuntimeError(f"Muon does not support sparse or complex parameter {_name(p)}")
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                _init_state(state, p, group)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - group["momentum"])
+            # The Nesterov update is written straight in the NS dtype into a buffer reused
+            # across steps: the lerp is computed in full precision and rounded once on
+            # store, bit for bit torch's ``grad.lerp(buf, m).bfloat16()``, minus one
+            # full-precision pass and a fresh matrix-sized allocation per step.
+            x = self._ns_input(grad, group["ns_dtype"])
+            if group["nesterov"]:
+                torch.lerp(grad, buf, group["momentum"], out=x)
+            else:
+                x.copy_(buf)
+            update = _newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            p.mul_(1 - lr * group["weight_decay"])
+            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+
+    def _adamw_step(self, group: dict) -> None:
+        # foreach/fused None: torch's functional ``adam`` makes torch.optim.AdamW's default
+        # choice itself (foreach where every tensor is on a foreach device, e.g. CUDA; the
+        # per-tensor loop otherwise, e.g. CPU). The two differ in low-precision rounding.
+        if "momentum" in group:  # a momentum-cycling scheduler's beta1 (module docstring)
+            group["betas"] = (group["momentum"], *group["betas"][1:])
+        amsgrad = group["amsgrad"]
+        params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None or not p.numel():  # nothing to update, so no state either
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"AdamW does not support sparse gradients ({_name(p)})")
+            state = self.state[p]
+            if not state or (amsgrad and "max_exp_avg_sq" not in state):
+                _init_state(state, p, group)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            if amsgrad:
+                max_sqs.append(state["max_exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        _adam(
+            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps, foreach=group["foreach"],
+            capturable=False, differentiable=False, fused=group["fused"], grad_scale=None,
+            found_inf=None, has_complex=any(torch.is_complex(p) for p in params),
+            decoupled_weight_decay=True, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
+            lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+            maximize=group["maximize"])
+
+
+register_elementwise(Muon)  # Muon on whole matrices, AdamW on row shards: exact anywhere
+
+
+def _step_tensor(value: float, p: torch.Tensor, group: dict) -> torch.Tensor:
+    """AdamW's ``step`` as torch.optim.Adam keeps it (fused: float32 on the device)."""
+    if group.get("fused"):
+        return torch.tensor(value, dtype=torch.float32, device=p.device)
+    return torch.tensor(value, dtype=_scalar_dtype())
+
+
+def _init_state(state: dict, p: torch.Tensor, group: dict) -> None:
+    """The state a parameter's first step creates (as torch.optim.Muon / Adam._init_group):
+    a zero ``momentum_buffer`` (Muon); ``step`` 0, zero ``exp_avg`` / ``exp_avg_sq`` and,
+    with ``amsgrad``, ``max_exp_avg_sq`` (AdamW). Keys already there are kept."""
+    def zeros() -> torch.Tensor:
+        return torch.zeros_like(p, memory_format=torch.preserve_format)
+    if group["use_muon"]:
+        state.setdefault("momentum_buffer", zeros())
+        return
+    if "step" not in state:
+        state["step"] = _step_tensor(0.0, p, group)
+        state["exp_avg"], state["exp_avg_sq"] = zeros(), zeros()
+    if group.get("amsgrad"):
+        state.setdefault("max_exp_avg_sq", zeros())
+
+
+def _steps_here(p: torch.Tensor) -> bool:
+    """HSDP: False for a matrix this rank holds but another replica steps (no state here)."""
+    info = sharded_param(p)
+    return info is None or info.steps_here()
+
+
+def _scalar_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

@@ -1,0 +1,283 @@
+"""Set-up checks: silent divergence caught before the first step.
+
+* :func:`check_same_init`: ranks whose models were initialised differently (another seed)
+  would each shard their own values, and training would mix them silently. One small
+  all-gather of two int64 digests per parameter finds the first parameter that differs;
+  ``sync=True`` broadcasts rank 0's values instead. Runs on the full (unsharded) tensors,
+  so at ``fully_shard`` time, before the shards are cut. Meta tensors (a model built on the
+  meta device and initialised by ``matrixfsdp.init_weights``) are skipped.
+* :func:`check_unsharded_trainable` / :func:`check_optimizer_params`: a trainable parameter
+  outside every unit (a module added after ``fully_shard``) gets no gradient reduce, so each
+  rank would train its own copy.
+* :func:`check_saved_names`: a model-only load compares the saved names with the model's,
+  both ways.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .param import root_of, sharded_param
+from .unit import Unit
+
+_SHOWN = 5
+
+
+def _digest(t: torch.Tensor) -> torch.Tensor:
+    """Two int64 sums over the bits of ``t`` (all elements; every other element), on its
+    device: equal tensors give equal digests, differently seeded ones differ."""
+    flat = t.detach().contiguous().view(-1)
+    nbytes = flat.numel() * flat.element_size()
+    bits = flat.view(torch.uint8)
+    if nbytes % 4 == 0:
+        bits = bits.view(torch.int32)
+    elif nbytes % 2 == 0:
+        bits = bits.view(torch.int16)
+    return torch.stack([bits.sum(dtype=torch.int64), bits[1::2].sum(dtype=torch.int64)])
+
+
+def check_same_init(named_params: Iterable[tuple[str, torch.Tensor]], group: Any = None, *,
+                    sync: bool = False) -> int:
+    """Raise ``ValueError`` on every rank of ``group`` (default: the world) naming the first
+    parameter whose initial values differ between ranks; with ``sync=True`` copy rank 0's
+    values into every rank's tensors instead (a broadcast per parameter). Meta tensors are
+    skipped. A collective (two tiny all-gathers: the count, then ``2 x P`` int64 digests).
+    Returns the number of parameters compared (or synced).
+
+    Call it on the full tensors before sharding, e.g. ``check_same_init(
+    model.named_parameters(), mesh_world_group)``.
+    """
+    named = [(n, p) for n, p in named_params if not p.is_meta]
+    if not dist.is_initialized() or dist.get_world_size(group) == 1 or not named:
+        return len(named)
+    if sync:
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        with torch.no_grad():
+            for _, p in named:
+                dist.broadcast(p.data, src=src, group=group)
+        return len(named)
+    device = named[0][1].device
+    world = dist.get_world_size(group)
+    count = torch.tensor([len(named)], dtype=torch.int64, device=device)
+    counts = [torch.empty_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    if len({int(c) for c in counts}) > 1:
+        raise ValueError("matrixfsdp: ranks hold different numbers of parameters at set-up ("
+                         + ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts))
+                         + "); every rank must build the same model")
+    mine = torch.stack([_digest(p) for _, p in named])
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    for i, (name, _) in enumerate(named):
+        differ = [r for r in range(1, world) if not torch.equal(rows[r][i], rows[0][i])]
+        if differ:
+            raise ValueError(
+                f"matrixfsdp: parameter '{name}' differs between ranks at set-up (ranks "
+                f"{differ} hold other initial values than rank 0): seed every rank alike before "
+                "building the model (torch.manual_seed), load the same weights everywhere, or "
+                "ask for rank 0's values to be copied to every rank (sync=True)")
+    return len(named)
+
+
+def check_unsharded_trainable(model: nn.Module, unsharded: set[int] = frozenset()) -> None:
+    """Raise ``ValueError`` naming a trainable parameter of the sharded ``model`` that no
+    unit holds (a module added or a parameter replaced after ``fully_shard``): its gradient
+    would never be averaged over the ranks, so each rank would train its own copy.
+    ``unsharded``: ids of the units' unsharded parameters (registered while a unit is
+    gathered, e.g. between ``unshard()`` and ``reshard()``), which are the units' own."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and sharded_param(p) is None and id(p) not in unsharded:
+            raise ValueError(
+                f"matrixfsdp: parameter '{name}' {tuple(p.shape)} is trainable but belongs to no "
+                "MatrixFSDP unit (added after fully_shard?): its gradient would not be averaged "
+                "over the ranks and each rank would train its own copy. Build the whole model "
+                "before fully_shard, or freeze it (requires_grad_(False))")
+
+
+def _name_of(p: torch.Tensor, hint: torch.Tensor | None) -> str:
+    root = root_of(hint) if hint is not None else None
+    if root is not None:
+        for name, q in root.module.named_parameters():
+            if q is p:
+                return f"'{name}' {tuple(p.shape)}"
+    return f"of shape {tuple(p.shape)}"
+
+
+def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``ValueError`` if ``optimizer`` steps MatrixFSDP shards and also a trainable
+    parameter outside every unit (its gradient is this rank's alone). Optimizers over no
+    shard at all are not MatrixFSDP's business and pass."""
+    shard, outside = None, None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if sharded_param(p) is not None:
+                shard = shard if shard is not None else p
+            elif p.requires_grad and outside is None:
+                outside = p
+    if shard is not None and outside is not None:
+        raise ValueError(
+            f"matrixfsdp: {type(optimizer).__name__} holds parameter {_name_of(outside, shard)}, "
+            "which belongs to no MatrixFSDP unit (added after fully_shard?): its gradient is "
+            "not averaged over the ranks, so each rank would train its own copy. Build the "
+            "whole model before fully_shard")
+
+
+def check_args(mesh: DeviceMesh, reshard_after_forward: object, offload_policy: object,
+               independent_replicas: bool) -> None:
+    """Refuse what fully_shard does not support, naming what to do instead."""
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError(
+            f"matrixfsdp: offload_policy={type(offload_policy).__name__} (CPU offload) is not "
+            "supported; keep parameters on the accelerator, shard over more ranks, or use a "
+            "MixedPrecisionPolicy with bf16 param_dtype to cut memory")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"matrixfsdp: reshard_after_forward={reshard_after_forward!r}: only True, False or "
+            "None are supported (FSDP2's int, resharding to a smaller group after forward, is "
+            "not implemented here)")
+    if mesh.ndim not in (1, 2):
+        raise NotImplementedError(
+            f"matrixfsdp: fully_shard needs a 1-D mesh or a 2-D (replicate, shard) mesh for "
+            f"HSDP, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
+    check_mesh(mesh, independent_replicas)
+
+
+REPLICATE_DIM_NAMES = ("replicate", "dp_replicate", "dp", "ddp", "hsdp")
+
+
+def check_mesh(mesh: DeviceMesh, independent_replicas: bool = False) -> None:
+    """Refuse a 1-D slice of a larger mesh whose other dims include a data-parallel
+    replicate dim (``mesh["shard"]`` of a ``("replicate", "shard")`` mesh): the replicas
+    would train apart, silently. Pass the 2-D mesh for HSDP. Other parent dims (``pp``,
+    ``tp``, ``cp``, ``ep``: pipeline stages train other parameters) are allowed, with the
+    partial-mesh warning. The rule reads the parent mesh's dim names; a replicate dim
+    named otherwise is not recognised."""
+    if mesh.ndim != 1 or independent_replicas:
+        return
+    parent = mesh._get_root_mesh()
+    if parent is mesh or parent.ndim < 2 or not parent.mesh_dim_names:
+        return
+    others = [n for n in parent.mesh_dim_names if n not in (mesh.mesh_dim_names or ())]
+    bad = [n for n in others if n.lower() in REPLICATE_DIM_NAMES]
+    if bad:
+        raise ValueError(
+            f"matrixfsdp: the mesh is the {mesh.mesh_dim_names} slice of a mesh with dims "
+            f"{parent.mesh_dim_names}; over its {bad} dim the replicas would train apart (no "
+            "gradient averaging across them). For HSDP pass the 2-D mesh itself "
+            f"(mesh[{tuple(parent.mesh_dim_names)!r}] or the init_device_mesh result); to train "
+            "independent replicas on purpose pass independent_replicas=True")
+
+
+class OutsideForwardGuard:
+    """Forward pre-hook on a module holding parameters of ``unit`` (not the unit's own
+    module): refuse a call while those are registered as shards."""
+
+    def __init__(self, unit: Unit, module_name: str, attrs: list[tuple[str, int]]):
+        self.unit, self.module_name, self.attrs = unit, module_name, attrs
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():
+            return  # inside a compiled block: its unit's hooks ran (eagerly) already
+        unit = self.unit
+        for attr, i in self.attrs:
+            p = module._parameters.get(attr)
+            if p is not None and p is unit.sharded[i]:
+                info = sharded_param(p)
+                raise RuntimeError(
+                    f"matrixfsdp: {type(module).__name__} '{self.module_name}' was called "
+                    f"outside the forward of its unit '{unit.name}': its parameter "
+                    f"'{info.name}' is this rank's shard (shape {tuple(p.shape)} of "
+                    f"{tuple(info.placement.spec.shape)}) and would give wrong results. Call it "
+                    "from the model's forward, or register the method that calls it with "
+                    "matrixfsdp.register_fsdp_forward_method(unit_module, 'method'), or "
+                    "gather around the call: unit_module.unshard() ... unit_module.reshard()")
+
+
+def guard_unit(unit: Unit) -> None:
+    """Install :class:`OutsideForwardGuard` on every module holding ``unit``'s parameters
+    other than the unit's own module (which gathers in its own forward hook)."""
+    by_module: dict[int, tuple[nn.Module, list[tuple[str, int]]]] = {}
+    for (mod, attr), i in zip(unit.refs, unit.ref_param):
+        if mod is not unit.module:
+            by_module.setdefault(id(mod), (mod, []))[1].append((attr, i))
+    for mod, attrs in by_module.values():
+        name = sharded_param(unit.sharded[attrs[0][1]]).name.rpartition(".")[0]
+        unit.guards.append(mod.register_forward_pre_hook(OutsideForwardGuard(unit, name, attrs)))
+
+
+def unguard_unit(unit: Unit) -> None:
+    for h in unit.guards:
+        h.remove()
+    unit.guards.clear()
+
+
+# ---- the optimizer step: element-wise optimizers only on row shards ---------------------
+# Optimizers whose update of each element reads only that element's gradient and state
+# (plus scalars equal on every rank): exact on a row shard. matrixfsdp.Muon registers itself.
+_ELEMENTWISE: set[type] = {
+    getattr(torch.optim, n) for n in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adamax",
+                                      "NAdam", "RAdam", "ASGD", "Rprop", "SparseAdam")
+    if hasattr(torch.optim, n)}
+# Optimizers that read every parameter at once (L-BFGS: dot products over all of them).
+_GLOBAL: tuple[type, ...] = (torch.optim.LBFGS,)
+
+
+def register_elementwise(cls: type) -> type:
+    """Declare ``cls`` (a ``torch.optim.Optimizer`` subclass) element-wise, so that it may
+    step row shards: each element's update reads only that element's gradient and state
+    and scalars equal on every rank. Returns ``cls`` (usable as a class decorator).
+    Classes are matched exactly: a subclass of an element-wise class is not assumed to be
+    one (it may override ``step``), register it too."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise TypeError(f"register_elementwise takes a torch.optim.Optimizer subclass, got {cls!r}")
+    _ELEMENTWISE.add(cls)
+    return cls
+
+
+def is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer``'s class is on the element-wise allow-list."""
+    return type(optimizer) in _ELEMENTWISE
+
+
+def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ``RuntimeError`` if ``optimizer`` would step a MatrixFSDP row shard as if it
+    were the whole tensor: an optimizer not on the element-wise allow-list (see
+    :func:`register_elementwise`) holding a trainable parameter that the plan spreads over
+    several ranks (an even row shard, or an expert stack split by experts), or L-BFGS on any
+    sharded parameter at world size > 1. Called before the step moves anything.
+
+    Decided from placements and ``requires_grad`` only (never from gradients, which only
+    owners hold), so every rank holding the same optimizer raises alike. Whole matrices on
+    their owners (:func:`matrix_params`) are fine for any optimizer."""
+    if is_elementwise(optimizer):
+        return
+    glob = isinstance(optimizer, _GLOBAL)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            info = sharded_param(p)
+            if info is None or not p.requires_grad or not info.placement.spec.numel:
+                continue
+            pl = info.placement
+            world = len(pl.row_ranges) * info.root.groups.replicas
+            if glob and world > 1:
+                raise RuntimeError(
+                    f"matrixfsdp: {type(optimizer).__name__} reads all parameters at once, but "
+                    f"parameter '{pl.spec.name}' {pl.spec.shape} is spread over {world} ranks: it "
+                    f"would compute from this rank's piece {tuple(p.shape)} and differ from one "
+                    "process. Use matrixfsdp.Muon, or any optimizer on matrixfsdp.matrix_params")
+            if not glob and not pl.whole_on_one_rank:
+                raise RuntimeError(
+                    f"matrixfsdp: {type(optimizer).__name__} is not an element-wise optimizer, and "
+                    f"parameter '{pl.spec.name}' {pl.spec.shape} is sharded by rows over the ranks: "
+                    f"it would step it from this rank's piece {tuple(p.shape)} as if it were the "
+                    "whole tensor and differ from one process. Give it "
+                    "matrixfsdp.matrix_params(model) (the whole matrices this rank owns) and an "
+                    "element-wise optimizer (AdamW, SGD, ...) matrixfsdp.shard_params(model), or "
+                    "use matrixfsdp.Muon; if this class is element-wise, "
+                    "matrixfsdp.register_elementwise(it)")

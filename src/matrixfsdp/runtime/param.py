@@ -1,0 +1,155 @@
+"""One parameter under MatrixFSDP: where it lives and which unit moves it.
+
+FSDP2 keeps an ``FSDPParam`` per parameter; this is ours. Every module that needs to know
+something about a sharded parameter (the optimizer, clipping, checkpoints, init) asks
+:func:`sharded_param` and reads the answer; nothing else reads attributes off tensors.
+
+* a **sharded** parameter (what ``model.parameters()`` holds after ``fully_shard``) maps
+  to its :class:`ShardedParam`: the plan's :class:`~matrixfsdp.planning.types.Placement`, its index
+  in its unit, and the unit (whose ``root`` holds the groups, plan and counters);
+* a parameter of a unit not sharded yet maps to that unit (:func:`pending_unit`).
+
+Between backward and the optimizer step a shard's ``.grad`` is a :class:`ShardedGrad`: a
+plain tensor in every respect but one, a norm over it raises. That norm would be this
+rank's piece only, which is how ``torch.nn.utils.clip_grad_norm_`` goes silently wrong
+(FSDP2's DTensor grads make torch's function global; ours refuse it on every rank, before
+any gradient is scaled). The step pre-hook hands the optimizer plain tensors again.
+
+Sharding keeps the ``nn.Parameter`` objects: each original becomes its shard (its data
+rebound to a view of the unit's storage), so a parameter list read at any time is right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..planning.types import Placement
+
+_INFO = "_mf_param"  # on a shard: its ShardedParam
+_WAITING_FOR = "_mf_waiting_for"  # on a parameter not sharded yet: the unit that will shard it
+
+
+@dataclass(eq=False)
+class ShardedParam:
+    """What MatrixFSDP knows about one sharded parameter."""
+
+    placement: Placement
+    unit: Any  # its Unit (unit.py); typed Any: this file sits below unit.py and root.py
+    index: int  # in the unit's parameter list
+
+    @property
+    def name(self) -> str:
+        """The fully qualified name under the root (the plan's name; tied ones share it)."""
+        return self.placement.spec.name
+
+    @property
+    def root(self) -> Any:
+        """The model's Root (root.py)."""
+        return self.unit.root
+
+    @property
+    def is_matrix(self) -> bool:
+        """A Muon matrix (or expert stack), stepped whole where this rank holds it."""
+        return self.placement.spec.muon
+
+    def steps_here(self) -> bool:
+        """Whether this rank's copy gets a gradient and is stepped (HSDP: a 2-D matrix only
+        in the replica that owns it)."""
+        return self.root.groups.steps_here(self.placement)
+
+
+def sharded_param(p: Any) -> ShardedParam | None:
+    """The :class:`ShardedParam` of a sharded parameter, None for any other tensor."""
+    return getattr(p, _INFO, None)
+
+
+def placement_of(p: Any) -> Placement | None:
+    """Where a sharded parameter lives (None for any other tensor)."""
+    info = getattr(p, _INFO, None)
+    return info.placement if info is not None else None
+
+
+def pending_unit(p: Any) -> Any:
+    """The unit that will shard parameter ``p`` (None once sharded, or never)."""
+    unit = getattr(p, _WAITING_FOR, None)
+    return unit if unit is not None and unit.root is None else None
+
+
+def root_of(p: Any) -> Any:
+    """The Root of a sharded parameter's model (None for any other tensor)."""
+    info = getattr(p, _INFO, None)
+    return info.root if info is not None else None
+
+
+def mark_pending(p: torch.Tensor, unit: Any) -> None:
+    setattr(p, _WAITING_FOR, unit)
+
+
+def mark_sharded(p: torch.Tensor, info: ShardedParam) -> None:
+    setattr(p, _INFO, info)
+
+
+def unmark_sharded(p: torch.Tensor, unit: Any) -> None:
+    """``p`` holds its full tensor again and waits for ``unit`` to shard it."""
+    if hasattr(p, _INFO):
+        delattr(p, _INFO)
+    setattr(p, _WAITING_FOR, unit)
+
+
+# torch's norm entry points (clip_grad_norm_ and get_total_norm use the first two).
+_NORMS = frozenset({torch._foreach_norm, torch.linalg.vector_norm, torch.linalg.norm,
+                    torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm})
+
+
+class ShardedGrad(torch.Tensor):
+    """The gradient of a sharded parameter, as backward leaves it: element-wise ops (scaling,
+    ``clip_grad_value_``, ``zero_``) work as on any tensor and return plain tensors; a norm
+    raises, naming the parameter, the rank and the global-norm functions to use instead."""
+
+    param_name: str
+    rank: int
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _NORMS:
+            grad = next(t for t in _tensors((*args, *(kwargs or {}).values()))
+                        if isinstance(t, ShardedGrad))
+            raise RuntimeError(
+                f"matrixfsdp: a norm ({getattr(func, '__name__', func)}) over the gradient of "
+                f"sharded parameter '{grad.param_name}' on rank {grad.rank} would see only "
+                "this rank's piece of it, so torch.nn.utils.clip_grad_norm_ / get_total_norm "
+                "would give each rank its own norm and clip by its own factor. Use "
+                "mf.clip_grad_norm_(model.parameters(), max_norm) or mf.total_grad_norm("
+                "model.parameters()) (torch's signatures, the global norm, one all-reduce); "
+                "for this rank's local value, take p.grad.as_subclass(torch.Tensor) first")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+def _tensors(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from _tensors(a)
+        elif isinstance(a, torch.Tensor):
+            yield a
+
+
+def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+    """Make ``grad`` the ``.grad`` of shard ``p``: a :class:`ShardedGrad` view of it where
+    the mesh has more than one rank (on one rank a local norm is the global one)."""
+    info = sharded_param(p)
+    spread = info is not None and info.root is not None and info.root.world_size > 1
+    if spread and not isinstance(grad, ShardedGrad):
+        grad = grad.as_subclass(ShardedGrad)
+        grad.param_name, grad.rank = info.name, info.root.groups.world_rank
+    p.grad = grad
+
+
+def release_grads(params) -> None:
+    """Before an optimizer step: each shard's ``.grad`` back to a plain tensor (same data)."""
+    for p in params:
+        if isinstance(p.grad, ShardedGrad):
+            p.grad = p.grad.as_subclass(torch.Tensor)

@@ -1,0 +1,213 @@
+"""The root of one sharded model: what all its units share, and the end of backward.
+
+One :class:`Root` per model, made when the root's ``fully_shard`` returns: the plan, the
+process groups and their :class:`~matrixfsdp.runtime.collectives.Comm`, the counters, HSDP's
+:class:`~matrixfsdp.runtime.hsdp.Replication`, the overlap :class:`~matrixfsdp.runtime.overlap.Schedule`,
+and whether a backward pass is running (between the first pre-backward hook and the
+end-of-backward callback).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..planning.types import Plan
+from .checks import check_optimizer_params, check_optimizer_step, check_unsharded_trainable
+from .collectives import Comm, CommStats
+from .debug import CollectiveCheck
+from .hsdp import MeshGroups, Replication
+from .layout import UnitLayout
+from .overlap import Schedule
+from .param import release_grads, sharded_param
+from .unit import Unit
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
+
+
+class Root:
+    """State shared by all units of one model (the root unit first, in pre-order)."""
+
+    def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh,
+                 groups: MeshGroups, debug: bool = False, overlap: bool = True):
+        self.module, self.units, self.plan, self.mesh = module, units, plan, mesh
+        # HSDP: ``rank`` is this rank in the shard group (where the buffers are split);
+        # ``groups`` adds the replicate group and the whole world.
+        self.groups = groups
+        self.group, self.rank = groups.shard, groups.shard_rank
+        self.world_size = mesh.size()
+        self.stats = CommStats()
+        self.comm = Comm(groups.shard, self.stats)
+        self.replication = Replication(
+            groups, Comm(groups.replicate, self.stats, "replicate_") if groups.replicas > 1 else None)
+        self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
+        self.in_backward = False
+        self.forward_open = False  # the root unit's forward started and has not returned
+        self.need_check = True  # check_registered at the next root forward
+        self.check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
+            if debug and self.world_size > 1 else None
+        self.schedule = Schedule(enabled=overlap, polling=self.check is None)
+        self.hooks: list = []  # removable handles (the optimizer step pre-hook)
+
+    def install_step_hook(self) -> None:
+        """Register, for as long as this root lives, an optimizer step pre-hook (torch's
+        public registry, so it sees every optimizer, ours or not): refuse what would
+        silently differ from one process (:func:`~matrixfsdp.runtime.checks.check_optimizer_step`:
+        a non-element-wise optimizer on row shards; a trainable parameter outside every
+        unit), then the step's bookkeeping (:meth:`before_step`, :meth:`mark_stepped`) and
+        plain-tensor gradients for the optimizer. :meth:`close` removes it."""
+        root_ref = weakref.ref(self)
+
+        def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+            r = root_ref()
+            if r is None:
+                return
+            check_optimizer_params(optimizer)
+            check_optimizer_step(optimizer)
+            r.before_step()  # unsharded copies kept past backward would go stale
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            r.mark_stepped(params)
+            release_grads(params)  # the optimizer's own norms (per matrix, on its owner) are right
+        self.hooks.append(register_optimizer_step_pre_hook(hook))
+        weakref.finalize(self, self.hooks[-1].remove)
+
+    def close(self) -> None:
+        """Remove this root's global hooks (its units were unsharded or re-planned)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+    def pre_forward(self) -> None:
+        """The root unit's forward starts (a new step, or an eval forward)."""
+        self.forward_open = True
+        if self.need_check:  # once per training step (each eval forward)
+            self.check_registered()
+            self.need_check = not torch.is_grad_enabled()
+        if self.schedule.enabled:  # HSDP: every broadcast travels while forward runs
+            self.start_broadcasts()
+
+    def check_registered(self) -> None:
+        """Raise if a parameter no longer views this root's storage: ``model.to_empty``,
+        ``.to(device or dtype)``, ``.half()`` after ``fully_shard`` replace the tensors (or
+        their storage), and training would silently go on with the old ones."""
+        check_unsharded_trainable(self.module, {id(p) for u in self.units for p in u.unsharded})
+        for u in self.units:
+            base = u.local.untyped_storage().data_ptr()
+            for (mod, attr), i in zip(u.refs, u.ref_param):
+                p, sp = mod._parameters.get(attr), u.sharded[i]
+                if (p is not sp and p is not u.unsharded[i]) or \
+                        (sp.numel() and sp.untyped_storage().data_ptr() != base):
+                    raise RuntimeError(
+                        f"matrixfsdp: parameter '{sharded_param(sp).name}' no longer views "
+                        "MatrixFSDP's storage: model.to_empty / .to / .half / load_state_dict("
+                        "assign=True) after fully_shard replaced it. Move or cast the model "
+                        "before fully_shard (or use a MixedPrecisionPolicy); for a model built "
+                        "on meta, call matrixfsdp.init_weights(model) instead of to_empty")
+
+    def before_collective(self, unit: Unit, phase: int, layout: UnitLayout | None = None) -> None:
+        if self.check is not None:
+            self.check(unit.index, phase, *((layout.numel, layout.digest) if layout else (0, 0)))
+
+    def start_broadcasts(self) -> None:
+        """HSDP: start broadcasting every matrix a replica stepped to the other replicas
+        (each unit's gather waits for its own)."""
+        for u in self.units:
+            u.start_broadcast()
+
+    def sync_replicas(self) -> None:
+        """HSDP: broadcast every matrix a replica stepped to the other replicas now, rather
+        than at its unit's next gather (before reading parameters outside forward)."""
+        self.start_broadcasts()
+        for u in self.units:
+            u.sync_replicas()
+
+    def mark_stepped(self, params) -> None:
+        """HSDP: an optimizer is about to step ``params``; the units of those this root's
+        replicas step apart must broadcast them before their next gather. Every rank steps
+        the same parameters (placeholders included), so every rank marks the same units."""
+        if not self.replication.enabled:
+            return
+        for p in params:
+            info = sharded_param(p)
+            if info is not None and info.root is self and info.unit.layout.has_replica_owned:
+                self.replication.mark_stepped(info.unit.index)
+
+    def step_failed(self, unit: Unit) -> bool:
+        """Whether the last forward or backward raised (and the caller caught it): a
+        backward pass that never reached its end-of-backward callback while no backward
+        runs now, or, at the root unit's forward, a root forward that never returned."""
+        if self.in_backward:
+            return torch._C._current_graph_task_id() == -1
+        return unit.index == 0 and self.forward_open
+
+    @torch.no_grad()
+    def recover(self) -> None:
+        """Leave the model as after a clean step, after a forward or backward raised.
+
+        Every rank runs this at the same point (the next forward or optimizer step), when
+        every rank raised at the same point (a check, an OOM retry): the gathers and reduces
+        in flight are the same on every rank and are waited for, in the same order, with
+        their follow-ups (gloo and NCCL cannot cancel them). A backward that raised leaves
+        gradients no rank can use: some of its reduces had landed, others were in flight,
+        and which ones differs per rank (a finished reduce is picked up when a rank polls),
+        so all of them are dropped, on every rank: every shard's ``.grad`` and every
+        gradient kept without sync becomes None, as ``zero_grad()`` would leave them (the
+        earlier micro-batches of that step included). A forward that raised leaves the
+        gradients of earlier backward passes as they were, as torch does. Gradients on
+        unsharded parameters are dropped; every unit is resharded, its step forgotten."""
+        failed_backward = self.in_backward
+        for unit in self.units:
+            unit.abandon(failed_backward)
+        self.schedule.finish_reduces()
+        for unit in self.units:
+            self.replication.finish_broadcast(unit.index)
+        if failed_backward:  # after the reduces: what they attached goes too
+            for unit in self.units:
+                for p in unit.sharded:
+                    p.grad = None
+        self.schedule.end_step()
+        self.in_backward = self.forward_open = False
+        self.need_check = True
+
+    def before_step(self) -> None:
+        """An optimizer is about to change the shards: drop the unsharded copies kept by
+        ``unshard()`` or ``set_reshard_after_backward(False)`` (gathered again when used)."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # stepping inside backward (optimizer-in-backward hooks)
+        if self.in_backward or self.forward_open:
+            self.recover()  # the step's forward or backward raised and was caught
+            return
+        for u in self.units:
+            if u.is_unsharded or u._gather is not None:
+                u.reshard()
+                u.register(u.sharded)
+
+    def queue_final_callback(self) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        # Units whose last call's post-backward did not fire (the root, whose input is token
+        # ids; a call whose inputs need no grad) reduce here, in a fixed order, so every
+        # rank issues the same collectives in the same order.
+        for unit in reversed(self.units):
+            unit.post_backward()
+        self.schedule.finish_reduces()  # every .grad is in place before backward() returns
+        for unit in self.units:  # a unit this forward did not use: its broadcast ends here
+            self.replication.finish_broadcast(unit.index)
+        for unit in self.units:
+            unit.end_backward()
+        self.schedule.end_step()
+        self.in_backward = False
+        self.need_check = True
+        if self.check is not None:
+            self.check.step += 1

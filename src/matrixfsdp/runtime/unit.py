@@ -1,0 +1,327 @@
+"""A communication unit (one ``fully_shard`` call): its hooks and the step's bookkeeping.
+
+FSDP2's ``FSDPState`` + the scheduling half of ``FSDPParamGroup``. The data movement is
+:class:`~matrixfsdp.runtime.storage.UnitStorage`'s; this file decides *when*. Per training step::
+
+    pre-forward    gather (if resharded), register the unsharded parameters
+    post-forward   register the shards again, free the unsharded storage if resharding
+    pre-backward   gather again (if it was freed)             [hook on the outputs]
+    post-backward  reduce the gradients to where the params live, free
+                   [autograd function on the inputs: fires when this call's backward is over]
+    end of backward (:class:`~matrixfsdp.runtime.root.Root`): any unit whose post-backward did not
+                   fire runs it now, in a fixed order, so every rank issues the same
+                   collectives in the same order.
+
+Backward bookkeeping: ``calls`` counts this step's forward calls whose inputs were routed
+through :class:`_PostBackward`; the unit reduces when as many of those have fired in this
+backward pass, or at the end of the pass. A unit called k times per step (weight sharing,
+two forwards before one backward) therefore reduces once, after its k-th call's backward;
+gradients left on the unsharded parameters at the end of a pass are reduced then, so
+several backward passes before a step accumulate exactly as in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..planning.types import MuonFilter
+from .collectives import Pending
+from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, REPLICATE_BROADCAST, REPLICATE_REDUCE
+from .layout import UnitLayout
+from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
+from .param import set_sharded_grad
+from .storage import UnitStorage
+
+
+def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
+    return [t for t in tensors_in(obj) if t.requires_grad]
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the inputs of one call of a unit; its backward runs when the gradients
+    of that call's inputs are done, i.e. when that call's backward is over."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *inputs: torch.Tensor):
+        ctx.unit = unit
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.unit.call_backward_done()
+        return (None, *grads)
+
+
+class Unit:
+    """One communication unit: the parameters of one ``fully_shard`` call that no inner
+    call holds. Created by ``fully_shard``; planned and sharded with all the other units
+    of its model when the root's ``fully_shard`` returns (:mod:`matrixfsdp.runtime.lazy_init`)."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
+                 muon_filter: MuonFilter | None, mp_policy: MixedPrecisionPolicy | None,
+                 debug: bool = False, overlap: bool = True, sync_module_states: bool = False):
+        self.module = module
+        self.sync_module_states = sync_module_states
+        self.mesh = mesh
+        self.reshard_after_forward = reshard_after_forward
+        self.muon_filter, self.mp_policy = muon_filter, mp_policy
+        self.debug, self.overlap = debug, overlap
+        self.root: Any = None  # the model's Root (root.py, which sits above this file)
+        self.name, self.index = "", 0  # in root.units
+        self.forward_prefetch: list[Unit] | None = None  # None: the recorded order decides
+        self.backward_prefetch: list[Unit] | None = None
+        # set when sharded
+        self.refs: list[tuple[nn.Module, str]] = []  # where parameters are registered
+        self.ref_param: list[int] = []  # refs[k] holds parameter ref_param[k] (tied: repeats)
+        self.layout: UnitLayout | None = None
+        self.precision: Precision | None = None
+        self.storage: UnitStorage | None = None
+        self.sharded: list[nn.Parameter] = []
+        self.unsharded: list[nn.Parameter] = []
+        self.needs_init = False  # built on meta: shards allocated, not yet initialised
+        # FSDP2's module methods (matrixfsdp.runtime.fully_shard.FSDPModule)
+        self.requires_gradient_sync = True  # False: keep the gradients unsharded, no reduce
+        self.reshard_after_backward = True
+        self.accumulated: list[torch.Tensor | None] = []  # unsynced grads, reduce dtype
+        self.pinned = False  # unshard() by the user: stays unsharded until reshard()
+        self.guards: list = []  # forward pre-hooks on the modules holding its parameters
+        self.reset_step()
+
+    def reset_step(self) -> None:
+        """Forget the step in progress: nothing gathered, no call pending."""
+        self._gather: Pending | None = None  # a gather in flight (prefetched)
+        self.is_unsharded = False
+        self.calls = 0  # forward calls this step that will report their backward
+        self.calls_done = 0  # of those, done in the current backward pass
+        self.new_step = False  # a backward pass ended since the last forward
+        self.backward_open = False  # gathered for its backward, post-backward not yet run
+
+    @property
+    def local(self) -> torch.Tensor:
+        return self.storage.local
+
+    # ---- parameter movement -----------------------------------------------------------
+    @torch.no_grad()
+    def prefetch(self, phase: int) -> None:
+        """Start this unit's gather without waiting for it (a no-op if it is gathered or
+        on its way)."""
+        if self.is_unsharded or self._gather is not None:
+            return
+        if not self.layout.numel:  # a unit may hold no parameter of its own
+            self._gather = Pending()
+            return
+        self.sync_replicas()  # HSDP: the matrices stepped last step, before they travel
+        self.root.before_collective(self, phase, self.layout)
+        self._gather = self.storage.start_unshard(self.root.comm)
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        if not self.is_unsharded:
+            if self._gather is not None:
+                self.root.schedule.counts["prefetched"] += 1
+            self.prefetch(BACKWARD_GATHER if self.backward_open else FORWARD_GATHER)
+            self._gather.wait()
+            self._gather = None
+            self.is_unsharded = True
+
+    def reshard(self) -> None:
+        self.pinned = False
+        if self._gather is not None:  # never free a buffer a gather still writes into
+            self._gather.wait()
+            self._gather = None
+        elif not self.is_unsharded:
+            return
+        self.storage.free()
+        self.is_unsharded = False
+
+    def register(self, params: list[nn.Parameter]) -> None:
+        for (mod, attr), i in zip(self.refs, self.ref_param):
+            mod._parameters[attr] = params[i]
+
+    def _use_unsharded(self) -> None:
+        for sp, up in zip(self.sharded, self.unsharded):  # a shard frozen after planning
+            if up.requires_grad != sp.requires_grad:
+                up.requires_grad_(sp.requires_grad)
+        self.register(self.unsharded)
+
+    # ---- HSDP ---------------------------------------------------------------------------
+    def start_broadcast(self) -> None:
+        """HSDP: start sending the matrices each replica stepped to the other replicas."""
+        rep = self.root.replication
+        if rep.enabled and self.layout.has_replica_owned and rep.is_stale(self.index):
+            self.root.before_collective(self, REPLICATE_BROADCAST, self.layout)
+            rep.start_broadcast(self.index, self.local, self.layout.replica_runs[self.root.rank])
+
+    def sync_replicas(self) -> None:
+        """HSDP: the matrices each replica stepped are on every replica when this returns."""
+        self.start_broadcast()
+        self.root.replication.finish_broadcast(self.index)
+
+    # ---- hooks --------------------------------------------------------------------------
+    def pre_forward(self, module, args, kwargs):
+        root = self.root
+        if root is None:
+            raise RuntimeError(f"matrixfsdp: {type(module).__name__} is a fully_shard unit whose "
+                               "root was never sharded; call fully_shard on the root module")
+        if self.needs_init:
+            raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
+                               "its shards are not initialised; call matrixfsdp.init_weights(model)")
+        if root.step_failed(self):
+            root.recover()  # the last forward or backward raised and the user caught it
+        if self.new_step:
+            self.calls, self.new_step = 0, False
+        recompute = root.in_backward and self.backward_open
+        if self.index == 0 and not recompute:
+            root.pre_forward()
+        self.unshard()
+        if not root.in_backward:
+            if not recompute:
+                root.schedule.record(self)
+            for unit in root.schedule.forward_targets(self):
+                unit.prefetch(FORWARD_GATHER)
+        self._use_unsharded()
+        if recompute:
+            # Activation checkpointing recomputes this unit's forward inside its backward
+            # (non-reentrant): the parameters are unsharded for backward already and this
+            # recomputed graph is only read for its saved tensors.
+            return args, kwargs
+        args, kwargs = self.precision.cast_forward_inputs(args, kwargs)
+        return self._route_inputs(args, kwargs)
+
+    def _route_inputs(self, args, kwargs):
+        """Pass this call's inputs through :class:`_PostBackward` (its backward is this
+        call's post-backward)."""
+        tensors = _tensors_requiring_grad((args, kwargs)) if torch.is_grad_enabled() else []
+        if not tensors:
+            return args, kwargs
+        self.calls += 1
+        outs = _PostBackward.apply(self, *tensors)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        new = {id(t): o for t, o in zip(tensors, outs)}
+        return tree_map_tensors(lambda t: new.get(id(t), t), (args, kwargs))
+
+    def post_forward(self, module, args, kwargs, output):
+        root = self.root
+        if root.in_backward and self.backward_open:
+            return output  # recomputation (see pre_forward): stay unsharded for backward
+        if self.index == 0:
+            root.forward_open = False
+        if self.pinned and not root.in_backward:
+            return self.precision.cast_output(output)  # unshard() by the user: kept
+        self.register(self.sharded)
+        output = self.precision.cast_output(output)
+        outs = _tensors_requiring_grad(output) if torch.is_grad_enabled() else []
+        for t in outs:
+            t.register_hook(self._pre_backward_hook)
+        # Inside backward (reentrant checkpointing recomputes here) the parameters are
+        # needed again right away: keep them.
+        if (self.reshard_after_forward or not outs) and not root.in_backward:
+            self.reshard()
+        return output
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        self.root.queue_final_callback()
+        if not self.backward_open:
+            self.backward_open = True
+            self.root.schedule.poll()  # HSDP: start the replicate-dim reduces that can start
+            self.unshard()
+            for unit in self.root.schedule.backward_targets(self):
+                unit.prefetch(BACKWARD_GATHER)
+            # Registered for backward too: code that re-runs the forward inside backward
+            # (activation checkpointing, transformers' included) must see full parameters.
+            self._use_unsharded()
+
+    def call_backward_done(self) -> None:
+        self.calls_done += 1
+        if self.calls_done >= self.calls:
+            self.post_backward()
+
+    @torch.no_grad()
+    def post_backward(self) -> None:
+        """Reduce the gradients accumulated on the unsharded parameters (if any) to where
+        each parameter lives, add them to the shards' ``.grad``, and reshard."""
+        grads = self._take_grads()
+        if not self.requires_gradient_sync:
+            self.accumulated = grads  # FSDP2's no-sync: accumulate unsharded, reduce later
+        elif any(g is not None for g in grads):
+            self._reduce(grads)
+        if self.reshard_after_backward:
+            self.reshard()
+        self.register(self.sharded)
+        self.backward_open = False
+
+    def _take_grads(self) -> list[torch.Tensor | None]:
+        """The unsharded parameters' gradients (cleared from them), plus those kept from
+        backward passes without gradient sync (in the reduce dtype, as FSDP2 keeps them)."""
+        grads = [p.grad for p in self.unsharded]
+        for p in self.unsharded:
+            p.grad = None
+        if self.accumulated or not self.requires_gradient_sync:
+            acc = self.accumulated or [None] * len(grads)
+            red = self.precision.reduce
+            grads = [a if g is None else g.to(red) if a is None else a.add_(g)
+                     for a, g in zip(acc, grads)]
+            self.accumulated = []
+        return grads
+
+    def _reduce(self, grads: list[torch.Tensor | None]) -> None:
+        root = self.root
+        # Frozen parameters do not travel (as in FSDP2). Every rank must freeze the same
+        # parameters (debug mode checks).
+        trainable = tuple(p.requires_grad for p in self.sharded)
+        lay, _ = self.layout.subset(trainable)
+        if not lay.numel:
+            return
+        root.before_collective(self, REDUCE, lay)
+        started = self.storage.start_reduce(root.comm, grads, trainable)
+        if self.reshard_after_backward:
+            self.reshard()  # the unsharded params are not needed any more
+        pending, out, lay, index = started
+        attach = self._attacher(out, lay, index)
+        if lay.replica_runs is None:
+            root.schedule.add_reduce(pending.then(attach))
+            return
+
+        def across_replicas() -> None:  # HSDP: then average over the replicas too
+            root.before_collective(self, REPLICATE_REDUCE, lay)
+            root.schedule.add_follow_up(root.replication.reduce_across(
+                out, lay.replica_runs[root.rank]).then(attach))
+        root.schedule.add_reduce(pending.then(across_replicas))
+
+    def _attacher(self, out: torch.Tensor, lay: UnitLayout, index: list[int]):
+        """Once the reduce is done: this rank's pieces of ``out`` become the shards' .grad."""
+        root, prec = self.root, self.precision
+
+        def attach() -> None:
+            grad = out.to(prec.orig) if prec.reduce != prec.orig else out
+            for j, i in enumerate(index):
+                p = self.sharded[i]
+                if not p.numel() or not root.groups.steps_here(lay.placements[j]):
+                    continue  # nothing here, or HSDP: another replica steps it
+                start = lay.shard_offset(j, root.rank)
+                view = grad[start:start + p.numel()].view(p.shape)
+                set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
+        return attach
+
+    @torch.no_grad()
+    def abandon(self, failed_backward: bool) -> None:
+        """A forward or backward that raised: finish the gather in flight (every rank
+        issued it), drop the unsharded gradients, reshard, forget the step. After a failed
+        backward, the gradients kept without sync go too (see ``Root.recover``)."""
+        for p in self.unsharded:
+            p.grad = None
+        if failed_backward:
+            self.accumulated = []
+        self.reshard()
+        if self.storage is not None:
+            self.register(self.sharded)
+        self.reset_step()
+
+    def end_backward(self) -> None:
+        """After every unit's final ``post_backward`` (which resharded it): a new pass."""
+        self.calls_done = 0
+        self.new_step = True

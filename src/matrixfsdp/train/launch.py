@@ -1,0 +1,236 @@
+"""Running ranks, shared by every entry point (``matrixfsdp train``, ``matrixfsdp bench``
+and the bench tools) and kept out of the CLI so that the benchmark can use it without
+importing it: the launcher (:func:`launch`: local processes, or in place under torchrun),
+the device a local rank runs on, waiting for that device before reading host clocks, and
+the argument type of ``--timeout`` (and ``--clip``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from ..state.integrity import CheckpointError
+from .exit import exit_rank
+
+DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of `train`, spawned and under torchrun alike
+STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to end before SIGKILL
+
+
+def device_for(local_rank: int) -> torch.device:
+    """The device of local rank ``local_rank``: GPU ``local_rank % count`` (made the current
+    device) when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so host clocks time it (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def positive_float(text: str) -> float:
+    """``argparse`` type: a finite number > 0 (seconds of a timeout, a clipping norm)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return v
+
+
+
+
+# ---- launching ---------------------------------------------------------------------------
+REPORT_DIR_ENV = "MATRIXFSDP_RANK_REPORTS"  # where spawned ranks leave their failure reports
+
+
+def failure_line(rank: int, exc: BaseException) -> str:
+    """``rank R failed: Type: first line of the message``: what a failed rank is known by."""
+    text = str(exc).strip().splitlines()
+    return f"rank {rank} failed: {type(exc).__name__}" + (f": {text[0]}" if text else "")
+
+
+def run_rank(fn, args, rank: int) -> NoReturn:
+    """``fn(args)`` on this rank, then leave (see _exit.py). On an exception the rank says
+    so first (``rank R failed: ...``, then the traceback; a
+    :class:`~matrixfsdp.state.integrity.CheckpointError`'s one line needs none), leaves a report
+    for the launcher (the time it failed, so the launcher names the first rank to fail,
+    not a peer that failed because of it) and exits 1 at once through ``exit_rank``: the
+    interpreter's normal exit after a failure (torch's error file, finalization with gloo's
+    worker threads alive) took about 7 s here while the other ranks hung."""
+    try:
+        fn(args)
+    except BaseException as e:  # noqa: BLE001 (reported, then the process ends)
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            dist.destroy_process_group()
+            exit_rank(0)
+        _report_failure(rank, e)
+        exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
+    dist.destroy_process_group()
+    exit_rank(0)  # finished: leave without interpreter finalization (see _exit.py)
+
+
+# What a rank's collective says when a peer died: a consequence, not a cause.
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote process exited", "communicator was aborted")
+
+
+def _report_failure(rank: int, exc: BaseException) -> None:
+    secondary = any(p in str(exc) for p in _LOST_PEER)
+    line = failure_line(rank, exc)
+    if secondary:  # one line: the peer that died is the story
+        line = f"rank {rank} stopped: it lost a peer ({line.split(': ', 1)[-1][:160]})"
+    tb = "" if secondary or isinstance(exc, CheckpointError) else "".join(traceback.format_exception(exc))
+    print(f"\n{line}\n{tb}", end="", file=sys.stderr, flush=True)
+    where = os.environ.get(REPORT_DIR_ENV)
+    if where:
+        try:
+            with open(os.path.join(where, f"rank{rank}.json"), "w") as f:
+                json.dump({"rank": rank, "time": time.time(), "line": line, "secondary": secondary}, f)
+        except OSError:
+            pass  # the launcher falls back to torch's exit status
+
+
+def first_failure(report_dir: str) -> dict | None:
+    """The report of the rank that failed first (earliest) of its own accord, or None if
+    none did (reports of ranks that only lost a peer do not count)."""
+    reports = []
+    for name in os.listdir(report_dir):
+        if name.startswith("rank") and name.endswith(".json"):
+            try:
+                with open(os.path.join(report_dir, name)) as f:
+                    reports.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+    reports = [r for r in reports if not r.get("secondary")]
+    return min(reports, key=lambda r: r["time"]) if reports else None
+
+
+def _killed(processes) -> tuple[int, int, str] | None:
+    """(index, pid, signal name) of a rank killed by a signal other than the launcher's own
+    SIGTERM (the OOM killer, ``kill -9``), if any."""
+    for i, p in enumerate(processes):
+        code = p.exitcode
+        if code is not None and code < 0 and -code != signal.SIGTERM:
+            return i, p.pid, signal.Signals(-code).name
+    return None
+
+
+def _spawned(rank: int, fn, world_size: int, init_file: str, args, timeout_s: float) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device_for(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    run_rank(fn, args, rank)
+
+
+class _Stopped(BaseException):
+    """The launcher received SIGTERM: stop the ranks, then exit 128 + signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_ranks(processes) -> None:
+    """SIGTERM every live rank, SIGKILL those still alive after :data:`STOP_GRACE_S`, reap all."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _join_ranks(ctx, prog: str, report_dir: str | None = None) -> None:
+    """Wait for every rank. The first rank to fail ends the others (torch's ``join`` does
+    that) and this launcher with a one-line error naming it (the earliest report of a rank
+    that raised; a rank killed by a signal by that signal); SIGTERM or Ctrl-C to the
+    launcher ends every rank before the launcher exits, so no rank outlives it."""
+    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+
+    def on_sigterm(signum, frame):
+        raise _Stopped(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
+    try:
+        while not ctx.join(timeout=1.0):
+            pass
+    except ProcessRaisedException as e:
+        print(e.msg.strip(), file=sys.stderr)  # the rank's own traceback
+        last = e.msg.strip().splitlines()[-1] if e.msg.strip() else "an exception"
+        raise SystemExit(f"{prog}: rank {e.error_index} (pid {e.error_pid}) failed: {last}; "
+                         "the other ranks were stopped") from None
+    except ProcessExitedException as e:
+        first = first_failure(report_dir) if report_dir and not e.signal_name else None
+        if first is not None:
+            raise SystemExit(f"\n{prog}: {first['line']}; the other ranks were stopped") from None
+        index, pid, how = e.error_index, e.error_pid, (
+            f"was killed by signal {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}")
+        killed = None if e.signal_name else _killed(ctx.processes)
+        if killed is not None:  # this rank only lost that peer
+            index, pid, how = killed[0], killed[1], f"was killed by signal {killed[2]}"
+        raise SystemExit(f"\n{prog}: rank {index} (pid {pid}) {how}; "
+                         "the other ranks were stopped") from None
+    except (KeyboardInterrupt, _Stopped) as e:
+        _stop_ranks(ctx.processes)
+        signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT
+        print(f"\n{prog}: stopped by {signal.Signals(signum).name}; all ranks ended", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def launch(fn, args, world_size: int, timeout_s: float | None = None) -> None:
+    """Run ``fn(args)`` on ``world_size`` ranks: in place under torchrun (RANK is set),
+    else as local processes (gloo on CPU, NCCL on CUDA). ``timeout_s`` (default
+    ``args.timeout``, else :data:`DEFAULT_TIMEOUT_S`) is the process group's timeout in both
+    cases: a collective waiting longer for a peer fails instead of hanging. A rank that
+    raises ends the run at once, named first (:func:`run_rank`)."""
+    if timeout_s is None:
+        timeout_s = getattr(args, "timeout", None) or DEFAULT_TIMEOUT_S
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        device_for(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        run_rank(fn, args, int(os.environ["RANK"]))
+    if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+        raise SystemExit(f"--ranks {world_size} needs {world_size} GPUs, found "
+                         f"{torch.cuda.device_count()}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        reports = os.path.join(tmp, "reports")
+        os.mkdir(reports)
+        os.environ[REPORT_DIR_ENV] = reports  # inherited by the spawned ranks
+        try:
+            ctx = torch.multiprocessing.start_processes(
+                _spawned, args=(fn, world_size, os.path.join(tmp, "init"), args, timeout_s),
+                nprocs=world_size, join=False, start_method="spawn")
+            _join_ranks(ctx, f"matrixfsdp {getattr(args, 'cmd', None) or 'launch'}", reports)
+        finally:
+            os.environ.pop(REPORT_DIR_ENV, None)

@@ -1,0 +1,277 @@
+"""The training loop of ``matrixfsdp train``, one rank's part: set-up, steps, checkpoints
+(``--save-every``, ``--resume``) and the final evaluation."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..optim.clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
+from ..optim.groups import muon_param_groups
+from ..optim.muon import Muon
+from ..runtime.fully_shard import comm_stats, plan_of, plan_report
+from ..state.files import AsyncCheckpoint, checkpoint_dir, load_checkpoint, save_checkpoint
+from ..state.state_dict import get_state_dict
+from .demo import batch_at, build_model, stdlib_corpus
+from .launch import device_for, sync
+from .report import _rss_mib, write_summary
+from .resume import saved_args
+
+STALL_SAVE_ENV = "MATRIXFSDP_TEST_STALL_SAVE"  # test only: the last rank stalls in the save of step N
+FAULT_ENV = "MATRIXFSDP_TEST_FAULT"  # test only: a rank raises or hangs at a step (_inject_fault)
+
+
+@dataclass
+class Run:
+    """What one rank trains with."""
+
+    args: Any
+    rank: int
+    world: int
+    device: torch.device
+    model: nn.Module
+    loss_fn: Any
+    opt: torch.optim.Optimizer
+    sched: Any
+    plan: Any
+    corpus: torch.Tensor
+    stats: Any
+
+
+@dataclass
+class History:
+    """Per-step figures (losses, norms, skips restored from a checkpoint on --resume)."""
+
+    losses: list[float] = field(default_factory=list)
+    norms: list[float] = field(default_factory=list)
+    skipped: list[dict] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    tok_s: list[float] = field(default_factory=list)
+    step_bytes: list[int] = field(default_factory=list)
+    step_calls: dict[str, int] = field(default_factory=dict)
+    rss_steps: list[int] = field(default_factory=list)
+    rss: list[float] = field(default_factory=list)
+    saves: list[Any] = field(default_factory=list)  # committed checkpoints
+    step_wall_ms: list[float] = field(default_factory=list)  # each whole step with its save's blocking part
+    save_steps: list[int] = field(default_factory=list)
+
+
+def clip_and_check(model: nn.Module, clip: float | None, skip_nonfinite: bool
+                   ) -> tuple[torch.Tensor | None, list[str] | None]:
+    """After backward: clip to the global grad norm ``clip`` (if given) and, with
+    ``skip_nonfinite``, say whether the step must be skipped. A collective.
+
+    Returns ``(norm, nonfinite)``: the global norm before clipping (None if neither option
+    is on), and None when the step may go ahead, else the names of the parameters with
+    non-finite gradients (the same list on every rank; empty if only the norm overflowed).
+    The names are read before any scaling: a non-finite norm would turn every gradient
+    into NaN when applied (torch's semantics), hiding which ones were bad."""
+
+
+    if clip is None and not skip_nonfinite:
+        return None, None
+    if not skip_nonfinite:  # a bad norm is applied, as in torch
+        return clip_grad_norm_(model.parameters(), clip).detach(), None
+    norm = total_grad_norm(model.parameters())  # global: every rank takes the same branch
+    if not torch.isfinite(norm):
+        return norm, nonfinite_grad_names(model.parameters())
+    if clip is not None:
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm)
+    return norm, None
+
+
+# ---- checkpoints (--save-every, --resume) -----------------------------------------------------
+def checkpoint_root(args) -> Path:
+    """Where ``train`` saves: ``<out>/checkpoints``."""
+    return Path(args.out) / "checkpoints"
+
+
+def _train_state(model, opt, sched, meta: dict) -> dict:
+    """What a `train` checkpoint holds: model and optimizer by name (DCP, any world size),
+    the lr schedule, and the run's history as a JSON string (step, losses, norms, skips)."""
+
+    return {**get_state_dict(model, opt), "sched": sched.state_dict(), "train": json.dumps(meta)}
+
+
+def _resume(run: Run) -> tuple[int, dict, Path | None]:
+    """Load the checkpoint the launcher chose (``args.resume_from``, its checksums verified
+    there: :func:`matrixfsdp.train.resume.plan_start`): (step to start at, history, checkpoint).
+    Saved at any world size; none chosen: step 0."""
+
+    found = getattr(run.args, "resume_from", None)
+    if found is None:
+        return 0, {}, None
+    state = load_checkpoint(run.model, run.opt, found, verify=False,
+                               extra={"sched": run.sched.state_dict(), "train": ""})
+    run.sched.load_state_dict(state["sched"])
+    meta = json.loads(state["train"])
+    if run.rank == 0:
+        print(f"resumed from {found} (step {meta['step']}, saved at {meta.get('world_size')} ranks; "
+              f"now {run.world})")
+    return int(meta["step"]), meta, Path(found)
+
+
+def _save(run: Run, meta: dict):
+
+
+    args, step = run.args, meta["step"]
+    stall = None
+    if os.environ.get(STALL_SAVE_ENV) == str(step) and run.rank == run.world - 1:
+        def stall() -> None:  # data written, not committed: the test kills this rank here
+            (Path(args.out) / "stalled_rank.pid").write_text(str(os.getpid()))
+            time.sleep(600)
+    return save_checkpoint(_train_state(run.model, run.opt, run.sched, meta),
+                              checkpoint_dir(checkpoint_root(args), step),
+                              before_commit=stall, async_save=getattr(args, "async_save", False),
+                              keep_last=getattr(args, "keep_last", None))
+
+
+def _inject_fault(run: Run, step: int) -> None:
+    """Test only (``MATRIXFSDP_TEST_FAULT=raise@R:S`` or ``hang@R:S``): rank R raises, or
+    hangs, at the start of step S."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, where = spec.split("@")
+    rank, at = (int(v) for v in where.split(":"))
+    if rank == run.rank and at == step:
+        if kind == "hang":
+            time.sleep(3600)
+        raise RuntimeError(f"injected fault at step {step}")
+
+
+def _report_save(bar, saved) -> None:
+    """One line per committed checkpoint (rank 0)."""
+    if dist.get_rank() == 0:
+        waited = saved.blocking_seconds
+        bar.write(f"checkpoint {saved.path}: {saved.bytes / 2**20:.2f} MiB in {saved.seconds:.2f} s"
+                  + (f" (the loop waited {waited:.2f} s)" if waited is not None and waited < saved.seconds
+                     else ""))
+
+
+# ---- the loop -------------------------------------------------------------------------------
+def _setup(args) -> Run:
+
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = device_for(int(os.environ.get("LOCAL_RANK", rank)))
+    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+    model, loss_fn = build_model(args, device, mesh)
+    opt = Muon(muon_param_groups(model, lr=args.lr, adamw_lr=args.adamw_lr,
+                                       weight_decay=0.1, adamw_weight_decay=0.01,
+                                       adamw_betas=(0.9, 0.95)))
+    warm = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1 - s / args.steps))
+    run = Run(args, rank, world, device, model, loss_fn, opt, sched, plan_of(model),
+              stdlib_corpus(), comm_stats(model))
+    if rank == 0:
+        print(plan_report(model))
+        print(f"\ncorpus: {len(run.corpus) / 1e6:.1f} MB of the Python standard library's sources; "
+              f"{world} ranks on {device.type}; {args.model} model of "
+              f"{sum(pl.spec.numel for pl in run.plan.placements.values()) / 1e6:.2f}M parameters\n")
+    return run
+
+
+def _step(run: Run, step: int, hist: History, bar) -> None:
+    """One optimizer step of ``--grad-accum`` micro-batches, its figures into ``hist``."""
+    args, device, accum = run.args, run.device, run.args.grad_accum
+    run.stats.reset()
+    t0 = time.perf_counter()
+    loss_sum = torch.zeros((), device=device)
+    for k in range(accum):  # K micro-batches, each (loss / K).backward()
+        x = batch_at(run.corpus, step * accum + k, run.rank, run.world, args.batch, args.seq, args.seed)
+        loss = run.loss_fn(x.to(device))
+        (loss / accum).backward()
+        loss_sum += loss.detach().float()
+    norm, nonfinite = clip_and_check(run.model, args.clip, args.skip_nonfinite)
+    sync(device)
+    t1 = time.perf_counter()
+    if nonfinite is None:
+        run.opt.step()
+        run.sched.step()  # a skipped step does not advance the lr schedule
+    run.opt.zero_grad(set_to_none=True)
+    sync(device)
+    t2 = time.perf_counter()
+    if nonfinite is not None:
+        hist.skipped.append({"step": step, "nonfinite": nonfinite})
+        if run.rank == 0:
+            names = ", ".join(nonfinite[:8]) + (f" and {len(nonfinite) - 8} more" if len(nonfinite) > 8
+                                                 else "")
+            bar.write(f"step {step}: gradient norm is not finite, step skipped on every rank; "
+                      f"non-finite gradients: {names or 'none (the norm overflowed)'}")
+    if norm is not None:
+        hist.norms.append(norm.item())
+    hist.step_bytes.append(sum(run.stats.payload_bytes.values()))
+    hist.step_calls = dict(run.stats.calls)
+    hist.step_ms.append((t2 - t1) * 1e3)
+    dist.all_reduce(loss_sum)  # for the log only; not part of the step
+    hist.losses.append(loss_sum.item() / (run.world * accum))
+    hist.tok_s.append(run.world * accum * args.batch * args.seq / (t2 - t0))
+    bar.set_postfix(loss=f"{hist.losses[-1]:.3f}", tok_s=f"{hist.tok_s[-1]:.0f}")
+    if args.rss_every and (step + 1) % args.rss_every == 0:
+        hist.rss_steps.append(step + 1)
+        hist.rss.append(_rss_mib())
+
+
+def _maybe_save(run: Run, step: int, hist: History, pending, bar):
+    """The ``--save-every`` checkpoint after ``step`` (0-based) if one is due; returns the
+    asynchronous save now in flight (None if none)."""
+    every = getattr(run.args, "save_every", 0)
+    if not every or ((step + 1) % every and step + 1 != run.args.steps):
+        return pending
+    if pending is not None:  # the previous asynchronous save: wait for it (the next save would)
+        hist.saves.append(pending.result())
+        _report_save(bar, hist.saves[-1])
+    saved = _save(run, {"step": step + 1, "world_size": run.world, "losses": hist.losses,
+                        "norms": hist.norms, "skipped": hist.skipped, "args": saved_args(run.args)})
+    hist.save_steps.append(step + 1)
+    if isinstance(saved, AsyncCheckpoint):
+        return saved  # staged: training goes on while it writes and commits
+    hist.saves.append(saved)
+    _report_save(bar, saved)
+    return None
+
+
+def train(args) -> None:
+    """``matrixfsdp train`` on this rank (every rank calls it, the process group set up)."""
+    from tqdm import tqdm
+
+    run = _setup(args)
+    hist = History()
+    start, history, resumed = _resume(run)
+    hist.losses += history.get("losses", [])
+    hist.norms += history.get("norms", [])
+    hist.skipped += history.get("skipped", [])
+    if start >= args.steps:
+        if run.rank == 0:
+            print(f"the checkpoint is at step {start}, --steps is {args.steps}: nothing to train")
+        return
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=run.rank != 0,
+               unit="step", file=sys.stdout)
+    pending = None  # an asynchronous save in flight
+    for step in bar:
+        t0 = time.perf_counter()
+        _inject_fault(run, step)
+        _step(run, step, hist, bar)
+        pending = _maybe_save(run, step, hist, pending, bar)
+        hist.step_wall_ms.append((time.perf_counter() - t0) * 1e3)
+    if pending is not None:  # the last asynchronous save: committed before the run ends
+        hist.saves.append(pending.result())
+        _report_save(bar, hist.saves[-1])
+    with torch.no_grad():
+        x = batch_at(run.corpus, 0, run.rank, run.world, args.batch, args.seq, args.seed, "val")
+        val = run.loss_fn(x.to(run.device)).detach().float()
+        dist.all_reduce(val)
+    where = None if resumed is None else {"path": str(resumed), "step": start,
+                                           "world_size": history.get("world_size")}
+    write_summary(run, hist, val.item() / run.world, where)
