@@ -6,8 +6,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+
+import torch.distributed as dist
 
 from matrixfsdp.bench.harness import main
+from matrixfsdp.bench.link import Link, LinkComm
+from matrixfsdp.runtime.collectives import Comm, CommStats, Load
 
 
 def test_bench_tiny_runs_and_checks_exactness(tmp_path):
@@ -58,6 +63,21 @@ def test_bench_link_sweep_runs(tmp_path):
     ratio = result["critical_bytes_per_step"] / result["fsdp2_critical_bytes_per_step"]
     assert 1.0 < ratio <= 1.05 * 2, ratio
     assert result["machine"]["cpu_model"] and "Machine: " in (tmp_path / "link.md").read_text()
+
+
+def test_link_delay_lives_in_the_bench(world1):
+    """LinkComm installs the modelled link through Comm.pending alone: the runtime's Pending
+    is not done, and its wait() does not return, before the link carried the bytes; a
+    plain Comm's collective is not delayed."""
+    plain = Comm(dist.group.WORLD, CommStats())
+    comm = LinkComm(plain, Link(bytes_per_s=1e6))
+    load = Load(0, 0, 150_000, 0)  # 0.15 s on the link
+    t0 = time.perf_counter()
+    pending = comm.pending("all_gather", load, None, None, ())
+    assert not pending.done()
+    pending.wait()
+    assert time.perf_counter() - t0 >= 0.15 and pending.done()
+    assert plain.pending("all_gather", load, None, None, ()).done()
 
 
 def test_bench_hsdp_mode_runs_and_matches_fsdp2_hsdp_bytes(tmp_path):

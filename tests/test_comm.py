@@ -3,6 +3,10 @@ most loaded rank's, the mean), and a unit without parameters of its own issuing 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import torch
 import torch.distributed as dist
 from _dist import spawn
@@ -87,3 +91,39 @@ def _empty_root_worker(rank, world_size):
 
 def test_unit_without_parameters_issues_no_collective():
     spawn(_empty_root_worker, 2)
+
+
+TWIN_SCRIPT = """
+import sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+from matrixfsdp.runtime.process_groups import group_timeout, twin_group
+
+made = []
+for i in range(2):  # the second time after destroy_process_group, as a worker reused by tests
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}/init{i}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=42))
+    world = dist.group.WORLD
+    assert group_timeout(world) == timedelta(seconds=42) == group_timeout(world, "cpu")
+    twin = twin_group(world, backend="gloo")
+    assert twin is not world and twin_group(world, backend="gloo") is twin  # made once
+    assert group_timeout(twin) == timedelta(seconds=42)  # the group's own by default
+    short = twin_group(world, timeout=timedelta(seconds=7))
+    assert short is not twin and twin_group(world, timeout=timedelta(seconds=7)) is short
+    assert group_timeout(short) == timedelta(seconds=7)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=twin)
+    made.append(twin)
+    dist.destroy_process_group()
+assert made[0] is not made[1]
+print("ok")
+"""
+
+
+def test_twin_group_is_made_once_per_group_and_again_after_a_destroyed_process_group(tmp_path):
+    """runtime.process_groups: a group's timeout, and its twin (HSDP's bounded mesh groups,
+    the asynchronous save's gloo group) made once per (group, backend, timeout) and made
+    again once the process group it came from was destroyed."""
+    out = subprocess.run([sys.executable, "-c", TWIN_SCRIPT, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

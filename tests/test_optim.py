@@ -80,15 +80,26 @@ def test_bf16_params_keep_momentum_intact():
 
 
 def test_muon_defaults_constant_matches_the_signature():
-    """MUON_DEFAULTS (read by the benchmark) is Muon's own defaults, and torch's."""
+    """MUON_DEFAULTS / ADAMW_DEFAULTS (optim/groups.py, read by the benchmark) are the one
+    home of the defaults: matrixfsdp.Muon's signature (plain and adamw_ keywords, nothing
+    else) and muon_param_groups' lrs are theirs, and they are torch.optim.Muon's and
+    torch.optim.AdamW's own."""
     import inspect
 
+    from matrixfsdp.optim.groups import ADAMW_DEFAULTS
     from matrixfsdp.optim.muon import MUON_DEFAULTS
     sig = inspect.signature(mf.Muon).parameters
+    assert list(sig) == ["params", *MUON_DEFAULTS, *(f"adamw_{k}" for k in ADAMW_DEFAULTS)]
     assert {k: sig[k].default for k in MUON_DEFAULTS} == MUON_DEFAULTS
-    torch_sig = inspect.signature(torch.optim.Muon).parameters
-    assert {k: torch_sig[k].default for k in MUON_DEFAULTS if k != "ns_dtype"} == \
+    assert {k: sig[f"adamw_{k}"].default for k in ADAMW_DEFAULTS} == ADAMW_DEFAULTS
+    torch_muon = inspect.signature(torch.optim.Muon).parameters
+    assert {k: v.default for k, v in torch_muon.items() if k != "params"} == \
         {k: v for k, v in MUON_DEFAULTS.items() if k != "ns_dtype"}
+    torch_adamw = inspect.signature(torch.optim.AdamW).parameters
+    assert {k: v.default for k, v in torch_adamw.items() if k != "params"} == ADAMW_DEFAULTS
+    groups = inspect.signature(mf.muon_param_groups).parameters
+    assert groups["lr"].default == MUON_DEFAULTS["lr"]
+    assert groups["adamw_lr"].default == ADAMW_DEFAULTS["lr"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

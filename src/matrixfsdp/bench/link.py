@@ -55,14 +55,15 @@ class Link:
 
 class LinkComm(Comm):
     """A :class:`~matrixfsdp.runtime.collectives.Comm` whose collectives are not done before ``link``
-    has carried their most loaded rank's bytes (a wrapper: the runtime does not know)."""
+    has carried their most loaded rank's bytes: its :meth:`pending` hook hands the runtime's
+    :class:`~matrixfsdp.runtime.collectives.Pending` a delayed work (the runtime does not know)."""
 
     def __init__(self, inner: Comm, link: Link):
         super().__init__(inner.group, inner.stats, inner.prefix)
         self.link = link
 
     def pending(self, kind: str, load: Load, work, epilogue, keep: tuple) -> Pending:
-        return Pending(work, epilogue, keep, ready_at=self.link.ready_at(load.critical))
+        return Pending(_DelayedWork(work, self.link.ready_at(load.critical)), epilogue, keep)
 
 
 def use_link(root, gbps: float | None) -> None:
@@ -78,7 +79,8 @@ def use_link(root, gbps: float | None) -> None:
 
 
 class _DelayedWork(dist.Work):
-    """An asynchronous torch collective that is not done before ``ready_at``."""
+    """An asynchronous collective's work (torch's own, or a :class:`LinkComm`'s) that is not
+    done before ``ready_at``: ``wait()`` sleeps until then, ``is_completed()`` is False before."""
 
     def __init__(self, inner, ready_at: float):
         super().__init__()
@@ -88,6 +90,10 @@ class _DelayedWork(dist.Work):
         done = self.inner.wait() if self.inner is not None else True
         _sleep_until(self.ready_at)
         return done
+
+    def is_completed(self) -> bool:
+        return ((self.inner is None or self.inner.is_completed())
+                and time.perf_counter() >= self.ready_at)
 
 
 def _sleep_until(t: float) -> None:

@@ -15,13 +15,14 @@ import torch
 from torch import nn
 
 from ..runtime.fully_shard import get_root
-from ..runtime.param import pending_unit, placement_of, sharded_param
+from ..runtime.param import placement_of, sharded_param, waiting_for
 
-# torch.optim.Muon's defaults (plus ns_dtype), also read by the benchmark.
+# The one home of the defaults: torch.optim.Muon's (plus ns_dtype) and torch.optim.AdamW's
+# (matrixfsdp.Muon's adamw_ keywords). Muon's signature and muon_param_groups read them,
+# and the benchmark; tests/test_optim.py checks them against torch's signatures.
 MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                      ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
                      adjust_lr_fn=None, ns_dtype=torch.bfloat16)
-# torch.optim.AdamW's defaults (matrixfsdp.Muon's adamw_ keywords).
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                       maximize=False, foreach=None, capturable=False, differentiable=False,
                       fused=None)
@@ -103,10 +104,10 @@ def check_adamw_group(group: dict) -> None:
 def check_planned_together(params: list[torch.Tensor]) -> None:
     """Catch an optimizer built before the root ``fully_shard``: some parameters sharded
     (or waiting to be), others outside every unit."""
-    managed = [p for p in params if placement_of(p) is not None or pending_unit(p) is not None]
-    plain = [p for p in params if placement_of(p) is None and pending_unit(p) is None]
+    managed = [p for p in params if placement_of(p) is not None or waiting_for(p) is not None]
+    plain = [p for p in params if placement_of(p) is None and waiting_for(p) is None]
     if managed and plain:
-        unit = pending_unit(managed[0]) or sharded_param(managed[0]).unit
+        unit = waiting_for(managed[0]) or sharded_param(managed[0]).unit
         raise ValueError(
             f"optimizer built before the root fully_shard: a parameter of shape "
             f"{tuple(plain[0].shape)} is outside every fully_shard unit while another "
@@ -115,8 +116,8 @@ def check_planned_together(params: list[torch.Tensor]) -> None:
             "the optimizer from matrixfsdp.muon_param_groups(model)")
 
 
-def muon_param_groups(model: nn.Module, *, lr: float = 1e-3, adamw_lr: float = 1e-3,
-                      **options: Any) -> list[dict]:
+def muon_param_groups(model: nn.Module, *, lr: float = MUON_DEFAULTS["lr"],
+                      adamw_lr: float = ADAMW_DEFAULTS["lr"], **options: Any) -> list[dict]:
     """The two parameter groups of a planned model: Muon matrices (2-D, and 3-D expert
     stacks) and everything else. Frozen parameters (``requires_grad=False``) are in
     neither: they get no optimizer state and no weight decay.

@@ -104,11 +104,6 @@ def adjusted_lr(lr: float | torch.Tensor, adjust_lr_fn: str | None,
     return lr * ratio  # as torch rounds it: the ratio first (a 0-d Tensor lr stays one)
 
 
-# Optimizer state per parameter, by kind: what ``_muon_step`` / ``_adamw_step`` keep
-# (AdamW with ``amsgrad`` also ``max_exp_avg_sq``).
-STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-
-
 class Muon(torch.optim.Optimizer):
     """Muon for the ``use_muon=True`` groups, AdamW for the ``use_muon=False`` ones.
 
@@ -124,16 +119,28 @@ class Muon(torch.optim.Optimizer):
     values win, as in every torch optimizer; a key that is no option of its kind is refused.
     """
 
-    def __init__(self, params: Iterable[dict], *, lr: float | torch.Tensor = 1e-3,
-                 weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
-                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.775, 2.0315),
-                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None,
-                 ns_dtype: torch.dtype = torch.bfloat16, adamw_lr: float | torch.Tensor = 1e-3,
-                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
-                 adamw_weight_decay: float = 1e-2, adamw_amsgrad: bool = False,
-                 adamw_maximize: bool = False, adamw_foreach: bool | None = None,
-                 adamw_capturable: bool = False, adamw_differentiable: bool = False,
-                 adamw_fused: bool | None = None):
+    # Every default is read from MUON_DEFAULTS / ADAMW_DEFAULTS (optim/groups.py), their one
+    # home; tests/test_optim.py checks those against torch.optim.Muon's and AdamW's own.
+    def __init__(self, params: Iterable[dict], *,
+                 lr: float | torch.Tensor = MUON_DEFAULTS["lr"],
+                 weight_decay: float = MUON_DEFAULTS["weight_decay"],
+                 momentum: float = MUON_DEFAULTS["momentum"],
+                 nesterov: bool = MUON_DEFAULTS["nesterov"],
+                 ns_coefficients: tuple[float, float, float] = MUON_DEFAULTS["ns_coefficients"],
+                 eps: float = MUON_DEFAULTS["eps"],
+                 ns_steps: int = MUON_DEFAULTS["ns_steps"],
+                 adjust_lr_fn: str | None = MUON_DEFAULTS["adjust_lr_fn"],
+                 ns_dtype: torch.dtype = MUON_DEFAULTS["ns_dtype"],
+                 adamw_lr: float | torch.Tensor = ADAMW_DEFAULTS["lr"],
+                 adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["betas"],
+                 adamw_eps: float = ADAMW_DEFAULTS["eps"],
+                 adamw_weight_decay: float = ADAMW_DEFAULTS["weight_decay"],
+                 adamw_amsgrad: bool = ADAMW_DEFAULTS["amsgrad"],
+                 adamw_maximize: bool = ADAMW_DEFAULTS["maximize"],
+                 adamw_foreach: bool | None = ADAMW_DEFAULTS["foreach"],
+                 adamw_capturable: bool = ADAMW_DEFAULTS["capturable"],
+                 adamw_differentiable: bool = ADAMW_DEFAULTS["differentiable"],
+                 adamw_fused: bool | None = ADAMW_DEFAULTS["fused"]):
         self._kind_defaults = {
             True: dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,

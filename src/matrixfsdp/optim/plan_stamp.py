@@ -43,10 +43,11 @@ def world_size(params: Iterable[torch.Tensor]) -> int | None:
 
 
 def rank_of(params: Iterable[torch.Tensor]) -> int:
+    """This rank as the plan numbers it (under HSDP its world rank, not its shard rank)."""
     for p in params:
         root = root_of(p)
         if root is not None:
-            return root.rank
+            return root.groups.world_rank
     return dist.get_rank() if dist.is_initialized() else 0
 
 

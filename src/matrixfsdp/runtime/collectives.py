@@ -19,7 +19,6 @@ received bytes. Every rank knows every size, so this needs no communication.
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -126,14 +125,14 @@ class Pending:
 
     It holds the tensors the collective reads or writes (``keep``) until then, so a
     transient send buffer lives as long as the transfer (the FSDP2 rule on CUDA too).
-    ``ready_at``: a modelled slower link (:mod:`matrixfsdp.bench.link`) is not done before.
+    ``work`` is anything with ``wait()`` and ``is_completed()`` (a ``torch.distributed``
+    work, or a wrapper of one: :meth:`Comm.pending`).
     """
 
-    def __init__(self, work=None, epilogue=None, keep: tuple = (), ready_at: float = 0.0):
+    def __init__(self, work=None, epilogue=None, keep: tuple = ()):
         self._work = work
         self._epilogues = [epilogue] if epilogue is not None else []
         self._keep = keep
-        self.ready_at = ready_at
         self._parts: list[Pending] = []  # see :meth:`all`
 
     def then(self, epilogue) -> Pending:
@@ -144,7 +143,7 @@ class Pending:
     def done(self) -> bool:
         """Whether :meth:`wait` would return without waiting (never blocks)."""
         return ((self._work is None or self._work.is_completed())
-                and time.perf_counter() >= self.ready_at and all(p.done() for p in self._parts))
+                and all(p.done() for p in self._parts))
 
     def wait(self) -> None:
         parts, self._parts = self._parts, []
@@ -153,11 +152,6 @@ class Pending:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self.ready_at:
-            delay = self.ready_at - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            self.ready_at = 0.0
         epilogues, self._epilogues, self._keep = self._epilogues, [], ()
         for epilogue in epilogues:
             epilogue()
@@ -188,7 +182,9 @@ class Comm:
         return self.pending(kind, load, work, epilogue, keep)
 
     def pending(self, kind: str, load: Load, work, epilogue, keep: tuple) -> Pending:
-        """Wrap one issued collective (a subclass may model a slower link here)."""
+        """Wrap one issued collective of ``kind`` moving ``load``: the one hook on every
+        collective issued. A subclass may hand :class:`Pending` a wrapper of ``work`` instead
+        (one that completes later models a slower link)."""
         return Pending(work, epilogue, keep)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:

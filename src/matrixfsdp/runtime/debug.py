@@ -24,8 +24,10 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from .collectives import all_gather_single
+from .process_groups import group_timeout
 
 PHASES = ("forward gather", "backward gather", "gradient reduce",
           "replicate reduce", "replicate broadcast")
@@ -41,7 +43,10 @@ class CollectiveCheck:
         self.group = group
         self.device = device
         self.unit_names = unit_names
-        self.timeout = timeout if timeout is not None else min(30.0, _group_timeout_s(group))
+        if timeout is None:  # 30 s, or the group's timeout if shorter (torch's default if unknown)
+            limit = group_timeout(group)
+            timeout = min(30.0, (limit if limit is not None else default_pg_timeout).total_seconds())
+        self.timeout = timeout
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.step = 0  # backward passes completed
@@ -109,13 +114,3 @@ def _store():
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001
         return None
-
-
-def _group_timeout_s(group) -> float:
-    """``group``'s timeout in seconds (torch's default of 30 minutes if unknown)."""
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 (no such backend, or no options)
-            continue
-    return 1800.0

@@ -30,7 +30,7 @@ from .collectives import CommStats
 from .debug import FORWARD_GATHER
 from .lazy_init import materialize, unit_modules, unshard_root
 from .mixed_precision import MixedPrecisionPolicy
-from .param import mark_pending, pending_unit, sharded_param
+from .param import mark_waiting, sharded_param, waiting_for
 from .root import Root
 from .unit import Unit
 
@@ -150,7 +150,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     module._mf_unit = unit
     make_fsdp_module(module)
     for mod, attr, _ in unit_members(module, "", lambda m: getattr(m, "_mf_unit", None) is not None):
-        mark_pending(mod._parameters[attr], unit)
+        mark_waiting(mod._parameters[attr], unit)
     # Under ``module.compile()`` / ``torch.compile(module)`` the hooks run eagerly, as
     # FSDP2's do: the compiled graph is the module's forward alone, one per block, and the
     # gathers, parameter swaps and autograd bookkeeping stay plain Python (docs/compile.md).
@@ -209,7 +209,7 @@ def plan_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
     """Shard the roots of any not-yet-sharded units these parameters belong to (the
     parameter objects stay the same: each becomes its shard)."""
     for p in params:
-        unit = pending_unit(p)
+        unit = waiting_for(p)
         if unit is not None:
             _make_root(_outermost_pending(unit))
     return params

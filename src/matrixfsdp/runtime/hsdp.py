@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..planning.types import Placement
 from .collectives import Comm, Pending
+from .process_groups import group_timeout, twin_group
 
 
 @dataclass
@@ -60,37 +61,21 @@ class MeshGroups:
         the user gave ``init_process_group``): ``init_device_mesh`` makes its sub-groups
         with torch's default (30 minutes), so where a mesh group would wait longer, this
         makes its own group of the same ranks with the world's timeout (a collective of
-        those ranks), and a hang fails in the user's time."""
-        def timeout_of(g):
-            try:
-                return g._get_backend(torch.device(mesh.device_type)).options._timeout
-            except Exception:  # noqa: BLE001 (a backend without options: leave the group be)
-                return None
-
-        limit = timeout_of(dist.group.WORLD)
+        those ranks, made once and kept: :func:`~matrixfsdp.runtime.process_groups.twin_group`),
+        and a hang fails in the user's time."""
+        device = mesh.device_type
+        limit = group_timeout(dist.group.WORLD, device)
         # Only where every rank of the world runs this (the mesh covers it) may groups be
         # made: a mesh over some ranks (a pipeline stage) keeps its groups (creating one on
         # some ranks only hangs the store's naming).
         whole_world = mesh.size() == dist.get_world_size()
 
-        made = cls.__dict__.get("_bounded_groups")
-        if made is None:  # {(mesh group name, timeout): our group}, made once per mesh group
-            made = {}
-            cls._bounded_groups = made
-
         def bounded(g):
-            own = timeout_of(g)
+            own = group_timeout(g, device)
             if limit is None or own is None or own <= limit or not whole_world:
                 return g
-            key = (g.group_name, limit)
-            try:  # still registered (not from a process group destroyed since)
-                if key in made and dist.get_process_group_ranks(made[key]):
-                    return made[key]
-            except (ValueError, RuntimeError):
-                pass
-            made[key] = dist.new_group(dist.get_process_group_ranks(g), timeout=limit,
-                                       backend=dist.get_backend(g), use_local_synchronization=True)
-            return made[key]
+            # local: each rank makes the twin of its own shard (replicate) group, all at once
+            return twin_group(g, timeout=limit, local=True)
 
         if mesh.ndim == 1:
             g = bounded(mesh.get_group())

@@ -63,7 +63,7 @@ def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: R
     u.layout, u.root = unit_layout(plan, ui), root
     dtype = params[0].dtype if params else torch.float32
     u.precision = Precision.resolve(u.mp_policy, dtype)
-    u.storage = UnitStorage(u.layout, root.rank, dtype, u.precision, device)
+    u.storage = UnitStorage(u.layout, root.shard_rank, dtype, u.precision, device)
     # A model built on the meta device gets uninitialised shards on the mesh device,
     # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
     u.needs_init = any(p.device.type == "meta" for p in params)

@@ -7,7 +7,7 @@ something about a sharded parameter (the optimizer, clipping, checkpoints, init)
 * a **sharded** parameter (what ``model.parameters()`` holds after ``fully_shard``) maps
   to its :class:`ShardedParam`: the plan's :class:`~matrixfsdp.planning.types.Placement`, its index
   in its unit, and the unit (whose ``root`` holds the groups, plan and counters);
-* a parameter of a unit not sharded yet maps to that unit (:func:`pending_unit`).
+* a parameter of a unit not sharded yet maps to that unit (:func:`waiting_for`).
 
 Between backward and the optimizer step a shard's ``.grad`` is a :class:`ShardedGrad`: a
 plain tensor in every respect but one, a norm over it raises. That norm would be this
@@ -72,7 +72,7 @@ def placement_of(p: Any) -> Placement | None:
     return info.placement if info is not None else None
 
 
-def pending_unit(p: Any) -> Any:
+def waiting_for(p: Any) -> Any:
     """The unit that will shard parameter ``p`` (None once sharded, or never)."""
     unit = getattr(p, _WAITING_FOR, None)
     return unit if unit is not None and unit.root is None else None
@@ -84,7 +84,7 @@ def root_of(p: Any) -> Any:
     return info.root if info is not None else None
 
 
-def mark_pending(p: torch.Tensor, unit: Any) -> None:
+def mark_waiting(p: torch.Tensor, unit: Any) -> None:
     setattr(p, _WAITING_FOR, unit)
 
 

@@ -39,10 +39,10 @@ class Root:
     def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh,
                  groups: MeshGroups, debug: bool = False, overlap: bool = True):
         self.module, self.units, self.plan, self.mesh = module, units, plan, mesh
-        # HSDP: ``rank`` is this rank in the shard group (where the buffers are split);
-        # ``groups`` adds the replicate group and the whole world.
+        # ``shard_rank``: this rank in the shard group (where the buffers are split; the
+        # plan's world rank is ``groups.world_rank``); ``world_size``: every rank of the mesh.
         self.groups = groups
-        self.group, self.rank = groups.shard, groups.shard_rank
+        self.shard_rank = groups.shard_rank
         self.world_size = mesh.size()
         self.stats = CommStats()
         self.comm = Comm(groups.shard, self.stats)
@@ -51,10 +51,10 @@ class Root:
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
-        self.need_check = True  # check_registered at the next root forward
-        self.check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
+        self.registration_check_due = True  # check_registered at the next root forward
+        self.collective_check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
             if debug and self.world_size > 1 else None
-        self.schedule = Schedule(enabled=overlap, polling=self.check is None)
+        self.schedule = Schedule(enabled=overlap, polling=self.collective_check is None)
         self.hooks: list = []  # removable handles (the optimizer step pre-hook)
 
     def install_step_hook(self) -> None:
@@ -88,9 +88,9 @@ class Root:
     def pre_forward(self) -> None:
         """The root unit's forward starts (a new step, or an eval forward)."""
         self.forward_open = True
-        if self.need_check:  # once per training step (each eval forward)
+        if self.registration_check_due:  # once per training step (each eval forward)
             self.check_registered()
-            self.need_check = not torch.is_grad_enabled()
+            self.registration_check_due = not torch.is_grad_enabled()
         if self.schedule.enabled:  # HSDP: every broadcast travels while forward runs
             self.start_broadcasts()
 
@@ -113,8 +113,8 @@ class Root:
                         "on meta, call matrixfsdp.init_weights(model) instead of to_empty")
 
     def before_collective(self, unit: Unit, phase: int, layout: UnitLayout | None = None) -> None:
-        if self.check is not None:
-            self.check(unit.index, phase, *((layout.numel, layout.digest) if layout else (0, 0)))
+        if self.collective_check is not None:
+            self.collective_check(unit.index, phase, *((layout.numel, layout.digest) if layout else (0, 0)))
 
     def start_broadcasts(self) -> None:
         """HSDP: start broadcasting every matrix a replica stepped to the other replicas
@@ -175,7 +175,7 @@ class Root:
                     p.grad = None
         self.schedule.end_step()
         self.in_backward = self.forward_open = False
-        self.need_check = True
+        self.registration_check_due = True
 
     def before_step(self) -> None:
         """An optimizer is about to change the shards: drop the unsharded copies kept by
@@ -208,6 +208,6 @@ class Root:
             unit.end_backward()
         self.schedule.end_step()
         self.in_backward = False
-        self.need_check = True
-        if self.check is not None:
-            self.check.step += 1
+        self.registration_check_due = True
+        if self.collective_check is not None:
+            self.collective_check.step += 1

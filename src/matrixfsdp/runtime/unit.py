@@ -154,7 +154,7 @@ class Unit:
         rep = self.root.replication
         if rep.enabled and self.layout.has_replica_owned and rep.is_stale(self.index):
             self.root.before_collective(self, REPLICATE_BROADCAST, self.layout)
-            rep.start_broadcast(self.index, self.local, self.layout.replica_runs[self.root.rank])
+            rep.start_broadcast(self.index, self.local, self.layout.replica_runs[self.root.shard_rank])
 
     def sync_replicas(self) -> None:
         """HSDP: the matrices each replica stepped are on every replica when this returns."""
@@ -289,7 +289,7 @@ class Unit:
         def across_replicas() -> None:  # HSDP: then average over the replicas too
             root.before_collective(self, REPLICATE_REDUCE, lay)
             root.schedule.add_follow_up(root.replication.reduce_across(
-                out, lay.replica_runs[root.rank]).then(attach))
+                out, lay.replica_runs[root.shard_rank]).then(attach))
         root.schedule.add_reduce(pending.then(across_replicas))
 
     def _attacher(self, out: torch.Tensor, lay: UnitLayout, index: list[int]):
@@ -302,7 +302,7 @@ class Unit:
                 p = self.sharded[i]
                 if not p.numel() or not root.groups.steps_here(lay.placements[j]):
                     continue  # nothing here, or HSDP: another replica steps it
-                start = lay.shard_offset(j, root.rank)
+                start = lay.shard_offset(j, root.shard_rank)
                 view = grad[start:start + p.numel()].view(p.shape)
                 set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
         return attach

@@ -15,18 +15,17 @@ import re
 import shutil
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..runtime.process_groups import twin_group
 from .dcp import RowShardStager
 from .entries import check_names
 from .integrity import (
@@ -177,7 +176,6 @@ class AsyncCheckpoint:
 
 
 _in_flight: AsyncCheckpoint | None = None  # this process's latest asynchronous save
-_save_groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # process group -> its gloo twin
 
 
 def wait_for_checkpoint() -> SavedCheckpoint | None:
@@ -197,40 +195,18 @@ def wait_for_checkpoint() -> SavedCheckpoint | None:
                            f"failed: {type(e).__name__}: {e}") from e
 
 
-def _valid_group(group) -> bool:
-    try:
-        dist.get_backend(group)
-        return True
-    except (ValueError, RuntimeError):
-        return False
-
-
-def _group_timeout(group):
-    for device in (torch.device("cpu"), torch.device("cuda")):
-        try:
-            return group._get_backend(device).options._timeout
-        except Exception:  # noqa: BLE001 (no such backend, or no options: torch's default)
-            continue
-    return None
-
-
 def _save_group(process_group):
-    """A gloo group of the same ranks as ``process_group`` (default: the world), created once
-    (a collective of those ranks) and kept: the background thread of an asynchronous save
-    runs its collectives there, never on a group that training uses at the same time (two
-    threads issuing collectives on one group can pair them up differently on different ranks),
-    and on CPU, as ``dcp.async_save`` requires (NCCL has no CPU collectives). For the world,
-    every rank creates it, as any new group; for a smaller group only its ranks do (torch's
+    """The gloo twin of ``process_group`` (default: the world): a group of the same ranks,
+    created on the first asynchronous save (a collective of those ranks) and kept
+    (:func:`~matrixfsdp.runtime.process_groups.twin_group`). The background thread of an
+    asynchronous save runs its collectives there, never on a group that training uses at
+    the same time (two threads issuing collectives on one group can pair them up differently
+    on different ranks), and on CPU, as ``dcp.async_save`` requires (NCCL has no CPU
+    collectives). It has ``process_group``'s timeout. For the world, every rank creates it,
+    as any new group; for a smaller group only its ranks do (torch's
     ``use_local_synchronization``)."""
-    parent = process_group if process_group is not None else dist.group.WORLD
-    group = _save_groups.get(parent)
-    if group is None or not _valid_group(parent) or not _valid_group(group):
-        ranks = dist.get_process_group_ranks(parent)
-        whole = len(ranks) == dist.get_world_size()
-        group = dist.new_group(None if whole else ranks, timeout=_group_timeout(parent), backend="gloo",
-                               use_local_synchronization=not whole)
-        _save_groups[parent] = group
-    return group
+    return twin_group(process_group if process_group is not None else dist.group.WORLD,
+                      backend="gloo")
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_group=None,

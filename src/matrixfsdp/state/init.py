@@ -283,7 +283,7 @@ def _keep_params(mname: str, shards: dict, values: dict, before: dict, root: Roo
                 f"matrixfsdp.init_weights: the init of module '{mname}' wrote only part of parameter "
                 f"'{name}', or read its previous value. Each visit must write all of a parameter or "
                 "none of it, without reading it: no rank holds its previous value whole")
-        p.copy_(local_rows(value.detach(), placement_of(p), root.rank))
+        p.copy_(local_rows(value.detach(), placement_of(p), root.shard_rank))
         pending.pop(id(p), None)
 
 

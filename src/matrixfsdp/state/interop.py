@@ -131,7 +131,7 @@ def load_full_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: b
             if not pl.spec.shape:
                 p.copy_(source.whole(name))
                 continue
-            start, stop = pl.row_ranges[root.rank]
+            start, stop = pl.row_ranges[root.shard_rank]
             p.copy_(source.read(name, start, stop).view(p.shape))
     buffers = [e for e in state_entries(model) if not e.is_param]
     for e in buffers:

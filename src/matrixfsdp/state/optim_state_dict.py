@@ -147,7 +147,7 @@ def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict
                 if pl.spec.name in state:
                     raise ValueError(f"matrixfsdp.get_state_dict: parameter '{pl.spec.name}' is in "
                                      "two optimizers")
-                state[pl.spec.name] = {k: _saved_value(v, p, pl, root.rank, str(k))
+                state[pl.spec.name] = {k: _saved_value(v, p, pl, root.shard_rank, str(k))
                                        for k, v in held.items()}
             hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")
                      and not (per_rank and isinstance(k, str) and k.startswith("_"))}
@@ -272,7 +272,7 @@ def load_optim_state(optimizers: list[torch.optim.Optimizer], root: Any, osd: di
         if not saved or not p.numel() or not root.groups.steps_here(pl):
             opt.state.pop(p, None)  # nothing saved, none of it here, or another replica steps it
             continue
-        opt.state[p] = {k: _loaded_value(v, held.get(k), p, pl, root.rank,
+        opt.state[p] = {k: _loaded_value(v, held.get(k), p, pl, root.shard_rank,
                                          f"optimizer state '{k}' of '{name}'") for k, v in saved.items()}
         step = opt.state[p].get("step")
         if isinstance(opt, Muon) and step is not None and not torch.is_tensor(step):

@@ -107,7 +107,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers | None = None) -> di
     for e in state_entries(model):
         if e.is_param:
             if id(e.tensor) not in shards:
-                shards[id(e.tensor)] = RowShard.of(e.tensor, _placement(e.tensor, e.name), root.rank)
+                shards[id(e.tensor)] = RowShard.of(e.tensor, _placement(e.tensor, e.name), root.shard_rank)
             state[e.name] = shards[id(e.tensor)]
         elif e.tensor.is_meta:  # a model built on meta: DCP loads into a real tensor
             state[e.name] = torch.empty(e.tensor.shape, dtype=e.tensor.dtype,
@@ -167,7 +167,7 @@ def _load_model(model: nn.Module, root: Root, sd: dict[str, Any], strict: bool) 
             continue
         value = sd[e.name]
         if e.is_param:
-            src = local_piece(value, _placement(e.tensor, e.name), root.rank, f"parameter '{e.name}'")
+            src = local_piece(value, _placement(e.tensor, e.name), root.shard_rank, f"parameter '{e.name}'")
             _copy(e.tensor, src)
             loaded.add(id(e.tensor))
         elif e.tensor.is_meta:  # a model built on meta: the buffer gets the loaded tensor
