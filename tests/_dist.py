@@ -1,43 +1,198 @@
-"""One small helper to run a function on N local gloo ranks (spawned processes)."""
+"""Run a function on N local gloo ranks: a persistent pool of rank processes per world size.
+
+Starting a rank costs 4-7 s here (a fresh interpreter importing torch), while a test's work
+on it is often under a second. So, as torch's ``MultiProcContinuousTest`` does, the ranks of
+each world size are started once per session (forked from a server that imported torch
+once) and reused: :func:`spawn` hands every rank of
+the pool one job, ``fn(rank, world_size, *args)``, and waits for all of them.
+
+Each job gets a fresh default process group (a new file rendezvous, the 60 s timeout tests
+rely on) that is destroyed when the job ends, so every sub-group, mesh and pending
+collective of one test is gone before the next; the library's process-wide state is reset
+the same way (:func:`_reset`). A job that fails on some ranks ends the others too: when
+a failed rank destroys its group, peers blocked on it get a closed connection. A pool that
+does not answer in time is killed and started anew, so one hung test never stalls the suite.
+
+Tests that kill ranks or test the launcher itself (``matrixfsdp train``, torchrun) start
+their own processes, through the launcher they test.
+"""
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
+import multiprocessing
 import os
+import queue
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from matrixfsdp.train.exit import exit_rank
 
+GROUP_TIMEOUT = timedelta(seconds=60)
+GRACE_S = 30.0  # after one rank failed, how long the others may take to report
 
-def _entry(rank: int, fn, world_size: int, init_file: str, args: tuple) -> None:
+
+def _init(rank: int, world_size: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size, timeout=GROUP_TIMEOUT)
+
+
+def _reset() -> None:
+    """Leave the process as a fresh rank would be for the next job: the library's
+    process-wide state (an asynchronous save in flight, units never sharded), torch's
+    global switches, compiled graphs, the environment and the working directory."""
+    from matrixfsdp.runtime import fully_shard as _fs
+    from matrixfsdp.state import files as _files
+    try:
+        _files.wait_for_checkpoint()
+    except Exception:  # noqa: BLE001 (the job that started the save has reported it)
+        pass
+    _fs._UNSHARDED_UNITS.clear()
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(False)
+    dynamo = getattr(torch, "_dynamo", None)
+    if dynamo is not None and hasattr(dynamo, "reset"):
+        dynamo.reset()
+        dynamo.utils.counters.clear()  # graph and break counts, read by the compile tests
+    gc.collect()
+
+
+def _job_loop(rank: int, world_size: int, jobs, results) -> None:
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's stack
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
+    env, cwd, parent = dict(os.environ), os.getcwd(), os.getppid()
+    while True:
+        try:
+            job = jobs.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test session is gone: so is this rank
+                exit_rank(0)
+            continue
+        if job is None:
+            exit_rank(0)  # leave without interpreter finalization (see matrixfsdp.train.exit)
+        job_id, init_file, fn, args = job
+        error = None
+        try:
+            if init_file is not None:
+                _init(rank, world_size, init_file)
+            fn(rank, world_size, *args)
+        except BaseException as e:  # noqa: BLE001 (reported to the parent)
+            error = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            os.environ.clear()
+            os.environ.update(env)
+            os.chdir(cwd)
+            try:
+                _reset()
+            except BaseException as e:  # noqa: BLE001
+                error = error or f"rank {rank}: reset failed: {e}\n{traceback.format_exc()}"
+        results.put((job_id, rank, error))
+
+
+def _context():
+    """Rank processes forked from a server that has imported torch and the library once
+    (``forkserver`` with preloading): a rank starts in a fraction of a second instead of
+    importing torch anew. The server is single-threaded, so forking it is safe."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp", "_dist"])
+    return ctx
+
+
+class _Pool:
+    def __init__(self, world_size: int):
+        ctx = _context()
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_job_loop, args=(r, world_size, self.jobs[r], self.results),
+                                  name=f"rank{r}-of-{world_size}")
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+        self.next_id = 0
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn, args: tuple, timeout: float, init: bool = True) -> None:
+        self.next_id += 1
+        job_id = self.next_id
+        with tempfile.TemporaryDirectory() as tmp:
+            init_file = os.path.join(tmp, "init") if init else None
+            for q in self.jobs:
+                q.put((job_id, init_file, fn, args))
+            errors: dict[int, str | None] = {}
+            deadline = time.monotonic() + timeout
+            while len(errors) < self.world_size:
+                if any(e is not None for e in errors.values()):
+                    deadline = min(deadline, time.monotonic() + GRACE_S)
+                try:
+                    got_id, rank, error = self.results.get(timeout=1.0)
+                except queue.Empty:
+                    if not self.alive():
+                        dead = [p.name for p in self.procs if not p.is_alive()]
+                        raise RuntimeError(f"{fn.__name__}: rank process(es) {dead} died") from None
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(self.world_size)) - set(errors))
+                        failed = "\n".join(e for e in errors.values() if e)
+                        raise TimeoutError(
+                            f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not "
+                            f"finish in time\n{failed}") from None
+                    continue
+                if got_id == job_id:
+                    errors[rank] = error
+        failed = [e for e in errors.values() if e]
+        if failed:
+            raise RuntimeError(f"{fn.__name__} failed on {len(failed)} of {self.world_size} ranks:\n"
+                               + "\n".join(failed))
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.jobs):
+            if not kill and p.is_alive():
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=0 if kill else 5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+@atexit.register
+def close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 240.0, init: bool = True) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (a module-level
+    function, each rank with its own default process group); raise if any rank fails or the
+    whole run exceeds ``timeout`` seconds (never hang the suite). ``init=False``: no process
+    group is made for ``fn`` (it makes its own, as a script under torchrun does; the pool
+    destroys it after)."""
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.close(kill=True)
+        pool = _POOLS[world_size] = _Pool(world_size)
     try:
-        fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
-    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp.train.exit)
-
-
-def spawn(fn, world_size: int, *args, timeout: float = 240.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; raise if any rank
-    fails or the whole run exceeds ``timeout`` seconds (never hang the suite)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        ctx = mp.start_processes(_entry, args=(fn, world_size, init_file, args),
-                                 nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks ran past {timeout} s")
+        pool.run(fn, args, timeout, init)
+    except (TimeoutError, RuntimeError) as e:
+        if isinstance(e, TimeoutError) or not pool.alive():
+            pool.close(kill=True)  # a rank may be stuck: the next job starts a new pool
+            del _POOLS[world_size]
+        raise

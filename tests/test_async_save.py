@@ -1,7 +1,14 @@
 """`mf.save_checkpoint(..., async_save=True)` (torch's `dcp.async_save` with our own staging):
-the checkpoint holds the values at the time of the call although training changes them right
+the call returns before the commit and training goes on while the save is in flight, the
+checkpoint holds the values at the time of the call although training changes them right
 after it, a second save waits for the first, an asynchronous checkpoint loads at another world
-size exactly as a synchronous one, and `matrixfsdp train --async-save` resumes."""
+size exactly as a synchronous one, and `matrixfsdp train --async-save` trains on before its
+commit and resumes.
+
+That a save did not block its caller is shown by order, not by time (shared cores): the
+commit is held by a ``before_commit`` that waits for an event the caller sets only after the
+call has returned and it has trained on. A save that runs its commit inside the call never
+gets there, and fails after :data:`HOLD_S` (a hang guard only) instead of hanging."""
 
 from __future__ import annotations
 
@@ -9,9 +16,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
+from _cli import run_cli
 from _dist import spawn
 from reference import batches
 from test_checkpoint import GLOBAL, SEQ, _build, _load, _state, _tie_and_freeze, _train
@@ -21,6 +30,22 @@ import matrixfsdp as mf
 from matrixfsdp.runtime.param import placement_of
 from matrixfsdp.state.dcp import RowShard, stage_state
 from matrixfsdp.state.files import AsyncCheckpoint, is_complete
+from matrixfsdp.train.loop import HOLD_COMMIT_ENV
+
+HOLD_S = 60.0  # how long a held commit waits for its release: a hang guard only
+
+
+def _held_commit() -> tuple[threading.Event, list[str], object]:
+    """(release, log, before_commit): ``before_commit`` logs "commit" once ``release`` is set,
+    and raises if it is not set within HOLD_S (the caller never got to set it)."""
+    release, log = threading.Event(), []
+
+    def hold() -> None:
+        if not release.wait(HOLD_S):
+            raise RuntimeError("the commit came before the caller released it: "
+                               "save_checkpoint(async_save=True) blocked its caller")
+        log.append("commit")
+    return release, log, hold
 
 
 def _snapshot(model, opt, sched):
@@ -101,13 +126,21 @@ def _at_call_worker(rank, world, tmp):
     model, opt, sched = _build(world, tweak=_tie_and_freeze)
     _train(model, opt, sched, data, range(2), rank, world)
     want2 = _snapshot(model, opt, sched)
-    first = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_2"), async_save=True)
+    release, log, hold = _held_commit()
+    first = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_2"), async_save=True,
+                               before_commit=hold)
+    log.append("returned")
     assert isinstance(first, AsyncCheckpoint)
-    _perturb(opt)  # right after the call: the background write has hardly started
+    assert not first.done() and not is_complete(first.path)  # in flight: its commit is held
+    _perturb(opt)  # right after the call, while the save is in flight
     _train(model, opt, sched, data, range(2, 4), rank, world)
+    log.append("trained")
+    assert not first.done() and not is_complete(first.path)  # two steps trained, still in flight
+    release.set()
     want4 = _snapshot(model, opt, sched)
     second = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_4"), async_save=True)
     assert first.done()  # the second save waited for the first (never two commits at once)
+    assert log == ["returned", "trained", "commit"], log
     _perturb(opt)
     _train(model, opt, sched, data, range(4, 5), rank, world)
     for pending, want in ((first, want2), (second, want4)):
@@ -170,8 +203,8 @@ TRAIN = [sys.executable, "-m", "matrixfsdp", "train", "--layers", "1", "--d-mode
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _run(*extra: str) -> subprocess.CompletedProcess:
-    run = subprocess.run([*TRAIN, *extra], env=ENV, capture_output=True, text=True, timeout=240)
+def _run(*extra: str, env=None) -> subprocess.CompletedProcess:
+    run = run_cli(*TRAIN[3:], *extra, env=env or ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 
@@ -183,11 +216,17 @@ def _flat(tree, prefix=""):
 
 
 def test_cli_async_save_then_resume(tmp_path):
-    """`--async-save`: both checkpoints complete (the last one committed before the run ends).
-    Resuming from the step-2 one gives the async run's losses of steps 3-4 bit for bit, and the
-    resumed run's step-4 checkpoint (written synchronously) equals the async one bit for bit."""
+    """`--async-save`: the loop trains on while a save is in flight: with HOLD_COMMIT_ENV=2 the
+    commit of the step-2 checkpoint waits (on every rank) until the loop has trained step 3,
+    which a save that blocked the loop until its commit never lets it do (the run fails after
+    the loop's hang guard). Both checkpoints complete (the last one committed before the run
+    ends). Resuming from the step-2 one gives the async run's losses of steps 3-4 bit for bit,
+    and the resumed run's step-4 checkpoint (written synchronously) equals the async one bit
+    for bit."""
     a, b = tmp_path / "async", tmp_path / "resumed"
-    _run("--out", str(a), "--async-save")
+    _run("--out", str(a), "--async-save", env={**ENV, HOLD_COMMIT_ENV: "2"})
+    for rank in range(2):  # the hold ran, and was released by the loop's step 3
+        assert (a / f"held_commit.rank{rank}").read_text() == "step 2 committed after step 3 was trained\n"
     ckpts = a / "checkpoints"
     assert [p.name for p in sorted(ckpts.iterdir())] == ["step_00000002", "step_00000004"]
     assert mf.latest_checkpoint(ckpts) == ckpts / "step_00000004"

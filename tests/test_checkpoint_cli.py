@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch.distributed.checkpoint as dcp
+from _cli import run_cli
 
 import matrixfsdp as mf
 from matrixfsdp.state.files import COMPLETE, is_complete
@@ -28,8 +29,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _train(out, ranks: int, *extra: str) -> subprocess.CompletedProcess:
-    run = subprocess.run([*TRAIN, "--ranks", str(ranks), "--out", str(out), *extra], env=ENV,
-                         capture_output=True, text=True, timeout=240)
+    run = run_cli(*TRAIN[3:], "--ranks", str(ranks), "--out", str(out), *extra, env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     return run
 

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
 import torch
+from _cli import run_cli
 
 import matrixfsdp.train.launch as ranks
 from matrixfsdp.__main__ import main
@@ -21,10 +19,8 @@ TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--se
         "--batch", "2"]
 
 
-def _run(*args, cwd=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "matrixfsdp", *args], capture_output=True,
-                         text=True, timeout=300, env=env, cwd=cwd)
+def _run(*args):
+    out = run_cli(*args, env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, f"matrixfsdp {' '.join(args)} exited {out.returncode}:\n{out.stderr[-4000:]}"
     return out
 

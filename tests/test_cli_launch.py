@@ -6,7 +6,9 @@ process behind.
 The one time in these tests is :data:`END_LIMIT`: the run must end well before the process
 group's timeout (``cli.DEFAULT_TIMEOUT_S``, 300 s), which is what would end it if the
 launcher did not notice; 30 s is 10x below that and far above the ~1 s it takes when
-shared cores are busy, so it never fails by load alone."""
+shared cores are busy, so it never fails by load alone. The waits after the end (for the
+output to be read to its end, for the last processes to leave) end as soon as that has
+happened, with END_LIMIT as their hang guard."""
 
 from __future__ import annotations
 
@@ -62,8 +64,10 @@ class _Launcher:
             start_new_session=True)
         self.out: list[str] = []
         self.err: list[str] = []
-        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
-            threading.Thread(target=lambda s=stream, k=sink: k.extend(s), daemon=True).start()
+        self.readers = [threading.Thread(target=lambda s=stream, k=sink: k.extend(s), daemon=True)
+                        for stream, sink in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
 
     def wait_training(self, limit: float = 60.0) -> list[int]:
         """Block until rank 0 is in the training loop; return the ranks' pids."""
@@ -85,6 +89,14 @@ class _Launcher:
             self.kill_all()
             raise AssertionError(f"launcher still running {limit} s later") from None
 
+    def drain(self, limit: float = END_LIMIT) -> None:
+        """Wait until the output has been read to its end (every process holding the pipes
+        has left)."""
+        for reader in self.readers:
+            reader.join(limit)
+        assert not any(r.is_alive() for r in self.readers), \
+            f"output still open {limit} s later; still running: {_session(self.proc.pid)}"
+
     def kill_all(self) -> None:
         for pid in [self.proc.pid, *_session(self.proc.pid)]:
             try:
@@ -92,7 +104,7 @@ class _Launcher:
             except ProcessLookupError:
                 pass
 
-    def assert_nothing_left(self, limit: float = 5.0) -> None:
+    def assert_nothing_left(self, limit: float = END_LIMIT) -> None:
         # multiprocessing's resource tracker leaves once the launcher and ranks are gone
         deadline = time.monotonic() + limit
         while (left := _session(self.proc.pid)) and time.monotonic() < deadline:
@@ -108,7 +120,7 @@ def test_a_killed_rank_ends_the_run_naming_it(tmp_path):
         victim = run.wait_training()[-1]
         os.kill(victim, signal.SIGKILL)
         rc = run.finish()
-        time.sleep(0.2)  # let the reader threads drain
+        run.drain()
         err = "".join(run.err)
         assert rc != 0
         assert re.search(rf"matrixfsdp train: rank [01] \(pid {victim}\) was killed by signal SIGKILL",
@@ -128,7 +140,7 @@ def test_sigterm_to_the_launcher_ends_every_rank_first(tmp_path):
         alive = [pid for pid in ranks if pid in _session(run.proc.pid)]
         assert not alive, f"ranks {alive} outlived the launcher"
         assert rc == 128 + signal.SIGTERM, rc
-        time.sleep(0.2)
+        run.drain()
         assert "stopped by SIGTERM; all ranks ended" in "".join(run.err)
         run.assert_nothing_left()
     finally:

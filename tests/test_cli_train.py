@@ -7,13 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _cli import run_cli
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
@@ -97,15 +96,11 @@ def test_loss_plot_is_skipped_in_one_line_without_matplotlib(tmp_path, monkeypat
     assert not (tmp_path / "loss.png").exists()
 
 
-needs_shard_model = pytest.mark.skipif(not hasattr(mf, "shard_model"),
-                                       reason="matrixfsdp.shard_model is not built yet")
-
-
-@needs_shard_model
 def test_hf_llama_keeps_its_names_and_predicts_the_next_byte(world1):
     pytest.importorskip("transformers")
     model, loss_fn = _build(model="hf-llama", activation_checkpointing=True)
     assert "model.layers.0.self_attn.q_proj.weight" in dict(model.named_parameters())
+    assert mf.get_root(model.model.layers[0]) is mf.get_root(model)  # mf.shard_model: a unit per layer
     calls = []
     model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
     x = _batch()
@@ -119,16 +114,12 @@ def test_hf_llama_keeps_its_names_and_predicts_the_next_byte(world1):
     torch.testing.assert_close(loss.detach().float(), ref)
 
 
-@needs_shard_model
 def test_train_hf_llama_on_two_ranks(tmp_path):
     pytest.importorskip("transformers")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "matrixfsdp", "train", "--model", "hf-llama", "--ranks", "2",
-         "--steps", "6", "--layers", "2", "--d-model", "32", "--heads", "2", "--mlp", "64",
-         "--seq", "32", "--batch", "2", "--grad-accum", "2", "--activation-checkpointing",
-         "--mp", "bf16", "--clip", "1.0", "--skip-nonfinite", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env)
+    out = run_cli("train", "--model", "hf-llama", "--ranks", "2", "--steps", "6", "--layers", "2",
+                  "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2",
+                  "--grad-accum", "2", "--activation-checkpointing", "--mp", "bf16", "--clip", "1.0",
+                  "--skip-nonfinite", "--out", str(tmp_path), env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == "hf-llama" and summary["skipped_steps"] == []

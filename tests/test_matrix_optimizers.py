@@ -50,7 +50,11 @@ OPTIMIZERS = {
 # of a sum of P partial gradients, ~1e-7 relative, through 4 steps) by these. SOAP amplifies
 # the summation order itself (see test_summation_order_sensitive), and so does Shampoo with
 # a small matrix_eps (1e-6: rank-deficient preconditioners' inverse roots; 1e-3 here).
-ORDER_INSENSITIVE = ("Shampoo", "NorMuon", "AdaMuon", "torch Muon", "torch Adafactor")
+# AdaMuon is sensitive on some data and not on other: its Newton-Schulz runs in bf16, where a
+# summation order that crosses a rounding boundary moves the result by ~1e-2 (seen at 2
+# ranks with own data: exactly as far as one process moves splitting its batch in two).
+ORDER_INSENSITIVE = ("Shampoo", "NorMuon", "torch Muon", "torch Adafactor")
+DATA_DEPENDENT = ("AdaMuon",)
 OWN_DATA_BOUND = 1e-6
 
 
@@ -282,7 +286,7 @@ def test_summation_order_sensitive():
         print(name, moved)
         if name in ORDER_INSENSITIVE:
             assert moved <= OWN_DATA_BOUND, (name, moved)
-        else:
+        elif name not in DATA_DEPENDENT:
             assert moved > OWN_DATA_BOUND, (name, moved)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,10 @@ from .resume import saved_args
 
 STALL_SAVE_ENV = "MATRIXFSDP_TEST_STALL_SAVE"  # test only: the last rank stalls in the save of step N
 FAULT_ENV = "MATRIXFSDP_TEST_FAULT"  # test only: a rank raises or hangs at a step (_inject_fault)
+# test only: the commit of step N's checkpoint waits until the loop has trained step N + 1,
+# proof that an asynchronous save returned to the loop before its commit (_save)
+HOLD_COMMIT_ENV = "MATRIXFSDP_TEST_HOLD_COMMIT"
+HOLD_COMMIT_S = 60.0  # a hang guard only: how long the held commit waits for that step
 
 
 @dataclass
@@ -45,6 +50,7 @@ class Run:
     plan: Any
     corpus: torch.Tensor
     stats: Any
+    trained: dict[int, threading.Event] = field(default_factory=dict)  # HOLD_COMMIT_ENV: set after step i
 
 
 @dataclass
@@ -129,6 +135,15 @@ def _save(run: Run, meta: dict):
         def stall() -> None:  # data written, not committed: the test kills this rank here
             (Path(args.out) / "stalled_rank.pid").write_text(str(os.getpid()))
             time.sleep(600)
+    elif os.environ.get(HOLD_COMMIT_ENV) == str(step):
+        trained = run.trained[step] = threading.Event()  # the loop's index N is step N + 1
+
+        def stall() -> None:  # data written; commit only once the loop has trained one more step
+            if not trained.wait(HOLD_COMMIT_S):
+                raise RuntimeError(f"{HOLD_COMMIT_ENV}: the commit of step {step}'s checkpoint came "
+                                   f"before the loop trained step {step + 1}: the save blocked the loop")
+            (Path(args.out) / f"held_commit.rank{run.rank}").write_text(
+                f"step {step} committed after step {step + 1} was trained\n")
     return save_checkpoint(_train_state(run.model, run.opt, run.sched, meta),
                               checkpoint_dir(checkpoint_root(args), step),
                               before_commit=stall, async_save=getattr(args, "async_save", False),
@@ -263,6 +278,8 @@ def train(args) -> None:
         t0 = time.perf_counter()
         _inject_fault(run, step)
         _step(run, step, hist, bar)
+        if step in run.trained:  # HOLD_COMMIT_ENV: the held commit may go on
+            run.trained.pop(step).set()
         pending = _maybe_save(run, step, hist, pending, bar)
         hist.step_wall_ms.append((time.perf_counter() - t0) * 1e3)
     if pending is not None:  # the last asynchronous save: committed before the run ends
