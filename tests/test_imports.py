@@ -135,8 +135,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         "for m in [m for m in sys.modules if m == 'matrixfsdp' or m.startswith('matrixfsdp.')]:\n"
         "    del sys.modules[m]\n"
         f"names = {names!r}\n"
-        "bad = []\n"
-        "for n in names:\n"
+        "pids = {}\n"
+        "for n in names:  # all children at once: they run side by side on the cores\n"
         "    pid = os.fork()\n"
         "    if pid == 0:\n"
         "        try:\n"
@@ -145,8 +145,8 @@ def test_every_module_imports_alone_in_a_fresh_interpreter():
         "            traceback.print_exc()\n"
         "            os._exit(1)\n"
         "        os._exit(0)\n"
-        "    if os.waitpid(pid, 0)[1] != 0:\n"
-        "        bad.append(n)\n"
+        "    pids[pid] = n\n"
+        "bad = sorted(pids[pid] for pid in list(pids) if os.waitpid(pid, 0)[1] != 0)\n"
         "assert not bad, bad\n"
     )
     env = dict(os.environ, OMP_NUM_THREADS="1")
