@@ -66,16 +66,27 @@ def _reset() -> None:
     gc.collect()
 
 
-def _job_loop(rank: int, world_size: int, jobs, results) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _job_loop(rank: int, world_size: int, jobs, results, session: int) -> None:
+    """A pool rank: run jobs until told to stop, or until the test session (``session``,
+    a pid) is gone. Not its parent's death: the parent is the fork server, which itself
+    lives as long as any rank it forked holds its liveness pipe."""
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's stack
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    env, cwd, parent = dict(os.environ), os.getcwd(), os.getppid()
+    env, cwd = dict(os.environ), os.getcwd()
     while True:
         try:
             job = jobs.get(timeout=2.0)
         except queue.Empty:
-            if os.getppid() != parent:  # the test session is gone: so is this rank
+            if not _alive(session):  # the test session is gone: so is this rank
                 exit_rank(0)
             continue
         if job is None:
@@ -116,8 +127,9 @@ class _Pool:
         self.world_size = world_size
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_job_loop, args=(r, world_size, self.jobs[r], self.results),
-                                  name=f"rank{r}-of-{world_size}")
+        session = os.getpid()
+        self.procs = [ctx.Process(target=_job_loop, name=f"rank{r}-of-{world_size}",
+                                  args=(r, world_size, self.jobs[r], self.results, session))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()

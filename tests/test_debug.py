@@ -80,38 +80,49 @@ def test_debug_mode_names_the_diverging_rank_on_every_rank(tmp_path):
 
 
 def _frozen_apart(rank, world_size, out_dir):
-    """Rank 1 freezes one more matrix than rank 0: their gradient reduces differ in size."""
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    if rank == 1:
-        model.layers[1].attn.q.weight.requires_grad_(False)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.layers:
-        mf.fully_shard(block, mesh=mesh)
-    mf.fully_shard(model, mesh=mesh, debug=True)
-    x = torch.randint(0, 256, (2, 9))
-    try:
-        model.loss(x[:, :-1], x[:, 1:]).backward()
-        message = "no error"
-    except RuntimeError as e:
-        message = str(e)
+    """Rank 1 freezes one more matrix than rank 0, before sharding (the set-up check) and
+    after it (debug mode): their gradient reduces would differ."""
+    messages = []
+    for when in ("before", "after"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        if rank == 1 and when == "before":
+            model.layers[1].attn.q.weight.requires_grad_(False)
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.layers:
+            mf.fully_shard(block, mesh=mesh)
+        try:
+            mf.fully_shard(model, mesh=mesh, debug=True)
+            mf.get_root(model)
+            if rank == 1:
+                model.layers[1].attn.q.weight.requires_grad_(False)
+            x = torch.randint(0, 256, (2, 9))
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            messages.append("no error")
+        except (ValueError, RuntimeError) as e:
+            messages.append(str(e))
     with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(message)
+        f.write("\n".join(messages))
 
 
 def test_debug_mode_names_ranks_that_froze_different_parameters(tmp_path):
     """Frozen parameters are planned apart (never Muon) and leave the gradient reduce, so
-    ranks must freeze the same ones: the gathers have the same size but pieces in other
-    places. Debug mode compares each collective's size and layout checksum and names both
-    ranks' on every rank, at the first gather that differs (the first forward)."""
+    ranks must freeze the same ones. Before sharding the set-up check compares them. After
+    it, debug mode compares each collective's size and layout checksum and names both
+    ranks' on every rank, at the first one that differs (the frozen matrix's reduce)."""
     spawn(_frozen_apart, 2, str(tmp_path), timeout=120)
     for rank in range(2):
-        message = (tmp_path / f"rank{rank}.txt").read_text()
+        before, message = (tmp_path / f"rank{rank}.txt").read_text().split("\n")
+        # frozen before sharding: the set-up check names it on every rank, debug mode or not
+        assert before.startswith("matrixfsdp: ranks set up the model differently: parameter "
+                                 "'layers.1.attn.q.weight' requires_grad: True on rank 0; False "
+                                 "on rank 1"), before
+        # frozen after sharding: debug mode names both ranks' collectives
         assert "ranks diverged" in message and "froze the model" in message, message
-        where = re.findall(r"step 0, unit '([^']+)', forward gather of (\d+) elements, "
-                           r"layout (\w+)", message)  # the plan moves other owners too
+        where = re.findall(r"step 0, unit '([^']+)', gradient reduce of (\d+) elements, "
+                           r"layout (\w+)", message)  # the frozen matrix leaves rank 1's reduce
         assert len(where) == 2 and where[0][0] == where[1][0], message
-        assert where[0][2] != where[1][2], message
+        assert where[0][1] != where[1][1] and where[0][2] != where[1][2], message
 
 
 def _sub_mesh(rank, world_size, out_dir):

@@ -5,6 +5,7 @@ timeout, and debug mode names the rank that did not arrive."""
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import timedelta
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from _dist import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.checks import (
@@ -97,3 +99,70 @@ def test_a_module_added_after_sharding_is_refused(world1):
     check_optimizer_params(torch.optim.AdamW(nn.Linear(2, 2).parameters()))  # not ours: passes
     model.extra.requires_grad_(False)
     check_unsharded_trainable(model)  # frozen: nothing trains apart
+
+
+def _diverging(rank: int, case: str):
+    """Shard the test GPT on 2 ranks with one thing set up differently on rank 1."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{**CFG.__dict__, "d_mlp": 32 if case == "width" and rank else CFG.d_mlp})
+    model = GPT(cfg)
+    if case == "float64" and rank:
+        model = model.double()
+    model.register_buffer("scale", torch.full((3,), 1.0 + (case.startswith("buffer") and rank)))
+    mesh = init_device_mesh("cpu", (2,))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "policy" and rank else None
+    mf.fully_shard(model.layers[0], mesh=mesh, mp_policy=bf16)
+    mf.fully_shard(model, mesh=mesh, sync_module_states=case == "buffer synced")
+    mf.get_root(model)
+    return model
+
+
+def _divergence_worker(rank, world, out_dir):
+    results = {}
+    for case in ("width", "float64", "buffer", "buffer synced", "policy", "muon lr",
+                 "weight decay", "matrix optimizer lr"):
+        try:
+            model = _diverging(rank, case)
+            if case == "buffer synced":
+                results[case] = f"synced {model.scale.tolist()}"
+                continue
+            lr = 0.04 if case == "muon lr" and rank else 0.02
+            wd = 0.0 if case == "weight decay" and rank else 0.1
+            if case == "matrix optimizer lr":
+                mf.matrix_optimizer(torch.optim.SGD, model, lr=0.1 * (1 + rank))
+            else:
+                mf.Muon(mf.muon_param_groups(model, lr=lr, weight_decay=wd))
+            results[case] = "no error"
+        except ValueError as e:
+            results[case] = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+
+
+def test_every_divergent_set_up_is_named_on_every_rank_before_anything_moves(tmp_path):
+    """(before: a wider MLP or a float64 rank was reported as "other initial values ... seed
+    every rank alike", a buffer that differed trained on 0.29 apart, a bf16 policy on one
+    rank ended in a gloo size mismatch, and 2x Muon lr or weight_decay 0 on one rank trained
+    on with no message)"""
+    spawn(_divergence_worker, 2, str(tmp_path))
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert r0 == r1, (r0, r1)  # every rank raises the same error
+    expect = {
+        "width": "ranks set up the model differently: parameter 'layers.0.mlp.fc.weight' shape: "
+                 "(24, 16) on rank 0; (32, 16) on rank 1",
+        "float64": "ranks set up the model differently: parameter 'embed.weight' dtype: float32 on "
+                   "rank 0; float64 on rank 1",
+        "buffer": "ranks set up the model differently: buffer 'scale' values: (1.0, 1.0, 1.0) on rank 0; "
+                  "(2.0, 2.0, 2.0) on rank 1",
+        "policy": "ranks set up the model differently: unit 'layers.0' mixed precision policy: ",
+        "muon lr": "ranks set up the Muon optimizer differently: param group 0 lr: 0.02 on "
+                   "rank 0; 0.04 on rank 1",
+        "weight decay": "ranks set up the Muon optimizer differently: param group 0 "
+                        "weight_decay: 0.1 on rank 0; 0.0 on rank 1",
+        "matrix optimizer lr": "ranks set up the SGD optimizer differently: param group 0 lr: "
+                               "0.1 on rank 0; 0.2 on rank 1",
+    }
+    for case, text in expect.items():
+        assert text in r0[case], (case, r0[case])
+        assert "initial values" not in r0[case], (case, r0[case])
+    assert r0["buffer synced"] == "synced [1.0, 1.0, 1.0]"

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.checks import check_same_optimizer
 from ..runtime.fully_shard import get_root
 from ..runtime.param import placement_of, sharded_param
 
@@ -101,6 +102,8 @@ def matrix_optimizer(cls: Callable[..., torch.optim.Optimizer], model: nn.Module
         _PLACEHOLDERS[key] = weakref.ref(placeholder, lambda _: _PLACEHOLDERS.pop(key, None))
         params = [placeholder]
     optimizer = cls(params, **kwargs)
+    # owners hold different matrices (a rank owning none, a placeholder): settings only
+    check_same_optimizer(optimizer, with_params=False, root=get_root(model))
     optimizer.register_step_pre_hook(lambda opt, args, kw: align_grads(opt))
     return optimizer
 

@@ -29,7 +29,7 @@ import torch
 from torch.optim.adam import adam as _adam
 from torch.optim.optimizer import _to_scalar
 
-from ..runtime.checks import check_optimizer_step, register_elementwise
+from ..runtime.checks import check_optimizer_step, check_same_optimizer, register_elementwise
 from ..runtime.fully_shard import plan_params
 from ..runtime.param import sharded_param
 from .groups import (
@@ -162,6 +162,7 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, {})
         self.defaults = {**self._kind_defaults[True],
                          **{f"adamw_{k}": v for k, v in self._kind_defaults[False].items()}}
+        check_same_optimizer(self)  # every rank's groups alike, before any step
 
     def _ns_input(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (tuple(like.shape), dtype, like.device)

@@ -281,3 +281,114 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
                     "element-wise optimizer (AdamW, SGD, ...) matrixfsdp.shard_params(model), or "
                     "use matrixfsdp.Muon; if this class is element-wise, "
                     "matrixfsdp.register_elementwise(it)")
+
+
+# ---- set-up that must be the same on every rank -----------------------------------------
+def _shown(value: Any) -> str:
+    return str(value).replace("torch.", "")
+
+
+def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` naming the first of ``items``
+    (``(description, value)``, in the same order on every rank) whose value differs
+    between ranks, with each rank's value; ``what`` says what was set up ("the model",
+    "the Muon optimizer"). One ``all_gather_object`` of the list: call it once, at
+    set-up, never in a step. Values must compare with ``==`` (no tensors)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    world = dist.get_world_size(group)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, items, group=group)
+    keys = [dict(ranks_items) for ranks_items in every]
+    mine = dict(items)
+    for key in dict.fromkeys(k for ranks_items in every for k, _ in ranks_items):
+        values = [k.get(key, "(missing)") for k in keys]
+        if any(v != values[0] for v in values):
+            by_value: dict[str, list[int]] = {}
+            for r, v in enumerate(values):
+                by_value.setdefault(_shown(v), []).append(r)
+            seen = "; ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
+                             f"{', '.join(map(str, rs))}" for v, rs in by_value.items())
+            raise ValueError(f"matrixfsdp: ranks set up {what} differently: {key}: {seen}. Every "
+                             "rank must build the same model and optimizer"
+                             + ("" if key in mine else " (this rank lacks it)"))
+
+
+def model_setup(named_params: list[tuple[str, torch.Tensor]], module: nn.Module,
+                units: list[tuple[str, Any]], buffer_values: bool = True) -> list[tuple[str, Any]]:
+    """What must agree across ranks before a model is sharded: each parameter's shape,
+    dtype and ``requires_grad``, each persistent buffer's shape, dtype and (unless
+    ``buffer_values`` is False: they are about to be copied from rank 0) values, as a
+    digest, and each unit's mixed-precision policy; in the model's order."""
+    items: list[tuple[str, Any]] = []
+    for name, p in named_params:
+        items += [(f"parameter '{name}' shape", tuple(p.shape)),
+                  (f"parameter '{name}' dtype", p.dtype),
+                  (f"parameter '{name}' requires_grad", p.requires_grad)]
+    for prefix, mod in module.named_modules():
+        for attr, b in mod._buffers.items():
+            if b is None or attr in mod._non_persistent_buffers_set:
+                continue
+            name = f"{prefix}.{attr}" if prefix else attr
+            items += [(f"buffer '{name}' shape", tuple(b.shape)), (f"buffer '{name}' dtype", b.dtype)]
+            if buffer_values and not b.is_meta:  # a few values as they are, more as a digest
+                items.append((f"buffer '{name}' values", tuple(b.flatten().tolist())) if b.numel() <= 8
+                             else (f"buffer '{name}' values (digest)", tuple(_digest(b).tolist())))
+    for name, policy in units:
+        items.append((f"unit '{name}' mixed precision policy", repr(policy)))
+    return items
+
+
+def sync_buffers(module: nn.Module, group: Any) -> None:
+    """Copy rank 0's persistent buffers into every rank's (``sync_module_states=True``, as
+    DDP's ``broadcast_buffers``): one broadcast per buffer."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    with torch.no_grad():
+        for mod in module.modules():
+            for attr, b in mod._buffers.items():
+                if b is not None and attr not in mod._non_persistent_buffers_set and not b.is_meta:
+                    dist.broadcast(b, src=src, group=group)
+
+
+def _comparable(value: Any) -> Any:
+    """A setting as every rank can compare it: numbers, strings, dtypes and tuples as they
+    are, tensors as numbers, callables by name, anything else by its repr."""
+    if torch.is_tensor(value):
+        return value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(_comparable(v) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    if callable(value):
+        return getattr(value, "__qualname__", type(value).__qualname__)
+    return repr(value)
+
+
+def optimizer_setup(optimizer: torch.optim.Optimizer, with_params: bool = True) -> list[tuple[str, Any]]:
+    """An optimizer's settings, group by group: its class, every option of every group
+    (tensors as numbers) and, with ``with_params``, each group's parameters by name."""
+    items: list[tuple[str, Any]] = [("optimizer class", type(optimizer).__qualname__)]
+    for i, group in enumerate(optimizer.param_groups):
+        for key in sorted(k for k in group if k not in ("params", "param_names")):
+            value = group[key]
+            items.append((f"param group {i} {key}", _comparable(value)))
+        if with_params:
+            names = [info.name if (info := sharded_param(p)) is not None else tuple(p.shape)
+                     for p in group["params"]]
+            items.append((f"param group {i} parameters", names))
+    return items
+
+
+def check_same_optimizer(optimizer: torch.optim.Optimizer, with_params: bool = True,
+                         root: Any = None) -> None:
+    """Raise on every rank if ``optimizer``'s settings differ between the ranks of the
+    model its parameters belong to (``root``, found from them if not given): one small
+    collective, at construction, never in a step. Nothing to check for an optimizer over
+    no sharded parameter."""
+    if root is None:
+        root = next((info.root for g in optimizer.param_groups for p in g["params"]
+                     if (info := sharded_param(p)) is not None), None)
+    if root is not None:
+        check_same_setup(optimizer_setup(optimizer, with_params), root.groups.world,
+                         f"the {type(optimizer).__name__} optimizer")
+

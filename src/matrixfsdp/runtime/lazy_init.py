@@ -19,7 +19,14 @@ from torch.distributed.tensor import DTensor
 
 from ..planning.planner import Collected, collect_params, make_plan, unit_members
 from ..planning.types import MuonFilter, Plan
-from .checks import check_same_init, guard_unit, unguard_unit
+from .checks import (
+    check_same_init,
+    check_same_setup,
+    guard_unit,
+    model_setup,
+    sync_buffers,
+    unguard_unit,
+)
 from .hsdp import MeshGroups
 from .layout import unit_layout
 from .mixed_precision import Precision
@@ -150,9 +157,16 @@ def materialize(root_unit: Unit) -> Root:
     root = Root(root_unit.module, units, plan, mesh, groups, debug=root_unit.debug,
                 overlap=root_unit.overlap)
     root.aliases = collected.aliases
-    check_same_init([(spec.name, p) for spec, p in
-                     zip(collected.specs, (p for ps in collected.params for p in ps))],
-                    groups.world, sync=root_unit.sync_module_states)
+    named = [(spec.name, p) for spec, p in
+             zip(collected.specs, (p for ps in collected.params for p in ps))]
+    sync = root_unit.sync_module_states
+    # shapes, dtypes, buffers, policies first: a wider MLP on one rank is named as such,
+    # never as "other initial values"
+    check_same_setup(model_setup(named, root_unit.module, [(u.name, u.mp_policy) for u in units],
+                                 buffer_values=not sync), groups.world, "the model")
+    if sync:
+        sync_buffers(root_unit.module, groups.world)
+    check_same_init(named, groups.world, sync=sync)
     device = mesh_device(mesh)
     for ui, u in enumerate(units):
         shard_unit(u, ui, collected.params[ui], plan, root, device)
