@@ -117,7 +117,9 @@ def _context():
     (``forkserver`` with preloading): a rank starts in a fraction of a second instead of
     importing torch anew. The server is single-threaded, so forking it is safe."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp", "_dist"])
+    # what most ranks import anyway (a module missing here is skipped by the server)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp", "_dist", "transformers",
+                                "pytorch_optimizer", "heavyball", "torch._dynamo"])
     return ctx
 
 

@@ -1,10 +1,11 @@
-"""`pip install matrixfsdp` into a bare virtualenv, then `matrixfsdp train`: every module the
-run imports must be a declared dependency (numpy, matplotlib, transformers are not).
+"""`pip install matrixfsdp` into a bare virtualenv, then `matrixfsdp train` with a checkpoint
+and `matrixfsdp plan`: every module they import must be a declared dependency (matplotlib
+and transformers are not; numpy is, for torch.distributed.checkpoint).
 
-torch and its own declared dependencies (read from their installed metadata, recursively)
-are linked into the venv from this environment rather than unpacked again (that took ~21 s
-of the test's 29-46 s): the venv sees exactly that closure, pip sees it installed, and
-everything else the package declares comes from the index as a user's install would."""
+The package's declared dependencies and theirs (read from pyproject.toml and the installed
+metadata, recursively) are linked into the venv from this environment rather than unpacked
+again (torch alone took ~21 s of the test's 29-46 s): the venv sees exactly that closure,
+pip sees it installed, and nothing else is there."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from importlib.metadata import distribution
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.markers import Marker
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,12 +48,15 @@ def _closure(requirement: str, seen: dict) -> dict:
     return seen
 
 
-def _link_closure(venv: Path, requirement: str) -> None:
-    """Make ``requirement`` and its dependency closure importable (and known to pip) in
+def _link_closure(venv: Path, requirements: list[str]) -> None:
+    """Make ``requirements`` and their dependency closure importable (and known to pip) in
     ``venv`` through one directory of links to this environment's installed files."""
     linked = venv / "linked"
     linked.mkdir()
-    for dist in _closure(requirement, {}).values():
+    seen: dict = {}
+    for requirement in requirements:
+        _closure(requirement, seen)
+    for dist in seen.values():
         tops = {Path(str(f)).parts[0] for f in dist.files or []}
         for top in tops - {"..", "__pycache__"}:
             target = Path(dist.locate_file(top))
@@ -66,7 +71,8 @@ def test_installed_with_declared_dependencies_only_it_trains_and_writes_the_summ
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120,
                    env=_clean_env())  # not --system-site-packages: nothing leaks in
-    _link_closure(venv, "torch")  # this environment's torch (its CPU build) and what it needs
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    _link_closure(venv, declared)  # this environment's torch (its CPU build), numpy, tqdm, ...
     # A copy of the project, so the build leaves nothing in the working tree.
     src = tmp_path / "project"
     shutil.copytree(REPO / "src", src / "src",
@@ -76,18 +82,21 @@ def test_installed_with_declared_dependencies_only_it_trains_and_writes_the_summ
             shutil.copy(REPO / name, src / name)
     got = _pip(venv, str(src))  # its declared dependencies come from the index
     assert got.returncode == 0, got.stderr[-3000:]
-    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import numpy"],
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import matplotlib"],
                            capture_output=True, env=_clean_env())
-    assert probe.returncode != 0, "numpy is in the bare venv: this test no longer checks its absence"
+    assert probe.returncode != 0, "matplotlib is in the bare venv: this test no longer checks its absence"
 
     run = subprocess.run(
-        [str(venv / "bin" / "matrixfsdp"), "train", "--ranks", "2", "--steps", "3", "--layers", "1",
+        [str(venv / "bin" / "matrixfsdp"), "train", "--ranks", "2", "--steps", "3", "--save-every", "3",
+         "--layers", "1",
          "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2",
          "--out", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=300, env=_clean_env(), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 3 and len(summary["optimizer_step_ms_median_per_rank"]) == 2
+    saved = [c["path"] for c in summary["checkpoints"]]  # DCP and the checksums ran, numpy-free or not
+    assert saved == [str(tmp_path / "run" / "checkpoints" / "step_00000003")], saved
     assert "loss.png skipped: matplotlib is not installed" in run.stdout
     plan = subprocess.run([str(venv / "bin" / "matrixfsdp"), "plan", "--model", "llama3-8b"],
                           capture_output=True, text=True, timeout=120, env=_clean_env(), cwd=tmp_path)

@@ -1,7 +1,8 @@
 """The launcher of ``matrixfsdp train`` under failure: a rank killed mid-training ends the
 run, naming the rank, without waiting for the surviving rank's collective to time out;
 SIGTERM to the launcher ends every rank before the launcher itself exits. Neither leaves a
-process behind.
+process behind. A launcher (or torchrun's agent) SIGKILLed mid-run takes its ranks with it
+within a fraction of a second (20 s is the hang guard), and no checkpoint is committed after.
 
 The one time in these tests is :data:`END_LIMIT`: the run must end well before the process
 group's timeout (``cli.DEFAULT_TIMEOUT_S``, 300 s), which is what would end it if the
@@ -53,15 +54,21 @@ def _ranks(sid: int) -> list[int]:
     return sorted(pid for pid, cmd in _session(sid).items() if "spawn_main" in cmd)
 
 
+def _ignore_sigint() -> None:
+    """As a background job of a non-interactive shell (``cmd &`` in a script, ``nohup cmd &``)
+    starts: SIGINT ignored, which every process it starts inherits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class _Launcher:
     """``matrixfsdp train`` in a session of its own, its output read as it comes."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, *extra: str, ignore_sigint: bool = False):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "matrixfsdp", *TRAIN, "--out", str(tmp_path)],
+            [sys.executable, "-m", "matrixfsdp", *TRAIN, "--out", str(tmp_path), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=_ignore_sigint if ignore_sigint else None)
         self.out: list[str] = []
         self.err: list[str] = []
         self.readers = [threading.Thread(target=lambda s=stream, k=sink: k.extend(s), daemon=True)
@@ -145,3 +152,106 @@ def test_sigterm_to_the_launcher_ends_every_rank_first(tmp_path):
         run.assert_nothing_left()
     finally:
         run.kill_all()
+
+
+def _alive(pids) -> list[int]:
+    """Those of ``pids`` not yet ended: ended is gone, or a zombie whose every thread has
+    left (a killed process's main thread is a zombie before its other threads have closed
+    its files, its locks with them)."""
+    alive = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1:
+                    alive.append(pid)
+        except OSError:
+            pass
+    return alive
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    found = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(d))
+    return found
+
+
+def _committed(ckpts) -> list[str]:
+    return sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_")) if ckpts.is_dir() else []
+
+
+def _first_checkpoint(proc, ckpts, err) -> None:
+    deadline = time.monotonic() + 120  # a hang guard
+    while not (ckpts / "step_00000010").is_dir():
+        assert proc.poll() is None, "".join(err)[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint committed"
+        time.sleep(0.05)
+
+
+def _sigkill_launcher(proc, ranks: list[int], out) -> float:
+    """SIGKILL ``proc`` mid-run: every one of ``ranks`` must be gone within 20 s (a hang
+    guard: it takes a fraction of a second) and no checkpoint appear after. Returns the
+    seconds from the SIGKILL to the last rank gone."""
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    assert proc.wait(END_LIMIT) == -signal.SIGKILL
+    while (alive := _alive(ranks)) and time.monotonic() - killed < 20:
+        time.sleep(0.01)
+    gone_s = time.monotonic() - killed
+    assert not alive, f"ranks {alive} still run {gone_s:.1f} s after their launcher was SIGKILLed"
+    committed = _committed(out / "checkpoints")
+    print(f"last rank gone {gone_s:.2f} s after the launcher's SIGKILL; committed: {committed}")
+    time.sleep(2.0)  # a window for any leftover writer to show itself
+    assert _committed(out / "checkpoints") == committed
+    assert "step_00000400" not in committed and not (out / "summary.json").exists()
+    return gone_s
+
+
+def test_sigkill_to_the_launcher_ends_every_rank_and_nothing_is_committed_after(tmp_path):
+    """A scheduler or the OOM killer SIGKILLs the launcher mid-run, which was started with
+    SIGINT ignored as background jobs are (torch's own parent-death signal is SIGINT: these
+    ranks trained on and committed every checkpoint to step 400). Every rank must be gone
+    within seconds (the kernel SIGKILLs it: PR_SET_PDEATHSIG), and no checkpoint appear after."""
+    run = _Launcher(tmp_path, "--steps", "400", "--save-every", "10", ignore_sigint=True)
+    try:
+        _first_checkpoint(run.proc, tmp_path / "checkpoints", run.err)
+        ranks = _ranks(run.proc.pid)
+        assert len(ranks) == 2, _session(run.proc.pid)
+        _sigkill_launcher(run.proc, ranks, tmp_path)
+        run.drain()
+        run.assert_nothing_left()
+    finally:
+        run.kill_all()
+
+
+def test_sigkill_to_torchrun_ends_its_ranks(tmp_path):
+    """The same under torchrun, whose agent starts each rank in a session of its own and
+    sets no parent-death signal: the ranks of a SIGKILLed agent trained on."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    err: list[str] = []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "matrixfsdp", *TRAIN[:1], *TRAIN[3:], "--steps", "400", "--save-every", "10",
+         "--out", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    ranks: list[int] = []
+    try:
+        _first_checkpoint(proc, tmp_path / "checkpoints", err)
+        ranks = _children(proc.pid)
+        assert len(ranks) == 2, ranks
+        _sigkill_launcher(proc, ranks, tmp_path)
+    finally:
+        for pid in [proc.pid, *_alive(ranks)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import matrixfsdp as mf
 from matrixfsdp.train.demo import build_model
 from matrixfsdp.train.loop import clip_and_check
+from matrixfsdp.train.nonfinite import Checked, Nonfinite, nonfinite_state
 from matrixfsdp.train.report import plot_losses
 
 
@@ -69,23 +70,56 @@ def test_mp_bf16_runs_the_blocks_in_bf16(world1):
 
 def test_nonfinite_gradients_are_named_before_any_scaling(world1):
     model, loss_fn = _build()
-    loss_fn(_batch()).backward()
+    loss = loss_fn(_batch())
+    loss.backward()
     q = model.layers[0].attn.q.weight
     q.grad[0, 0] = math.nan
     before = _grads(model)
-    norm, names = clip_and_check(model, clip=1e-3, skip_nonfinite=True)
-    assert not math.isfinite(norm.item())
-    assert names == ["layers.0.attn.q.weight"]
-    after = _grads(model)
-    for n in before:  # untouched: the step is skipped, and nothing was scaled by NaN
-        torch.testing.assert_close(after[n], before[n], rtol=0, atol=0, equal_nan=True, msg=n)
+    for skip, clip in ((True, 1e-3), (False, 1e-3), (False, None)):  # found with or without skipping
+        checked = clip_and_check(model, clip=clip, skip_nonfinite=skip, loss=loss)
+        assert checked.nonfinite == Nonfinite([], {"layers.0.attn.q.weight": [0]}), (skip, clip)
+        assert checked.losses == [loss.item()]
+        assert checked.nonfinite.describe() == "non-finite gradients: layers.0.attn.q.weight (rank 0)"
+        assert (checked.norm is None) == (clip is None and not skip)
+        if skip:
+            assert not math.isfinite(checked.norm.item())
+        after = _grads(model)
+        for n in before:  # untouched: the step is skipped or stopped, and nothing was scaled by NaN
+            torch.testing.assert_close(after[n], before[n], rtol=0, atol=0, equal_nan=True, msg=n)
+
+    bad_loss = clip_and_check(model, clip=None, skip_nonfinite=False, loss=loss * math.inf).nonfinite
+    assert bad_loss.loss_ranks == [0] and bad_loss.ranks == [0]
+    assert bad_loss.describe().startswith("the loss is not finite on rank 0; non-finite gradients: ")
+
+    q.grad[0, 0] = 3e38  # finite, but its 2-norm overflows: a false alarm the exact check clears
+    assert not math.isfinite(torch.linalg.vector_norm(q.grad.as_subclass(torch.Tensor)).item())
+    assert clip_and_check(model, clip=None, skip_nonfinite=False, loss=loss).nonfinite is None
+    overflowed = clip_and_check(model, clip=None, skip_nonfinite=True, loss=loss)  # skipped, none named
+    assert overflowed.nonfinite == Nonfinite() and overflowed.nonfinite.describe() == \
+        "non-finite gradients: none (the norm overflowed)"
 
     q.grad[0, 0] = 0.0
-    norm, names = clip_and_check(model, clip=1e-3, skip_nonfinite=True)
-    assert names is None and norm.item() > 1e-3
+    checked = clip_and_check(model, clip=1e-3, skip_nonfinite=True)
+    assert checked.nonfinite is None and checked.norm.item() > 1e-3 and checked.losses == []
     clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in _grads(model).values()]))
     assert clipped.item() == pytest.approx(1e-3, rel=1e-3)
-    assert clip_and_check(model, clip=None, skip_nonfinite=False) == (None, None)
+    assert clip_and_check(model, clip=None, skip_nonfinite=False) == Checked(None, [], None)
+
+
+def test_a_nonfinite_state_is_found_before_a_save(world1):
+    """The save-time check: a NaN weight and an infinite optimizer moment are named (the
+    loop refuses to commit such a state); a finite state passes."""
+    model, loss_fn = _build()
+    opt = mf.Muon(mf.muon_param_groups(model))
+    loss_fn(_batch()).backward()
+    opt.step()
+    assert nonfinite_state(model, opt) == {}
+    with torch.no_grad():
+        model.layers[0].mlp.fc.weight[0, 0] = math.nan
+    moment = next(iter(opt.state[model.head.weight].items()))
+    moment[1].view(-1)[0] = math.inf
+    found = nonfinite_state(model, opt)
+    assert found == {"layers.0.mlp.fc.weight": [0], f"head.weight optimizer state '{moment[0]}'": [0]}, found
 
 
 def test_loss_plot_is_skipped_in_one_line_without_matplotlib(tmp_path, monkeypatch, capsys):

@@ -22,6 +22,7 @@ from .train.launch import DEFAULT_TIMEOUT_S, launch
 from .train.launch import positive_float as _positive_float
 from .train.loop import checkpoint_root, train
 from .train.models import PRESETS
+from .train.outlock import OutInUse, RunLock, lock_out
 from .train.resume import plan_start
 
 log = logging.getLogger("matrixfsdp")
@@ -114,10 +115,33 @@ def _validate_train(tr: argparse.ArgumentParser, args) -> None:
         tr.error("--resume-fallback needs --resume")
     if args.resume and not Path(args.resume).is_dir():
         tr.error(f"--resume {args.resume}: no such directory")
-    if os.environ.get("RANK", "0") == "0":  # only rank 0 writes (under torchrun too)
+
+
+def _lock_out(tr: argparse.ArgumentParser, args, argv: list[str]) -> RunLock | None:
+    """One run per ``--out``: the lock of :mod:`matrixfsdp.train.outlock`, taken by the
+    process that writes ``--out`` (this launcher; under torchrun, rank 0, which lives as
+    long as the run) before anything is written there. Another run holding it: one line,
+    exit 2. Then the checks that write into ``--out``."""
+    if os.environ.get("RANK", "0") != "0":  # only rank 0 writes (under torchrun too)
+        return None
+    try:
+        lock = lock_out(args.out, ["matrixfsdp", *argv])
+    except OutInUse as e:
+        print(f"{tr.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as e:
+        tr.error(f"--out {args.out}: cannot write there ({e.strerror or e})")
+    if lock.unsupported:
+        print(f"{tr.prog}: note: --out {args.out}: no file lock there ({lock.unsupported}); "
+              "another run on this directory would not be refused", file=sys.stderr)
+    try:
         problem = writable_dir_error(args.out) or (checkpoint_dir_error(args) if args.save_every else None)
         if problem:
             tr.error(problem)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _plan_start(tr: argparse.ArgumentParser, args) -> None:
@@ -233,8 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "train":
         _validate_train(tr, args)
-        _plan_start(tr, args)
-        launch(train, args, args.ranks, args.timeout)
+        lock = _lock_out(tr, args, sys.argv[1:] if argv is None else argv)
+        try:
+            _plan_start(tr, args)
+            launch(train, args, args.ranks, args.timeout, held=lock)
+        finally:  # ended here (a run in this process: tests); a killed launcher's ends with it
+            if lock is not None:
+                lock.release()
     else:
         _plan(args)
     return 0

@@ -22,9 +22,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from ..runtime.collectives import all_gather_single
 from ..runtime.param import placement_of, root_of
 
-__all__ = ["clip_grad_norm_", "nonfinite_grad_names"]
+__all__ = ["clip_grad_norm_", "nonfinite_grad_names", "nonfinite_grad_ranks"]
 
 _Params = torch.Tensor | Iterable[torch.Tensor]
 
@@ -96,22 +97,36 @@ def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) ->
     return (local + _local_stat(plain_grads, p, acc, device, foreach)).pow(1.0 / p)
 
 
-def _nonfinite(params, sharded, plain, root) -> list[str]:
-    names = []
-    if root is not None:
-        order = list(root.plan.placements)  # one fixed order on every rank: the plan's
-        index = {name: i for i, name in enumerate(order)}
-        flags = torch.zeros(len(order), dtype=torch.int32, device=sharded[0].device)
-        for q in sharded:
-            if q.grad is not None and q.grad.numel():
-                flags[index[placement_of(q).spec.name]] = (~torch.isfinite(q.grad).all()).to(torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=root.groups.world)
-        names = [order[i] for i in flags.nonzero().flatten().tolist()]
-    for i, q in enumerate(params):  # replicated: the same verdict on every rank, no collective
-        if (placement_of(q) is None and q.grad is not None
-                and not bool(torch.isfinite(q.grad).all())):
-            names.append(f"<parameter {i} of shape {tuple(q.shape)} (not sharded)>")
-    return names
+def _bad(grad: torch.Tensor | None) -> torch.Tensor:
+    """1 if ``grad`` (this rank's piece) holds a NaN or inf, else 0 (an int32 0-d tensor)."""
+    if grad is None or not grad.numel():
+        return torch.zeros((), dtype=torch.int32)
+    return (~torch.isfinite(grad.as_subclass(torch.Tensor)).all()).to(torch.int32)
+
+
+def _nonfinite(params, sharded, plain, root) -> dict[str, list[int]]:
+    """{name: the world ranks whose piece of its gradient is not finite}, the same on every
+    rank: one all-gather of one int32 flag per planned parameter and per non-sharded one."""
+    order = list(root.plan.placements) if root is not None else []  # the plan's: the same everywhere
+    index = {name: i for i, name in enumerate(order)}
+    others = [(i, q) for i, q in enumerate(params) if placement_of(q) is None]
+    names = order + [f"<parameter {i} of shape {tuple(q.shape)} (not sharded)>" for i, q in others]
+    device = sharded[0].device if sharded else torch.device("cpu")
+    flags = torch.zeros(len(names), dtype=torch.int32, device=device)
+    for q in sharded:
+        flags[index[placement_of(q).spec.name]] = _bad(q.grad)
+    for j, (_, q) in enumerate(others):
+        flags[len(order) + j] = _bad(q.grad)
+    if root is None:  # nothing sharded: this rank's verdict, no collective
+        me = dist.get_rank() if dist.is_initialized() else 0
+        return {names[i]: [me] for i in flags.nonzero().flatten().tolist()}
+    group = root.groups.world
+    ranks = dist.get_process_group_ranks(group)
+    everyone = torch.empty(len(ranks) * len(names), dtype=torch.int32, device=device)
+    all_gather_single(everyone, flags, group=group)
+    rows = everyone.view(len(ranks), len(names)).cpu()
+    return {names[i]: [ranks[r] for r in rows[:, i].nonzero().flatten().tolist()]
+            for i in rows.amax(0).nonzero().flatten().tolist()}
 
 
 @torch.no_grad()
@@ -144,7 +159,7 @@ def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0
     params, sharded, plain, root = _split(parameters)
     total = _total_norm(params, sharded, plain, root, p, foreach)
     if error_if_nonfinite and not bool(torch.isfinite(total)):  # same verdict on every rank
-        names = _nonfinite(params, sharded, plain, root)
+        names = list(_nonfinite(params, sharded, plain, root))
         where = (f"non-finite gradients: {', '.join(names)}" if names else
                  "every gradient is finite: the norm overflowed")
         raise RuntimeError(
@@ -182,8 +197,17 @@ def total_grad_norm(parameters: _Params, norm_type: float = 2.0,
 def nonfinite_grad_names(parameters: _Params) -> list[str]:
     """Names of the parameters whose gradient holds a NaN or inf on any rank.
 
-    A collective (one all-reduce of one int32 flag per planned parameter), returning the
+    A collective (one all-gather of one int32 flag per planned parameter), returning the
     same list on every rank: sharded parameters by name, in plan order, then any
     non-sharded ones by position in ``parameters``. Call it before any clipping scales
     the gradients by a non-finite norm (see :func:`total_grad_norm`)."""
+    return list(_nonfinite(*_split(parameters)))
+
+
+@torch.no_grad()
+def nonfinite_grad_ranks(parameters: _Params) -> dict[str, list[int]]:
+    """:func:`nonfinite_grad_names` with, for each name, the world ranks whose piece of that
+    gradient holds a NaN or inf (a rank holding no piece of it is never named). The same
+    on every rank; a collective (one all-gather of one int32 flag per planned parameter).
+    Without sharded parameters, this rank's verdict alone, no collective."""
     return _nonfinite(*_split(parameters))

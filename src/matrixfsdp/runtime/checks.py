@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .collectives import all_gather_object
 from .param import root_of, sharded_param
 from .unit import Unit
 
@@ -292,13 +293,11 @@ def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> Non
     """Raise ``ValueError`` on every rank of ``group`` naming the first of ``items``
     (``(description, value)``, in the same order on every rank) whose value differs
     between ranks, with each rank's value; ``what`` says what was set up ("the model",
-    "the Muon optimizer"). One ``all_gather_object`` of the list: call it once, at
+    "the Muon optimizer"). One gather of the list: call it once, at
     set-up, never in a step. Values must compare with ``==`` (no tensors)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    world = dist.get_world_size(group)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, items, group=group)
+    every = all_gather_object(items, group)
     keys = [dict(ranks_items) for ranks_items in every]
     mine = dict(items)
     for key in dict.fromkeys(k for ranks_items in every for k, _ in ranks_items):

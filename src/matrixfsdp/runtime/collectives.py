@@ -19,11 +19,14 @@ received bytes. Every rank knows every size, so this needs no communication.
 
 from __future__ import annotations
 
+import pickle
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from . import arrival
 
 
 def all_gather_single(*args, **kwargs):
@@ -33,6 +36,43 @@ def all_gather_single(*args, **kwargs):
 
 def reduce_scatter_single(*args, **kwargs):
     return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
+def _object_device(group: dist.ProcessGroup | None) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj``, in rank order (a set-up or failure-path collective: two small
+    all-gathers), as ``dist.all_gather_object`` but on the group's own device and without
+    numpy (torch's needs it; only checkpoints do here, through DCP)."""
+    device = _object_device(group)
+    data = torch.tensor(list(pickle.dumps(obj)), dtype=torch.uint8, device=device)
+    world = dist.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    every = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(every, padded, group=group)
+    return [pickle.loads(bytes(t[:int(s)].tolist())) for t, s in zip(every, sizes)]
+
+
+def broadcast_object(obj: object, src: int, group: dist.ProcessGroup | None = None) -> object:
+    """Global rank ``src``'s ``obj`` on every rank of ``group`` (two small broadcasts),
+    numpy-free like :func:`all_gather_object`."""
+    device = _object_device(group)
+    mine = dist.get_rank() == src
+    data = torch.tensor(list(pickle.dumps(obj)) if mine else [], dtype=torch.uint8, device=device)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if not mine:
+        data = torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    return obj if mine else pickle.loads(bytes(data.tolist()))
 
 
 PHASE_OF = {"all_gather": "gather", "broadcast": "gather", "reduce_scatter": "reduce",
@@ -126,14 +166,17 @@ class Pending:
     It holds the tensors the collective reads or writes (``keep``) until then, so a
     transient send buffer lives as long as the transfer (the FSDP2 rule on CUDA too).
     ``work`` is anything with ``wait()`` and ``is_completed()`` (a ``torch.distributed``
-    work, or a wrapper of one: :meth:`Comm.pending`).
+    work, or a wrapper of one: :meth:`Comm.pending`). ``watch`` (set by :class:`Comm` on a
+    gloo group): a collective that times out names the ranks that did not arrive
+    (:mod:`matrixfsdp.runtime.arrival`).
     """
 
-    def __init__(self, work=None, epilogue=None, keep: tuple = ()):
+    def __init__(self, work=None, epilogue=None, keep: tuple = (), watch=None):
         self._work = work
         self._epilogues = [epilogue] if epilogue is not None else []
         self._keep = keep
         self._parts: list[Pending] = []  # see :meth:`all`
+        self.watch = watch
 
     def then(self, epilogue) -> Pending:
         """Run ``epilogue()`` after the collective and the earlier epilogues."""
@@ -150,7 +193,7 @@ class Pending:
         for p in parts:
             p.wait()
         if self._work is not None:
-            self._work.wait()
+            arrival.wait(self._work, self.watch)
             self._work = None
         epilogues, self._epilogues, self._keep = self._epilogues, [], ()
         for epilogue in epilogues:
@@ -179,7 +222,9 @@ class Comm:
     def _issue(self, kind: str, payload: int, load: Load, work, epilogue=None,
                keep: tuple = ()) -> Pending:
         self.stats.add(self.prefix + kind, payload, load)
-        return self.pending(kind, load, work, epilogue, keep)
+        pending = self.pending(kind, load, work, epilogue, keep)
+        pending.watch = arrival.issued(self.group, self.prefix + kind)  # numbered as issued
+        return pending
 
     def pending(self, kind: str, load: Load, work, epilogue, keep: tuple) -> Pending:
         """Wrap one issued collective of ``kind`` moving ``load``: the one hook on every

@@ -20,6 +20,7 @@ reduce and broadcast included.
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 
 import torch
@@ -67,10 +68,12 @@ class CollectiveCheck:
         sig = torch.tensor(mine, dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * len(mine), dtype=torch.int64, device=self.device)
         work = all_gather_single(out, sig, group=self.group, async_op=True)
+        t0 = time.monotonic()
         try:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - the backend's own timeout error, re-raised
-            raise RuntimeError(self.missing(mine)) from e
+            # the time actually waited: the group's own timeout may end the wait sooner
+            raise RuntimeError(self.missing(mine, time.monotonic() - t0)) from e
         rows = out.view(self.world_size, len(mine)).tolist()
         if any(r != rows[0] for r in rows):
             where = "; ".join(f"rank {r}: {self.describe(s)}" for r, s in enumerate(rows))
@@ -80,9 +83,10 @@ class CollectiveCheck:
                                "or layout means the ranks built, shaped or froze the model "
                                "differently (frozen parameters are planned and reduced apart)")
 
-    def missing(self, mine: list[int]) -> str:
-        """The error after waiting in vain at ``mine``: the ranks that did not arrive first
-        (where each last was, from the store), then who waited."""
+    def missing(self, mine: list[int], waited: float | None = None) -> str:
+        """The error after waiting in vain at ``mine`` for ``waited`` seconds (default: the
+        configured timeout): the ranks that did not arrive first (where each last was, from
+        the store), then who waited and how long."""
         behind = []
         for r in range(self.world_size):
             if r == self.rank:
@@ -93,7 +97,8 @@ class CollectiveCheck:
             elif seen[0] < self.count:
                 behind.append(f"rank {r} did not arrive (its last collective: {self.describe(seen[1])})")
         who = "; ".join(behind) or "some rank never issued this collective"
-        return (f"matrixfsdp debug: {who}; rank {self.rank} waited {self.timeout:.0f} s for it at "
+        return (f"matrixfsdp debug: {who}; rank {self.rank} waited "
+                f"{self.timeout if waited is None else waited:.1f} s for it at "
                 f"{self.describe(mine)} (the rank left the training loop early, or hangs outside "
                 "MatrixFSDP)")
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..runtime.collectives import broadcast_object
 from ..runtime.process_groups import twin_group
 from .dcp import RowShardStager
 from .entries import check_names
@@ -81,7 +82,7 @@ def _on_rank0(fn: Callable[[], Any], group, what: str) -> Any:
                 else (f"{type(e).__name__}: {e}", False)
     if dist.is_initialized():
         src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast_object_list(info, src=src, group=group)
+        info = broadcast_object(info, src, group)
     if info[1] is not None:
         if info[2]:
             raise CheckpointError(info[1])

@@ -15,9 +15,15 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
+
+try:
+    import resource
+except ImportError:  # not on Windows: no file-size limit to report
+    resource = None  # type: ignore[assignment]
+
+from ..runtime.collectives import all_gather_object
 
 CHECKSUMS = "CHECKSUMS.json"  # {file name: sha256 hex}, written and fsynced before the marker
 _CHUNK = 1 << 20
@@ -51,8 +57,7 @@ def gather_digests(directory: Path, group) -> dict[str, str]:
         return {}
     rank = dist.get_rank(group)
     mine = own_digests(directory, rank)
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_object(mine, group)
     return {k: v for d in everyone for k, v in d.items()}
 
 
@@ -100,9 +105,7 @@ def verify_checkpoint(path: str | os.PathLike, *, process_group=None) -> bool:
     if dist.is_initialized():
         rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
         problem = _check_files(path, names[rank::world], expected)
-        found: list[Any] = [None] * world
-        dist.all_gather_object(found, problem, group=process_group)
-        problem = next((p for p in found if p), None)
+        problem = next((p for p in all_gather_object(problem, process_group) if p), None)
     else:
         problem = _check_files(path, names, expected)
     if problem:
@@ -128,6 +131,27 @@ def disk_error(exc: BaseException) -> OSError | None:
     return None
 
 
+def first_failure(exc: BaseException) -> str:
+    """``Type: first line`` of ``exc``; for DCP's ``CheckpointException`` (every rank's
+    failures, whose own message is only their ranks), ``rank R: Type: first line`` of the
+    first rank's."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        rank = min(failures)
+        pair = failures[rank]
+        return f"rank {rank}: {first_failure(pair[0] if isinstance(pair, tuple) else pair)}"
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}" + (f": {text[0]}" if text else "")
+
+
+def file_size_limit() -> int | None:
+    """This process's file-size limit in bytes (``ulimit -f``), None if unlimited or unknown."""
+    if resource is None:
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def write_failure(exc: BaseException, path: Path, previous: Path | None) -> CheckpointError:
     """The one-line error of a save that failed writing ``path``: the disk error first (a
     full disk says so), and that ``previous`` (the newest complete checkpoint) is intact."""
@@ -135,8 +159,17 @@ def write_failure(exc: BaseException, path: Path, previous: Path | None) -> Chec
     if os_err is not None and os_err.errno == errno.ENOSPC:
         what = f"no space left on the device writing {path}"
     elif os_err is not None:
-        what = f"cannot write {path}: {os_err.strerror or os_err} ({getattr(os_err, 'filename', '')})"
+        # an OSError from a write has no file name (None), one from open() has it
+        code = errno.errorcode.get(os_err.errno or -1)
+        named = [v for v in (os_err.filename, code) if v]
+        what = (f"cannot write {path}: {os_err.strerror or os_err}"
+                + (f" ({', '.join(map(str, named))})" if named else "")
+                + ("; a file-size limit (ulimit -f) or the file system's largest file was reached"
+                   if os_err.errno == errno.EFBIG else ""))
     else:
-        what = f"writing {path} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        what = f"writing {path} failed: {first_failure(exc)}"
+        limit = file_size_limit()
+        if limit is not None:  # a short write may be all the backend says of it
+            what += f" (this process's file-size limit is {limit} bytes: ulimit -f)"
     kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointError(f"matrixfsdp.save_checkpoint: {what}; nothing was committed, {kept}")

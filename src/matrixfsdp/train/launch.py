@@ -7,6 +7,7 @@ the argument type of ``--timeout`` (and ``--clip``)."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -24,9 +25,15 @@ import torch.distributed as dist
 
 from ..state.integrity import CheckpointError
 from .exit import exit_rank
+from .nonfinite import NonFiniteError
 
 DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of `train`, spawned and under torchrun alike
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to end before SIGKILL
+PR_SET_PDEATHSIG = 1  # prctl(2) option (linux/prctl.h)
+# This process's parent when this module was imported: under torchrun, the agent that
+# started this rank (it starts its workers from its main thread, directly: python or the
+# console script); the nearest to the process's start that a rank can read it.
+_PARENT_AT_IMPORT = os.getppid()
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -97,7 +104,8 @@ def _report_failure(rank: int, exc: BaseException) -> None:
     line = failure_line(rank, exc)
     if secondary:  # one line: the peer that died is the story
         line = f"rank {rank} stopped: it lost a peer ({line.split(': ', 1)[-1][:160]})"
-    tb = "" if secondary or isinstance(exc, CheckpointError) else "".join(traceback.format_exception(exc))
+    one_line = isinstance(exc, (CheckpointError, NonFiniteError))  # their message says it all
+    tb = "" if secondary or one_line else "".join(traceback.format_exception(exc))
     print(f"\n{line}\n{tb}", end="", file=sys.stderr, flush=True)
     where = os.environ.get(REPORT_DIR_ENV)
     if where:
@@ -133,7 +141,37 @@ def _killed(processes) -> tuple[int, int, str] | None:
     return None
 
 
-def _spawned(rank: int, fn, world_size: int, init_file: str, args, timeout_s: float) -> None:
+def die_with_parent(parent: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent ends (however it ends:
+    SIGKILL by a scheduler or the OOM killer included), then check that ``parent`` is still
+    the parent, in case it ended before this call (the signal would never come); if it is
+    not, leave at once. A no-op elsewhere.
+
+    SIGKILL, not torch's SIGINT (``torch.multiprocessing`` sets ``PR_SET_PDEATHSIG`` to
+    SIGINT): a process started with SIGINT ignored (a background job of a non-interactive
+    shell, ``nohup cmd &``) ignores it, and the rank trained on; a KeyboardInterrupt only
+    comes between Python bytecodes, after a C++ collective returns. A SIGKILLed rank
+    commits nothing more: a checkpoint is committed by one rename after all its data is
+    written, so a rank killed before it leaves only a ``.partial`` directory."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return  # refused (never seen): the rank runs as before
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:
+        print(f"rank process {os.getpid()}: its launcher (pid {parent}) has ended; leaving",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _spawned(rank: int, fn, world_size: int, init_file: str, args, timeout_s: float,
+             launcher: int, held=None) -> None:
+    """One local rank. ``held``: kept for the process's life (the ``--out`` lock, whose file
+    descriptor the rank inherits: :mod:`matrixfsdp.train.outlock`)."""
+    die_with_parent(launcher)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -206,15 +244,20 @@ def _join_ranks(ctx, prog: str, report_dir: str | None = None) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def launch(fn, args, world_size: int, timeout_s: float | None = None) -> None:
+def launch(fn, args, world_size: int, timeout_s: float | None = None, held=None) -> None:
     """Run ``fn(args)`` on ``world_size`` ranks: in place under torchrun (RANK is set),
     else as local processes (gloo on CPU, NCCL on CUDA). ``timeout_s`` (default
     ``args.timeout``, else :data:`DEFAULT_TIMEOUT_S`) is the process group's timeout in both
     cases: a collective waiting longer for a peer fails instead of hanging. A rank that
-    raises ends the run at once, named first (:func:`run_rank`)."""
+    raises ends the run at once, named first (:func:`run_rank`). Every rank dies with the
+    process that started it (:func:`die_with_parent`): this launcher, or torchrun's agent.
+    ``held`` goes to every local rank, which keeps it as long as it lives (the ``--out``
+    lock of ``train``, so that the lock lasts as long as the last process of the run)."""
     if timeout_s is None:
         timeout_s = getattr(args, "timeout", None) or DEFAULT_TIMEOUT_S
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent started this process
+            die_with_parent(_PARENT_AT_IMPORT)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         device_for(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
@@ -229,8 +272,8 @@ def launch(fn, args, world_size: int, timeout_s: float | None = None) -> None:
         os.environ[REPORT_DIR_ENV] = reports  # inherited by the spawned ranks
         try:
             ctx = torch.multiprocessing.start_processes(
-                _spawned, args=(fn, world_size, os.path.join(tmp, "init"), args, timeout_s),
-                nprocs=world_size, join=False, start_method="spawn")
+                _spawned, nprocs=world_size, join=False, start_method="spawn",
+                args=(fn, world_size, os.path.join(tmp, "init"), args, timeout_s, os.getpid(), held))
             _join_ranks(ctx, f"matrixfsdp {getattr(args, 'cmd', None) or 'launch'}", reports)
         finally:
             os.environ.pop(REPORT_DIR_ENV, None)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -16,19 +17,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..optim.clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from ..optim.groups import muon_param_groups
 from ..optim.muon import Muon
 from ..runtime.fully_shard import comm_stats, plan_of, plan_report
-from ..state.files import AsyncCheckpoint, checkpoint_dir, load_checkpoint, save_checkpoint
+from ..state.files import (
+    AsyncCheckpoint,
+    checkpoint_dir,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    wait_for_checkpoint,
+)
 from ..state.state_dict import get_state_dict
 from .demo import batch_at, build_model, stdlib_corpus
 from .launch import device_for, sync
+from .nonfinite import (
+    NonFiniteError,
+    clip_and_check,
+    nonfinite_state,
+    state_message,
+    stop_message,
+)
 from .report import _rss_mib, write_summary
 from .resume import saved_args
 
 STALL_SAVE_ENV = "MATRIXFSDP_TEST_STALL_SAVE"  # test only: the last rank stalls in the save of step N
-FAULT_ENV = "MATRIXFSDP_TEST_FAULT"  # test only: a rank raises or hangs at a step (_inject_fault)
+FAULT_ENV = "MATRIXFSDP_TEST_FAULT"  # test only: a rank raises, hangs or meets a NaN at a step (_faults)
 # test only: the commit of step N's checkpoint waits until the loop has trained step N + 1,
 # proof that an asynchronous save returned to the loop before its commit (_save)
 HOLD_COMMIT_ENV = "MATRIXFSDP_TEST_HOLD_COMMIT"
@@ -69,30 +83,6 @@ class History:
     saves: list[Any] = field(default_factory=list)  # committed checkpoints
     step_wall_ms: list[float] = field(default_factory=list)  # each whole step with its save's blocking part
     save_steps: list[int] = field(default_factory=list)
-
-
-def clip_and_check(model: nn.Module, clip: float | None, skip_nonfinite: bool
-                   ) -> tuple[torch.Tensor | None, list[str] | None]:
-    """After backward: clip to the global grad norm ``clip`` (if given) and, with
-    ``skip_nonfinite``, say whether the step must be skipped. A collective.
-
-    Returns ``(norm, nonfinite)``: the global norm before clipping (None if neither option
-    is on), and None when the step may go ahead, else the names of the parameters with
-    non-finite gradients (the same list on every rank; empty if only the norm overflowed).
-    The names are read before any scaling: a non-finite norm would turn every gradient
-    into NaN when applied (torch's semantics), hiding which ones were bad."""
-
-
-    if clip is None and not skip_nonfinite:
-        return None, None
-    if not skip_nonfinite:  # a bad norm is applied, as in torch
-        return clip_grad_norm_(model.parameters(), clip).detach(), None
-    norm = total_grad_norm(model.parameters())  # global: every rank takes the same branch
-    if not torch.isfinite(norm):
-        return norm, nonfinite_grad_names(model.parameters())
-    if clip is not None:
-        torch.nn.utils.clip_grads_with_norm_(model.parameters(), clip, norm)
-    return norm, None
 
 
 # ---- checkpoints (--save-every, --resume) -----------------------------------------------------
@@ -150,17 +140,26 @@ def _save(run: Run, meta: dict):
                               keep_last=getattr(args, "keep_last", None))
 
 
+def _faults(rank: int, step: int) -> set[str]:
+    """Test only (``MATRIXFSDP_TEST_FAULT=KIND@R:S[,KIND@R:S...]``): the faults rank ``rank``
+    meets at step ``step``: ``raise`` or ``hang`` at the start of the step (_inject_fault),
+    ``nanloss`` (its loss times NaN) or ``nan`` (one element of its first gradient piece set
+    to NaN after backward) (_step)."""
+    kinds = set()
+    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
+        kind, where = spec.split("@")
+        r, at = (int(v) for v in where.split(":"))
+        if r == rank and at == step:
+            kinds.add(kind)
+    return kinds
+
+
 def _inject_fault(run: Run, step: int) -> None:
-    """Test only (``MATRIXFSDP_TEST_FAULT=raise@R:S`` or ``hang@R:S``): rank R raises, or
-    hangs, at the start of step S."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    kind, where = spec.split("@")
-    rank, at = (int(v) for v in where.split(":"))
-    if rank == run.rank and at == step:
-        if kind == "hang":
-            time.sleep(3600)
+    """Test only: rank R raises (``raise@R:S``), or hangs (``hang@R:S``), at the start of step S."""
+    kinds = _faults(run.rank, step)
+    if "hang" in kinds:
+        time.sleep(3600)
+    if "raise" in kinds:
         raise RuntimeError(f"injected fault at step {step}")
 
 
@@ -203,12 +202,25 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     run.stats.reset()
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
+    faults = _faults(run.rank, step) if FAULT_ENV in os.environ else set()
     for k in range(accum):  # K micro-batches, each (loss / K).backward()
         x = batch_at(run.corpus, step * accum + k, run.rank, run.world, args.batch, args.seq, args.seed)
         loss = run.loss_fn(x.to(device))
+        if "nanloss" in faults:
+            loss = loss * math.nan
         (loss / accum).backward()
         loss_sum += loss.detach().float()
-    norm, nonfinite = clip_and_check(run.model, args.clip, args.skip_nonfinite)
+    if "nan" in faults:  # this rank's piece of one gradient
+        grad = next(p.grad for p in run.model.parameters() if p.grad is not None and p.grad.numel())
+        grad.view(-1)[0] = math.nan
+    # every rank's loss (for the log) and a non-finite check, before anything is scaled or stepped
+    checked = clip_and_check(run.model, args.clip, args.skip_nonfinite, loss_sum)
+    norm, nonfinite = checked.norm, checked.nonfinite
+    if nonfinite is not None and not args.skip_nonfinite:
+        wait_for_checkpoint()  # an asynchronous save in flight (an earlier, finite step) commits first
+        every = getattr(args, "save_every", 0)
+        newest = latest_checkpoint(checkpoint_root(args), warn=False) if every else None
+        raise NonFiniteError(stop_message(step, nonfinite, newest, bool(every)))
     sync(device)
     t1 = time.perf_counter()
     if nonfinite is None:
@@ -218,19 +230,16 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     sync(device)
     t2 = time.perf_counter()
     if nonfinite is not None:
-        hist.skipped.append({"step": step, "nonfinite": nonfinite})
+        hist.skipped.append(nonfinite.record(step))
         if run.rank == 0:
-            names = ", ".join(nonfinite[:8]) + (f" and {len(nonfinite) - 8} more" if len(nonfinite) > 8
-                                                 else "")
             bar.write(f"step {step}: gradient norm is not finite, step skipped on every rank; "
-                      f"non-finite gradients: {names or 'none (the norm overflowed)'}")
+                      f"{nonfinite.describe()}")
     if norm is not None:
         hist.norms.append(norm.item())
     hist.step_bytes.append(sum(run.stats.payload_bytes.values()))
     hist.step_calls = dict(run.stats.calls)
     hist.step_ms.append((t2 - t1) * 1e3)
-    dist.all_reduce(loss_sum)  # for the log only; not part of the step
-    hist.losses.append(loss_sum.item() / (run.world * accum))
+    hist.losses.append(sum(checked.losses) / (run.world * accum))
     hist.tok_s.append(run.world * accum * args.batch * args.seq / (t2 - t0))
     bar.set_postfix(loss=f"{hist.losses[-1]:.3f}", tok_s=f"{hist.tok_s[-1]:.0f}")
     if args.rss_every and (step + 1) % args.rss_every == 0:
@@ -247,6 +256,10 @@ def _maybe_save(run: Run, step: int, hist: History, pending, bar):
     if pending is not None:  # the previous asynchronous save: wait for it (the next save would)
         hist.saves.append(pending.result())
         _report_save(bar, hist.saves[-1])
+    bad = nonfinite_state(run.model, run.opt)  # a collective; never commit a non-finite state
+    if bad:
+        raise NonFiniteError(state_message(step + 1, bad, latest_checkpoint(checkpoint_root(run.args),
+                                                                            warn=False)))
     saved = _save(run, {"step": step + 1, "world_size": run.world, "losses": hist.losses,
                         "norms": hist.norms, "skipped": hist.skipped, "args": saved_args(run.args)})
     hist.save_steps.append(step + 1)

@@ -1,0 +1,209 @@
+"""Failures that name their culprit, and non-finite values that never reach a checkpoint:
+a NaN gradient stops `matrixfsdp train` (without --skip-nonfinite) naming the step, the
+parameter and the rank, with the kept checkpoints all finite (--keep-last); with
+--skip-nonfinite the skipped step names the ranks; a hung rank is named by the rank that
+timed out waiting for it, with the time it actually waited (with and without --debug, and
+in the library on three ranks, where the ranks that did arrive are told apart); a save that
+hits a file-size limit says so without a stray "(None)"."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import resource
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from _cli import run_cli
+from _dist import spawn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+import matrixfsdp as mf
+from matrixfsdp.runtime.arrival import CollectiveTimeout
+from matrixfsdp.runtime.collectives import Comm, CommStats
+from matrixfsdp.state.files import is_complete
+from matrixfsdp.state.integrity import CheckpointError, write_failure
+
+if not sys.platform.startswith("linux"):
+    pytest.skip("rlimits, and ranks that hang", allow_module_level=True)
+
+TRAIN = ["train", "--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32",
+         "--batch", "2", "--ranks", "2"]
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+HANG_GUARD_S = 120.0  # generous: a timeout of 2-3 s must end far sooner, even on loaded cores
+
+
+def _train(*extra: str, fault: str):
+    return run_cli(*TRAIN, *extra, env={**ENV, "MATRIXFSDP_TEST_FAULT": fault})
+
+
+def _launcher_line(run) -> str:
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("matrixfsdp train:")]
+    assert len(lines) == 1, run.stderr[-3000:]
+    return lines[0]
+
+
+def _all_finite(checkpoint, tmp_path) -> bool:
+    flat = tmp_path / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, flat)
+    state = torch.load(flat, weights_only=False)
+    tensors = []
+
+    def walk(v):
+        if torch.is_tensor(v):
+            tensors.append(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+    walk(state)
+    assert len(tensors) > 10  # the model and the optimizer state were read
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_nan_gradient_stops_the_run_and_every_kept_checkpoint_is_finite(tmp_path, mode):
+    """A NaN in rank 1's piece of one gradient at step 4 (of 6; a save every 2, the last 2
+    kept). Before: training went on with NaN weights, exited 0, and --keep-last 2 pruned the
+    finite checkpoints (both kept ones all-NaN). Now: exit 1 at step 4, before its optimizer
+    step, naming the step, the parameter and rank 1; steps 2 and 4 are kept, both finite."""
+    out = tmp_path / "run"
+    run = _train("--steps", "6", "--save-every", "2", "--keep-last", "2", "--out", str(out),
+                 *(["--async-save"] if mode == "async" else []), fault="nan@1:4")
+    assert run.returncode == 1, run.stderr[-3000:]
+    line = _launcher_line(run)
+    ckpts = out / "checkpoints"
+    assert re.fullmatch(
+        r"matrixfsdp train: rank [01] failed: NonFiniteError: step 4: non-finite gradients: [\w.]+ "
+        r"\(rank 1\)\. Training stopped before the optimizer step, on every rank: no checkpoint "
+        rf"holds these values \(the newest checkpoint, {re.escape(str(ckpts / 'step_00000004'))}, "
+        r"is from before it\); --skip-nonfinite skips such steps instead; the other ranks were stopped",
+        line), line
+    assert "Traceback" not in run.stderr  # one line says it all
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step_00000002", "step_00000004"]
+    for name in ("step_00000002", "step_00000004"):
+        assert is_complete(ckpts / name) and _all_finite(ckpts / name, tmp_path), name
+    assert not (out / "summary.json").exists()
+
+
+def test_skipped_steps_name_the_ranks(tmp_path):
+    """--skip-nonfinite: a NaN gradient on rank 1 at step 1 and a NaN loss on rank 0 at
+    step 3 are skipped, each line naming where (before: the parameters only)."""
+    run = _train("--steps", "5", "--skip-nonfinite", "--out", str(tmp_path),
+                 fault="nan@1:1,nanloss@0:3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = run.stdout.replace("\r", "\n")
+    step1 = re.search(r"step 1: gradient norm is not finite, step skipped on every rank; "
+                      r"non-finite gradients: ([\w.]+) \(rank 1\)\n", text)
+    assert step1, text[-3000:]
+    assert ("step 3: gradient norm is not finite, step skipped on every rank; the loss is not "
+            "finite on rank 0; non-finite gradients: ") in text
+    skipped = json.loads((tmp_path / "summary.json").read_text())["skipped_steps"]
+    assert [s["step"] for s in skipped] == [1, 3]
+    assert skipped[0]["nonfinite_ranks"] == {step1.group(1): [1]} and skipped[0]["ranks"] == [1]
+    assert skipped[1]["loss_ranks"] == [0] and skipped[1]["ranks"] == [0, 1]
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
+    """Rank 1 hangs at the start of step 2 under --timeout 3. Before: without --debug, rank
+    0's own gloo error ("Timed out waiting 5000ms for send operation to complete"), no word
+    of rank 1; with --debug, "waited 30 s" (the check's default, not what it waited).
+    Now rank 0 names rank 1 and the seconds it waited, measured."""
+    t0 = time.monotonic()
+    run = _train("--steps", "4", "--timeout", "3", "--out", str(tmp_path), *(["--debug"] if debug else []),
+                 fault="hang@1:2")
+    assert time.monotonic() - t0 < HANG_GUARD_S
+    assert run.returncode == 1, run.stderr[-3000:]
+    line = _launcher_line(run)
+    if debug:
+        pattern = (r"matrixfsdp train: rank 0 failed: RuntimeError: matrixfsdp debug: rank 1 did not "
+                   r"arrive \(its last collective: step 1, .*\); rank 0 waited (\d+\.\d) s for it at "
+                   r"step 2, unit '<root>', forward gather .*")
+    else:
+        pattern = (r"matrixfsdp train: rank 0 failed: CollectiveTimeout: rank 1 did not arrive at the "
+                   r"\w+ #\d+ on ranks 0-1 \(it hangs, is slower than the timeout, or left the training "
+                   r"loop; debug mode says where each rank is\); rank 0 waited (\d+\.\d) s for it "
+                   r"\(the process group's timeout is 3 s\); the other ranks were stopped")
+    found = re.fullmatch(pattern, line)
+    assert found, line
+    assert 2.5 <= float(found.group(1)) < HANG_GUARD_S, line
+
+
+def _three_ranks(rank, world, tmp):
+    """Rank 2 never issues the all-gather that ranks 0 and 1 wait for (a 2 s group)."""
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    comm = Comm(group, CommStats())
+    comm.all_gather(torch.empty(world * 4), torch.ones(4)).wait()  # all arrive: fine
+    message = "no error"
+    if rank == 2:
+        time.sleep(4)  # past the others' timeout; then leave without the all-gather
+    else:
+        try:
+            comm.all_gather(torch.empty(world * 4), torch.ones(4)).wait()
+        except CollectiveTimeout as e:
+            message = str(e)
+        # both stay until both have timed out: a rank leaving the job closes its connections
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"timed-out/{rank}", "1")
+        store.wait([f"timed-out/{1 - rank}"], timedelta(seconds=60))
+    with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_a_collective_timeout_names_the_missing_rank_and_those_that_arrived(tmp_path):
+    """The library alone (no CLI, no debug mode), on three ranks: ranks 0 and 1 time out
+    waiting for rank 2; each names rank 2 as missing, the other as arrived, and the time."""
+    spawn(_three_ranks, 3, str(tmp_path), timeout=120)
+    for rank, other in ((0, 1), (1, 0)):
+        message = (tmp_path / f"rank{rank}.txt").read_text()
+        found = re.fullmatch(
+            r"rank 2 did not arrive at the all_gather #2 on ranks 0-2 \(it hangs, .*\); "
+            rf"rank {rank} waited (\d+\.\d) s for it \(the process group's timeout is 2 s\); "
+            rf"rank {other} arrived and waited too", message)
+        assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
+    assert (tmp_path / "rank2.txt").read_text() == "no error"
+
+
+def _file_size_limit(rank, world, tmp):
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    message = "no error"
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, hard))  # Python ignores SIGXFSZ: EFBIG
+    try:
+        mf.save_checkpoint({"x": torch.zeros(1 << 16)}, os.path.join(tmp, "step_1"))
+    except CheckpointError as e:
+        message = str(e)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # this pool rank serves other tests
+    with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_a_save_over_the_file_size_limit_says_so(tmp_path):
+    """A 256 KiB tensor under a 64 KiB file-size limit. Two forms, by where the limit is hit:
+    DCP's tensor writer fails a short write with its own error, which it hands to every
+    rank without the OSError (before: '... failed: CheckpointException: CheckpointException
+    ranks:dict_keys([0])'); a Python write fails with EFBIG and no file name (before:
+    '... File too large (None)')."""
+    spawn(_file_size_limit, 2, str(tmp_path), timeout=120)
+    message = (tmp_path / "rank0.txt").read_text()
+    assert message == (tmp_path / "rank1.txt").read_text()  # the same on every rank
+    assert re.fullmatch(
+        rf"matrixfsdp\.save_checkpoint: writing {re.escape(str(tmp_path / 'step_1'))} failed: rank 0: "
+        r"RuntimeError: .+ \(this process's file-size limit is 65536 bytes: ulimit -f\); nothing was "
+        r"committed, no earlier checkpoint exists", message), message
+    assert not (tmp_path / "step_1").exists() and not (tmp_path / ".step_1.partial").exists()
+
+    efbig = write_failure(OSError(errno.EFBIG, "File too large"), tmp_path / "step_2", tmp_path / "step_1")
+    assert str(efbig) == (f"matrixfsdp.save_checkpoint: cannot write {tmp_path / 'step_2'}: File too large "
+                          "(EFBIG); a file-size limit (ulimit -f) or the file system's largest file was "
+                          f"reached; nothing was committed, the previous checkpoint {tmp_path / 'step_1'} "
+                          "is intact")
