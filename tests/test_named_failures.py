@@ -23,12 +23,14 @@ import torch.distributed as dist
 from _cli import run_cli
 from _dist import spawn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.device_mesh import DeviceMesh
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.arrival import CollectiveTimeout
 from matrixfsdp.runtime.collectives import Comm, CommStats
 from matrixfsdp.state.files import is_complete
 from matrixfsdp.state.integrity import CheckpointError, write_failure
+from matrixfsdp.train.models import GPT, GPTConfig
 
 if not sys.platform.startswith("linux"):
     pytest.skip("rlimits, and ranks that hang", allow_module_level=True)
@@ -171,6 +173,40 @@ def test_a_collective_timeout_names_the_missing_rank_and_those_that_arrived(tmp_
             rf"rank {other} arrived and waited too", message)
         assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert (tmp_path / "rank2.txt").read_text() == "no error"
+
+
+def _clip_hang(rank, world, tmp):
+    """Rank 1 never joins the global gradient norm's all-reduce (a 2 s mesh group)."""
+    mesh = DeviceMesh.from_group(dist.new_group(timeout=timedelta(seconds=2)), "cpu")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=1, d_mlp=24))
+    mf.fully_shard(model.layers[0], mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    x = torch.randint(0, 64, (2, 9))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    message = "no error"
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        try:
+            mf.clip_grad_norm_(model.parameters(), 1.0)
+        except CollectiveTimeout as e:
+            message = str(e)
+        store.set("clip-timed-out", "1")
+    else:  # stays until rank 0 has timed out: leaving would close its connections
+        store.wait(["clip-timed-out"], timedelta(seconds=60))
+    with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_a_hang_in_the_gradient_norm_names_the_missing_rank(tmp_path):
+    """mf.clip_grad_norm_'s all-reduce is watched like the runtime's collectives: rank 0
+    names rank 1 and the time it waited (before: gloo's own receive timeout)."""
+    spawn(_clip_hang, 2, str(tmp_path), timeout=120)
+    message = (tmp_path / "rank0.txt").read_text()
+    found = re.fullmatch(r"rank 1 did not arrive at the gradient norm all_reduce #\d+ on ranks 0-1 "
+                         r"\(it hangs, .*\); rank 0 waited (\d+\.\d) s for it \(the process group's "
+                         r"timeout is 2 s\)", message)
+    assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
 
 
 def _file_size_limit(rank, world, tmp):

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from ..runtime import arrival
 from ..runtime.collectives import all_gather_single
 from ..runtime.param import placement_of, root_of
 
@@ -72,6 +73,12 @@ def _local_stat(grads: list[torch.Tensor], p: float, acc: torch.dtype, device: t
     return stacked.max() if math.isinf(p) else stacked.pow(p).sum()
 
 
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:
+    """The norm's all-reduce; a timeout names the rank that did not arrive (runtime/arrival.py)."""
+    work = dist.all_reduce(t, op=op, group=group, async_op=True)
+    arrival.wait(work, arrival.issued(group, "gradient norm all_reduce"))
+
+
 def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) -> torch.Tensor:
     # Decided from the parameters, which every rank holds alike (placeholders included),
     # never from the grads, which only some ranks have: the all-reduce must match.
@@ -90,10 +97,10 @@ def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) ->
         # as a separate flag in the same call.
         nan = local.isnan()
         buf = torch.stack([torch.where(nan, torch.zeros_like(local), local), nan.to(acc)])
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=root.groups.world)
+        _all_reduce(buf, dist.ReduceOp.MAX, root.groups.world)
         total = torch.where(buf[1] > 0, torch.full_like(buf[0], math.nan), buf[0])
         return torch.maximum(total, _local_stat(plain_grads, p, acc, device, foreach))
-    dist.all_reduce(local, op=dist.ReduceOp.SUM, group=root.groups.world)
+    _all_reduce(local, dist.ReduceOp.SUM, root.groups.world)
     return (local + _local_stat(plain_grads, p, acc, device, foreach)).pow(1.0 / p)
 
 
@@ -123,7 +130,8 @@ def _nonfinite(params, sharded, plain, root) -> dict[str, list[int]]:
     group = root.groups.world
     ranks = dist.get_process_group_ranks(group)
     everyone = torch.empty(len(ranks) * len(names), dtype=torch.int32, device=device)
-    all_gather_single(everyone, flags, group=group)
+    work = all_gather_single(everyone, flags, group=group, async_op=True)
+    arrival.wait(work, arrival.issued(group, "non-finite gradients all_gather"))
     rows = everyone.view(len(ranks), len(names)).cpu()
     return {names[i]: [ranks[r] for r in rows[:, i].nonzero().flatten().tolist()]
             for i in rows.amax(0).nonzero().flatten().tolist()}
