@@ -20,6 +20,7 @@ import time
 
 import pytest
 from _cli import run_cli
+from test_cli_launch import _alive
 
 from matrixfsdp.state.files import is_complete
 from matrixfsdp.state.integrity import verify_checkpoint
@@ -63,21 +64,6 @@ def _ranks(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] != "Z" and "spawn_main" in cmd:
             found.append(int(d))
     return sorted(found)
-
-
-def _alive(pids: list[int]) -> list[int]:
-    """Those of ``pids`` not yet ended: ended is gone, or a zombie whose every thread has
-    left (a killed process's main thread is a zombie before its other threads have closed
-    its files, its locks with them)."""
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1:
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
 
 
 def _refusal(err: str, out, holder_pid: int) -> str:
