@@ -9,8 +9,9 @@
 * :func:`check_unsharded_trainable` / :func:`check_optimizer_params`: a trainable parameter
   outside every unit (a module added after ``fully_shard``) gets no gradient reduce, so each
   rank would train its own copy.
-* :func:`check_saved_names`: a model-only load compares the saved names with the model's,
-  both ways.
+* :func:`check_same_setup` / :func:`check_same_optimizer`: the model's shapes, dtypes,
+  buffers and mixed-precision policies, and an optimizer's settings, alike on every rank
+  (compared once at set-up; a checkpoint's names are checked by ``state/entries.py``).
 """
 
 from __future__ import annotations

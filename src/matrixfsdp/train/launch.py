@@ -75,7 +75,7 @@ def failure_line(rank: int, exc: BaseException) -> str:
 
 
 def run_rank(fn, args, rank: int) -> NoReturn:
-    """``fn(args)`` on this rank, then leave (see _exit.py). On an exception the rank says
+    """``fn(args)`` on this rank, then leave (see train/exit.py). On an exception the rank says
     so first (``rank R failed: ...``, then the traceback; a
     :class:`~matrixfsdp.state.integrity.CheckpointError`'s one line needs none), leaves a report
     for the launcher (the time it failed, so the launcher names the first rank to fail,
@@ -91,7 +91,7 @@ def run_rank(fn, args, rank: int) -> NoReturn:
         _report_failure(rank, e)
         exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
     dist.destroy_process_group()
-    exit_rank(0)  # finished: leave without interpreter finalization (see _exit.py)
+    exit_rank(0)  # finished: leave without interpreter finalization (see train/exit.py)
 
 
 # What a rank's collective says when a peer died: a consequence, not a cause.
