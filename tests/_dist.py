@@ -63,7 +63,24 @@ def _reset() -> None:
     if dynamo is not None and hasattr(dynamo, "reset"):
         dynamo.reset()
         dynamo.utils.counters.clear()  # graph and break counts, read by the compile tests
+    _clear_dtensor_caches()
     gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """DTensor caches its sharding decisions per process, keyed by meshes that compare by
+    ranks and names, and the cached results hold the mesh they were made with: after the
+    job's process groups are destroyed, the next job's equal mesh would find the old one
+    (and its dead groups). A fresh rank has no cache."""
+    from torch.distributed.tensor import DTensor
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ fast path's cache (torch >= 2.10)
+        native()
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in dir(prop):
+        fn = getattr(prop, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
 
 
 def _alive(pid: int) -> bool:

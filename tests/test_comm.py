@@ -84,9 +84,10 @@ def _empty_root_worker(rank, world_size):
     model(torch.randn(3, 6)).sum().backward()
     opt.step()
     # per layer: a gather in forward and backward (the bias all-gathered, the weight
-    # broadcast from its owner) and a reduce; nothing for the root
+    # broadcast from its owner) and a reduce; nothing for the root; at the end of backward
+    # one all-reduce of which parameters had a gradient
     assert mf.comm_stats(model).calls == {"all_gather": 4, "broadcast": 4, "reduce_scatter": 2,
-                                          "reduce": 2}
+                                          "reduce": 2, "grad_flags": 1}
 
 
 def test_unit_without_parameters_issues_no_collective():

@@ -184,6 +184,7 @@ def _bytes_across_replicas(rank, world):
         if system == "ours":
             out["ours_stats"] = mf.comm_stats(model).summary()
             out["ours_expected"] = _replicate_bytes_from_layout(mf.plan_of(model), rank)
+            out["ours_params"] = sum(len(u.sharded) for u in mf.get_root(model).units)
     plain = build_model("gpt", GPTConfig(**EVEN))  # FSDP2: every gradient's shard (EVEN: no padding)
     out["fsdp2_expected"] = {"c10d::allreduce_": sum(p.numel() * p.element_size() // (world // 2)
                                                      for p in plain.parameters())}
@@ -409,7 +410,10 @@ def test_replicate_dim_bytes_follow_the_layout_and_equal_fsdp2_hsdp(four_ranks):
             ("c10d::allreduce_", "replicate_allreduce"), ("c10d::reduce_", "replicate_reduce"),
             ("c10d::broadcast_", "replicate_broadcast"))}
         assert replicate == b["ours_expected"], (r, replicate, b["ours_expected"])
-        assert b["ours"].get("c10d::allreduce_", 0) == replicate["c10d::allreduce_"], r
+        # and the end of backward's all-reduce over the mesh: one byte per parameter
+        flags = counted("grad_flags")
+        assert flags == b["ours_params"] > 0, (r, flags, b["ours_params"])
+        assert b["ours"].get("c10d::allreduce_", 0) == replicate["c10d::allreduce_"] + flags, r
         for op, key in (("c10d::reduce_", "reduce"), ("c10d::broadcast_", "broadcast")):
             assert b["ours"].get(op, 0) == replicate[op] + counted(key), (r, op)
         sent["ours"] += sum(replicate[op] * f * (R - 1) / R for op, f in _REPLICATE_OPS.items())

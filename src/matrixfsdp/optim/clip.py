@@ -9,6 +9,9 @@ rank's pieces, one all-reduce over the root's process group, then the root. Para
 are not MatrixFSDP shards are taken to be replicated (identical on every rank) and are
 added once, after the all-reduce.
 
+Tensor parallelism: a second all-reduce over the tp group; pieces that every tp rank holds
+alike (plain and ``Replicate`` parameters) count ``1/tp`` on each.
+
 HSDP: the all-reduce spans the whole mesh. A 2-D Muon matrix has a gradient on its owner
 world rank only; the other pieces (row shards, experts) are averaged over the replicas and
 identical on each, so only replica 0 counts them.
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 from ..runtime import arrival
 from ..runtime.collectives import all_gather_single
-from ..runtime.param import placement_of, root_of
+from ..runtime.param import placement_of, root_of, sharded_param
 
 __all__ = ["clip_grad_norm_", "nonfinite_grad_names", "nonfinite_grad_ranks"]
 
@@ -89,18 +92,28 @@ def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) ->
         stat = _local_stat(plain_grads, p, acc, device, foreach)
         return stat if math.isinf(p) else stat.pow(1.0 / p)
     device = sharded[0].device
-    counted = [q.grad for q in sharded if q.grad is not None
-               and (root.groups.replica == 0 or placement_of(q).owner is not None)]
-    local = _local_stat(counted, p, acc, device, foreach)
+    counted = [q for q in sharded if q.grad is not None
+               and (sharded_param(q).unit.domain.groups.replica == 0
+                    or placement_of(q).owner is not None)]
+    # TP: a piece every tp rank holds alike (a plain or Replicate parameter) counts 1/tp
+    # times on each, so that the sum over the tp group counts it once
+    same = [sharded_param(q).tp_replicated for q in counted]
+    local = _local_stat([q.grad for q, s in zip(counted, same) if not s], p, acc, device, foreach)
+    copies = _local_stat([q.grad for q, s in zip(counted, same) if s], p, acc, device, foreach)
+    groups = [root.groups.world] + ([root.tp.gather.group] if root.tp is not None else [])
     if math.isinf(p):
         # A MAX all-reduce need not propagate NaN (max(nan, x) may give x), so NaN travels
         # as a separate flag in the same call.
+        local = torch.maximum(local, copies)
         nan = local.isnan()
         buf = torch.stack([torch.where(nan, torch.zeros_like(local), local), nan.to(acc)])
-        _all_reduce(buf, dist.ReduceOp.MAX, root.groups.world)
+        for group in groups:
+            _all_reduce(buf, dist.ReduceOp.MAX, group)
         total = torch.where(buf[1] > 0, torch.full_like(buf[0], math.nan), buf[0])
         return torch.maximum(total, _local_stat(plain_grads, p, acc, device, foreach))
-    _all_reduce(local, dist.ReduceOp.SUM, root.groups.world)
+    local = local + copies / (root.tp.size if root.tp is not None else 1)
+    for group in groups:
+        _all_reduce(local, dist.ReduceOp.SUM, group)
     return (local + _local_stat(plain_grads, p, acc, device, foreach)).pow(1.0 / p)
 
 

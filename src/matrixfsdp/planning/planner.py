@@ -94,6 +94,18 @@ def _place_muon(muon: list[ParamSpec], counts: list[dict[int, int]], S: int
     return placements
 
 
+def _place_tp_owners(split: list[Placement], ns_steps: int) -> None:
+    """Tensor parallelism: among the tp ranks sharing a data-parallel owner, the one that
+    holds each tp-split matrix whole (and runs its NS): largest NS cost first, each to the
+    least loaded tp rank (ties: the lowest), per owner. Deterministic, so every rank agrees."""
+    load: dict[int, list[int]] = {}
+    for pl in sorted(split, key=lambda pl: -ns_flops(pl.spec.matrix_shape, ns_steps)):
+        ranks = load.setdefault(pl.owner, [0] * pl.spec.tp)
+        t = min(range(len(ranks)), key=ranks.__getitem__)
+        ranks[t] += ns_flops(pl.spec.matrix_shape, ns_steps)
+        pl.tp_owner = t
+
+
 def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[str],
               ns_steps: int = 5, shard_size: int | None = None) -> Plan:
     """Place every parameter: even ones by rows, Muon matrices whole on balanced owners.
@@ -129,6 +141,7 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
         for w in (range(r, world_size, S) if muon[i].is_experts else (r,)):
             rank_cost[w] += c  # an expert runs on every replica of its shard rank
     placements.update(_place_muon(muon, counts, S))
+    _place_tp_owners([placements[s.name] for s in muon if s.tp > 1], ns_steps)
     ordered = {s.name: placements[s.name] for s in specs}
     rank_bytes = [held[w % S] for w in range(world_size)]
     return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes,

@@ -56,6 +56,11 @@ class ParamSpec:
     itemsize: int
     unit: int
     muon: bool
+    # Tensor parallelism: a Muon matrix split over ``tp`` ranks along dim ``tp_dim`` of
+    # ``shape`` (the whole logical matrix). Its owner holds it whole; in forward every tp
+    # rank gets its 1/tp slice (docs/nd-parallel.md). 1: not split.
+    tp: int = 1
+    tp_dim: int = 0
 
     @property
     def numel(self) -> int:
@@ -73,6 +78,11 @@ class ParamSpec:
     @property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
+
+    @property
+    def slice_numel(self) -> int:
+        """Elements of one tp rank's slice (what travels over the data-parallel ranks)."""
+        return self.numel // self.tp
 
     @property
     def is_experts(self) -> bool:
@@ -105,6 +115,7 @@ class Placement:
     spec: ParamSpec
     owner: int | None
     row_ranges: list[tuple[int, int]]
+    tp_owner: int | None = None  # a tp-split matrix: the tp rank holding it whole
 
     def local_rows(self, rank: int) -> int:
         start, stop = self.row_ranges[rank]
@@ -133,6 +144,13 @@ class Placement:
         all of whose rows one rank holds): decided from the plan alone, so every rank
         answers alike."""
         return self.owner is not None or sum(stop > start for start, stop in self.row_ranges) <= 1
+
+    def for_tp_rank(self, tp_rank: int) -> Placement:
+        """This placement as tp rank ``tp_rank`` sees its own storage: a tp-split matrix is
+        whole on its owner shard at tp rank ``tp_owner`` only, and held nowhere else."""
+        if self.spec.tp == 1 or self.tp_owner == tp_rank:
+            return self
+        return Placement(self.spec, self.owner, [(0, 0)] * len(self.row_ranges), self.tp_owner)
 
     def matrices_on(self, rank: int) -> int:
         """How many whole Muon matrices shard rank ``rank`` holds of this parameter."""

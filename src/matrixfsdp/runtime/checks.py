@@ -22,10 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import all_gather_object
-from .param import root_of, sharded_param
+from .param import replaced_by, root_of, sharded_param
 from .unit import Unit
 
 _SHOWN = 5
@@ -118,6 +117,12 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
     shard, outside = None, None
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if replaced_by(p) is not None:
+                raise ValueError(
+                    f"matrixfsdp: {type(optimizer).__name__} holds a tensor-parallel DTensor "
+                    f"parameter {tuple(p.shape)} that fully_shard replaced by its shard (as "
+                    "FSDP2 replaces every parameter): it would never be stepped. Build the "
+                    "optimizer after fully_shard")
             if sharded_param(p) is not None:
                 shard = shard if shard is not None else p
             elif p.requires_grad and outside is None:
@@ -128,52 +133,6 @@ def check_optimizer_params(optimizer: torch.optim.Optimizer) -> None:
             "which belongs to no MatrixFSDP unit (added after fully_shard?): its gradient is "
             "not averaged over the ranks, so each rank would train its own copy. Build the "
             "whole model before fully_shard")
-
-
-def check_args(mesh: DeviceMesh, reshard_after_forward: object, offload_policy: object,
-               independent_replicas: bool) -> None:
-    """Refuse what fully_shard does not support, naming what to do instead."""
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise NotImplementedError(
-            f"matrixfsdp: offload_policy={type(offload_policy).__name__} (CPU offload) is not "
-            "supported; keep parameters on the accelerator, shard over more ranks, or use a "
-            "MixedPrecisionPolicy with bf16 param_dtype to cut memory")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(
-            f"matrixfsdp: reshard_after_forward={reshard_after_forward!r}: only True, False or "
-            "None are supported (FSDP2's int, resharding to a smaller group after forward, is "
-            "not implemented here)")
-    if mesh.ndim not in (1, 2):
-        raise NotImplementedError(
-            f"matrixfsdp: fully_shard needs a 1-D mesh or a 2-D (replicate, shard) mesh for "
-            f"HSDP, got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}")
-    check_mesh(mesh, independent_replicas)
-
-
-REPLICATE_DIM_NAMES = ("replicate", "dp_replicate", "dp", "ddp", "hsdp")
-
-
-def check_mesh(mesh: DeviceMesh, independent_replicas: bool = False) -> None:
-    """Refuse a 1-D slice of a larger mesh whose other dims include a data-parallel
-    replicate dim (``mesh["shard"]`` of a ``("replicate", "shard")`` mesh): the replicas
-    would train apart, silently. Pass the 2-D mesh for HSDP. Other parent dims (``pp``,
-    ``tp``, ``cp``, ``ep``: pipeline stages train other parameters) are allowed, with the
-    partial-mesh warning. The rule reads the parent mesh's dim names; a replicate dim
-    named otherwise is not recognised."""
-    if mesh.ndim != 1 or independent_replicas:
-        return
-    parent = mesh._get_root_mesh()
-    if parent is mesh or parent.ndim < 2 or not parent.mesh_dim_names:
-        return
-    others = [n for n in parent.mesh_dim_names if n not in (mesh.mesh_dim_names or ())]
-    bad = [n for n in others if n.lower() in REPLICATE_DIM_NAMES]
-    if bad:
-        raise ValueError(
-            f"matrixfsdp: the mesh is the {mesh.mesh_dim_names} slice of a mesh with dims "
-            f"{parent.mesh_dim_names}; over its {bad} dim the replicas would train apart (no "
-            "gradient averaging across them). For HSDP pass the 2-D mesh itself "
-            f"(mesh[{tuple(parent.mesh_dim_names)!r}] or the init_device_mesh result); to train "
-            "independent replicas on purpose pass independent_replicas=True")
 
 
 class OutsideForwardGuard:
@@ -266,7 +225,7 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
             if info is None or not p.requires_grad or not info.placement.spec.numel:
                 continue
             pl = info.placement
-            world = len(pl.row_ranges) * info.root.groups.replicas
+            world = len(pl.row_ranges) * info.unit.domain.groups.replicas
             if glob and world > 1:
                 raise RuntimeError(
                     f"matrixfsdp: {type(optimizer).__name__} reads all parameters at once, but "

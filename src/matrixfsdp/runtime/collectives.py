@@ -76,8 +76,10 @@ def broadcast_object(obj: object, src: int, group: dist.ProcessGroup | None = No
 
 
 PHASE_OF = {"all_gather": "gather", "broadcast": "gather", "reduce_scatter": "reduce",
+            "grad_flags": "flags",  # which parameters had a gradient (Root.drop_unused_grads)
             "reduce": "reduce", "all_reduce": "reduce", "replicate_allreduce": "replicate",
-            "replicate_reduce": "replicate", "replicate_broadcast": "replicate"}
+            "replicate_reduce": "replicate", "replicate_broadcast": "replicate",
+            "tp_all_to_all": "gather", "tp_grad_all_to_all": "reduce"}
 COUNTERS = ("calls", "payload_bytes", "sent_bytes", "received_bytes", "critical_bytes",
             "mean_bytes")
 
@@ -242,23 +244,43 @@ class Comm:
                            all_gather_single(out, inp, group=self.group, async_op=True),
                            keep=(out, inp))
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
-        """``out`` = mean over ranks of this rank's ``1/P`` of ``inp`` (``inp`` is scratch)."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
+                       divisor: float | None = None) -> Pending:
+        """``out`` = sum over ranks of this rank's ``1/P`` of ``inp``, divided by ``divisor``
+        (default: ``P``, the mean; ``inp`` is scratch)."""
+        divisor = self.size if divisor is None else divisor
         if self.size == 1:
             out.copy_(inp)
-            return Pending()
+            return Pending() if divisor == 1 else Pending(epilogue=lambda: out.div_(divisor))
         n = inp.numel() * inp.element_size()
         work = reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=self.group,
                                      async_op=True)
         return self._issue("reduce_scatter", n, ring_load(n, self.size), work,
-                           lambda: out.div_(self.size), keep=(out, inp))
+                           lambda: out.div_(divisor), keep=(out, inp))
 
-    def all_reduce(self, t: torch.Tensor) -> Pending:
-        """``t`` = mean of ``t`` over the ranks (in place)."""
+    def all_reduce(self, t: torch.Tensor, divisor: float | None = None) -> Pending:
+        """``t`` = sum of ``t`` over the ranks divided by ``divisor`` (default: the mean;
+        in place)."""
+        divisor = self.size if divisor is None else divisor
         n = t.numel() * t.element_size()
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         return self._issue("allreduce" if self.prefix else "all_reduce", n,
-                           ring_load(n, self.size, 2), work, lambda: t.div_(self.size), (t,))
+                           ring_load(n, self.size, 2), work,
+                           (lambda: t.div_(divisor)) if divisor != 1 else None, (t,))
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int],
+                   in_sizes: list[int], loads: list[tuple[int, int]]) -> Pending:
+        """Send ``in_sizes[s]`` elements of ``inp`` (in rank order) to group rank ``s`` and
+        receive ``out_sizes[s]`` from it into ``out``. ``loads``: every rank's (sent,
+        received) elements, known to all from the layout (tensor parallelism's slices)."""
+        es = out.element_size()
+        critical = max(max(s, r) for s, r in loads) * es
+        mean = sum(s for s, _ in loads) * es // len(loads)
+        me = loads[self.rank]
+        work = dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.group,
+                                      async_op=True)
+        return self._issue("all_to_all", out.numel() * es, Load(me[0] * es, me[1] * es, critical,
+                                                               mean), work, keep=(out, inp))
 
     def broadcast(self, t: torch.Tensor, root: int) -> Pending:
         """``t`` = group rank ``root``'s ``t`` on every rank (in place)."""
@@ -269,14 +291,16 @@ class Comm:
         return self._issue("broadcast", n, pipeline_load(n, self.size, self.rank, root, False),
                            work, keep=(t,))
 
-    def reduce(self, t: torch.Tensor, root: int) -> Pending:
-        """On group rank ``root``: ``t`` = mean of ``t`` over the ranks. Elsewhere ``t`` is
-        left undefined (the backend may use it as scratch)."""
+    def reduce(self, t: torch.Tensor, root: int, divisor: float | None = None) -> Pending:
+        """On group rank ``root``: ``t`` = sum of ``t`` over the ranks divided by ``divisor``
+        (default: the mean). Elsewhere ``t`` is left undefined (the backend may use it as
+        scratch)."""
+        divisor = self.size if divisor is None else divisor
         if self.size == 1:
-            return Pending()
+            return Pending() if divisor == 1 else Pending(epilogue=lambda: t.div_(divisor))
         n = t.numel() * t.element_size()
         work = dist.reduce(t, group_dst=root, op=dist.ReduceOp.SUM, group=self.group,
                            async_op=True)
-        mean = (lambda: t.div_(self.size)) if self.rank == root else None
+        mean = (lambda: t.div_(divisor)) if self.rank == root and divisor != 1 else None
         return self._issue("reduce", n, pipeline_load(n, self.size, self.rank, root, True),
                            work, mean, (t,))

@@ -25,10 +25,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from ..planning.planner import unit_members
 from ..planning.report import format_report
 from ..planning.types import MuonFilter, Plan
-from .checks import check_args
 from .collectives import CommStats
 from .debug import FORWARD_GATHER
 from .lazy_init import materialize, unit_modules, unshard_root
+from .mesh_checks import check_args
 from .mixed_precision import MixedPrecisionPolicy
 from .param import mark_waiting, sharded_param, waiting_for
 from .root import Root
@@ -116,7 +116,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         mesh: a 1-D device mesh over the data-parallel ranks (default: all ranks on the
             current accelerator, or CPU), or a 2-D ``(replicate, shard)`` mesh for HSDP
             (as FSDP2: sharded over dim 1, replicated over dim 0; each Muon matrix is
-            stepped by one replica and broadcast to the others, see docs/hsdp.md).
+            stepped by one replica and broadcast to the others, see docs/hsdp.md). With
+            tensor parallelism: the data-parallel dims of the mesh whose tp dim the TP
+            plan used (``mesh["dp"]`` after ``parallelize_module(..., mesh["tp"], ...)``;
+            docs/nd-parallel.md).
         reshard_after_forward: free the unsharded parameters after forward and gather
             them again in backward. None: True for blocks, False for the root.
         muon_filter: ``(fqn, param) -> bool`` deciding which parameters are Muon matrices;
@@ -135,9 +138,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             values instead (docs/troubleshooting.md).
         offload_policy: FSDP2's CPU offload is not implemented: anything but None (or
             FSDP2's default ``OffloadPolicy()``) raises NotImplementedError.
-        independent_replicas: allow a 1-D slice of a mesh that has a data-parallel
-            replicate dim (``mesh["shard"]``): each replica then trains on its own,
-            nothing averages across them (see :func:`check_mesh`).
+        independent_replicas: allow a mesh that leaves out a data-parallel dim of size
+            > 1 of its parent (``mesh["shard"]`` of a ``(replicate, shard)`` mesh): each
+            replica then trains on its own, nothing averages across them (see
+            :func:`~matrixfsdp.runtime.mesh_checks.check_mesh`).
     Returns:
         ``module``, whose class now also derives from :class:`matrixfsdp.FSDPModule`
         (FSDP2's module methods).
@@ -322,6 +326,15 @@ class FSDPModule:
         _check_bool("reshard_after_backward", reshard_after_backward)
         for u in _units(self, recurse):
             u.reshard_after_backward = reshard_after_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's summed gradients by ``factor`` instead of averaging them
+        over its mesh (FSDP2's method, not recursive: torchtitan passes the whole
+        data-parallel degree for experts, whose tokens come from every rank). Under HSDP
+        the sum runs over both dims before the division."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+            raise ValueError(f"matrixfsdp: set_gradient_divide_factor({factor!r}): a positive number")
+        _units(self, False)[0].divide_factor = float(factor)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for FSDP2 code; nothing to do: every backward here ends with its

@@ -115,18 +115,21 @@ class Replication:
         self._inflight: dict[int, Pending] = {}
         self.max_inflight = 0  # most broadcasts in flight at once (overlap: all units')
 
-    def reduce_across(self, out: torch.Tensor, runs: list[tuple[int, int]]) -> Pending:
+    def reduce_across(self, out: torch.Tensor, runs: list[tuple[int, int]],
+                      divisor: float | None = None) -> Pending:
         """``out`` is this rank's segment of gradients, averaged over its shard group.
         Start averaging it over the replicas: the replicated run (``runs[0]``) on every
         replica, the run of matrices stepped by replica i (``runs[1 + i]``) on replica i
-        only. ``out`` is final once the returned collectives are waited for."""
+        only. ``out`` is final once the returned collectives are waited for. ``divisor``:
+        what the sum is divided by (default: the number of replicas, the mean; 1 after a
+        shard-group reduce that divided by a custom factor already)."""
         pending: list[Pending] = []
         start, n = runs[0]
         if n:
-            pending.append(self.comm.all_reduce(out[start:start + n]))
+            pending.append(self.comm.all_reduce(out[start:start + n], divisor))
         for i, (start, n) in enumerate(runs[1:]):
             if n:
-                pending.append(self.comm.reduce(out[start:start + n], i))
+                pending.append(self.comm.reduce(out[start:start + n], i, divisor))
         return Pending.all(pending)
 
     def is_stale(self, unit_index: int) -> bool:

@@ -37,7 +37,11 @@ from ..planning.types import Placement, Plan
 @dataclass(frozen=True)
 class Piece:
     """Rows ``[row_start, row_stop)`` of whole parameter ``index``, held by shard rank
-    ``rank`` at ``seg_offset`` in its segment, at ``offset`` in the unsharded whole buffer."""
+    ``rank`` at ``seg_offset`` in its segment, at ``offset`` in the unsharded whole buffer.
+
+    A tp-split matrix's piece is this tp rank's slice (``numel`` = its elements), travelling
+    over the shard group from shard rank ``rank``, which receives it first from the tp rank
+    holding the matrix whole (``split``; ``seg_offset`` is -1, the slice lives in no segment)."""
 
     index: int
     rank: int
@@ -46,6 +50,7 @@ class Piece:
     numel: int
     seg_offset: int
     offset: int
+    split: bool = False
 
 
 @dataclass
@@ -63,6 +68,10 @@ class UnitLayout:
     pieces: list[Piece]  # in whole-buffer order: the order of the broadcasts and reduces
     seg_sizes: list[int]
     replica_runs: list[list[tuple[int, int]]] | None = None  # HSDP: per rank, see module doc
+    # tensor parallelism: tp-split matrices this tp rank holds whole -> offset in the
+    # segment of their owner shard rank (see Piece)
+    split_seg: dict[int, int] = field(default_factory=dict)
+    tp_rank: int = 0
     _subsets: dict[tuple[bool, ...], tuple[UnitLayout, list[int]]] = field(
         default_factory=dict, repr=False)
 
@@ -81,13 +90,25 @@ class UnitLayout:
         """Per rank, the pieces it holds, in segment order."""
         held: list[list[Piece]] = [[] for _ in range(self.P)]
         for pc in sorted(self.pieces, key=lambda pc: pc.seg_offset):
-            held[pc.rank].append(pc)
+            if not pc.split:
+                held[pc.rank].append(pc)
         return held
+
+    @functools.cached_property
+    def split_pieces(self) -> list[list[Piece]]:
+        """Per shard rank, the slices of tp-split matrices it sends over the shard group."""
+        out: list[list[Piece]] = [[] for _ in range(self.P)]
+        for pc in self.pieces:
+            if pc.split:
+                out[pc.rank].append(pc)
+        return out
 
     def shard_offset(self, i: int, rank: int) -> int:
         """Where parameter ``i``'s shard starts in ``rank``'s segment."""
         if i in self.even_offset:
             return self.even_offset[i]
+        if i in self.split_seg:
+            return self.split_seg[i]
         return next((pc.seg_offset for pc in self.held[rank] if pc.index == i), 0)
 
     def subset(self, keep: tuple[bool, ...]) -> tuple[UnitLayout, list[int]]:
@@ -99,15 +120,17 @@ class UnitLayout:
             index = [i for i, k in enumerate(keep) if k]
             replicas = len(self.replica_runs[0]) - 1 if self.replica_runs is not None else 1
             self._subsets[keep] = (layout_of([self.placements[i] for i in index], self.P,
-                                             replicas), index)
+                                             replicas, self.tp_rank), index)
         return self._subsets[keep]
 
     @functools.cached_property
     def digest(self) -> int:
         """A checksum of where every piece lives: equal on two ranks only if they planned
         this unit alike (debug mode compares it before each collective)."""
-        where = [(pl.spec.name, pl.spec.shape, pl.row_ranges) for pl in self.placements]
-        return zlib.crc32(repr((self.seg_sizes, where, self.replica_runs)).encode())
+        where = [(pl.spec.name, pl.spec.shape, pl.owner, pl.tp_owner,
+                  pl.row_ranges if pl.spec.tp == 1 else None) for pl in self.placements]
+        travel = [(pc.index, pc.rank, pc.numel, pc.offset) for pc in self.pieces]
+        return zlib.crc32(repr((self.even_numel, where, travel)).encode())
 
     @property
     def has_replica_owned(self) -> bool:
@@ -124,8 +147,9 @@ def local_rows(full: Any, placement: Placement, rank: int) -> Any:
         placement.local_shape(rank))
 
 
-def unit_layout(plan: Plan, unit: int) -> UnitLayout:
-    return layout_of(plan.unit_params(unit), plan.shard_size, plan.replicas)
+def unit_layout(plan: Plan, unit: int, tp_rank: int = 0) -> UnitLayout:
+    return layout_of([pl.for_tp_rank(tp_rank) for pl in plan.unit_params(unit)],
+                     plan.shard_size, plan.replicas, tp_rank)
 
 
 ALIGN = 16  # elements: whole pieces start 64-byte aligned (fp32), in storage and unsharded
@@ -139,8 +163,9 @@ def _is_whole(pl: Placement) -> bool:
     return pl.spec.muon and pl.spec.numel > 0
 
 
-def layout_of(placements: list[Placement], P: int, R: int) -> UnitLayout:
-    """The layout of ``placements`` over ``P`` shard ranks (``R`` replicas)."""
+def layout_of(placements: list[Placement], P: int, R: int, tp_rank: int = 0) -> UnitLayout:
+    """The layout of ``placements`` (as tp rank ``tp_rank`` sees them,
+    :meth:`Placement.for_tp_rank`) over ``P`` shard ranks (``R`` replicas)."""
     even = [i for i, pl in enumerate(placements) if not _is_whole(pl)]
     chunk, even_offset, even_numel = {}, {}, 0
     for i in even:
@@ -152,18 +177,28 @@ def layout_of(placements: list[Placement], P: int, R: int) -> UnitLayout:
     for i, pl in enumerate(placements):
         if _is_whole(pl):
             whole_offset[i] = _aligned(whole_numel)
-            whole_numel = whole_offset[i] + pl.spec.numel
+            whole_numel = whole_offset[i] + pl.spec.slice_numel
     # Segment order: even part, then experts (kind 0), matrices of replica 0, 1, ...
     kind = {i: 0 if placements[i].owner is None else 1 + placements[i].owner_replica
             for i in whole_offset}
-    pieces, seg_sizes, runs = [], [], []
+    pieces, seg_sizes, runs, split_seg = [], [], [], {}
     for r in range(P):
         run_sizes = [0] * (R + 1)
         offset = even_numel
         for i in sorted(whole_offset, key=lambda i: (kind[i], i)):
             pl = placements[i]
             start, stop = pl.row_ranges[r]
-            if stop > start:
+            if pl.spec.tp > 1:
+                if pl.owner_shard != r:
+                    continue
+                at = _aligned(offset) if stop > start else -1  # held whole on this tp rank
+                pieces.append(Piece(i, r, 0, pl.spec.rows, pl.spec.slice_numel, at,
+                                    whole_offset[i], split=True))
+                if stop > start:
+                    split_seg[i] = at
+                    run_sizes[kind[i]] += at + pl.spec.numel - offset
+                    offset = at + pl.spec.numel
+            elif stop > start:
                 n = (stop - start) * pl.spec.row_numel
                 at = _aligned(offset)  # whole matrices 64-byte aligned: BLAS rounds alike
                 pieces.append(Piece(i, r, start, stop, n, at,
@@ -175,4 +210,5 @@ def layout_of(placements: list[Placement], P: int, R: int) -> UnitLayout:
         runs.append(list(zip([sum(run_sizes[:k]) for k in range(R + 1)], run_sizes)))
     pieces.sort(key=lambda pc: pc.offset)
     return UnitLayout(placements, P, even, chunk, even_offset, even_numel, whole_offset,
-                      whole_numel, pieces, seg_sizes, runs if R > 1 else None)
+                      whole_numel, pieces, seg_sizes, runs if R > 1 else None, split_seg,
+                      tp_rank)

@@ -11,13 +11,15 @@ or after ``fully_shard``, ``clip_grad_norm_(model.parameters())``), holds the sh
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from ..planning.planner import Collected, collect_params, make_plan, unit_members
+from ..planning.planner import Collected, collect_params, make_plan
 from ..planning.types import MuonFilter, Plan
 from .checks import (
     check_same_init,
@@ -27,12 +29,22 @@ from .checks import (
     sync_buffers,
     unguard_unit,
 )
+from .collectives import CommStats
+from .domain import Domain
 from .hsdp import MeshGroups
 from .layout import unit_layout
 from .mixed_precision import Precision
-from .param import ShardedParam, mark_sharded, set_sharded_grad, unmark_sharded
+from .param import (
+    ShardedParam,
+    mark_replaced,
+    mark_sharded,
+    mark_waiting,
+    set_sharded_grad,
+    unmark_sharded,
+)
 from .root import Root, mesh_device
 from .storage import UnitStorage
+from .tp import TPGroups, check_tp_mesh, global_placement, slice_shape, tp_param, tp_spec
 from .unit import Unit
 
 
@@ -47,43 +59,78 @@ def unit_modules(root_module: nn.Module) -> list[tuple[str, Unit]]:
 def _collect(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None) -> Collected:
     """The units' parameters through the planner's one collector (:func:`plan.collect_params`:
     tied tensors once, the same checks as ``matrixfsdp plan``), each unit told where its
-    parameters are registered; DTensor parameters (tensor parallelism) refused first."""
-    for uname, u in named_units:
-        for mod, attr, fqn in unit_members(u.module, f"{uname}." if uname else "", is_unit):
-            p = mod._parameters[attr]
-            if isinstance(p, DTensor):
-                raise NotImplementedError(
-                    f"matrixfsdp: parameter '{fqn}' is a DTensor (placements {p.placements}): "
-                    "composing with tensor parallelism (parallelize_module, then fully_shard) is "
-                    "not supported yet; shard a model of plain tensors")
+    parameters are registered and the TP layout of each (DTensor parameters: planned as
+    :func:`~matrixfsdp.runtime.tp.tp_spec` says)."""
     collected = collect_params([(n, u.module) for n, u in named_units], is_unit, muon_filter)
-    for (_, u), refs in zip(named_units, collected.refs):
+    specs = iter(collected.specs)
+    out_specs = []
+    for (_, u), refs, params in zip(named_units, collected.refs, collected.params):
         u.refs = [(mod, attr) for mod, attr, _ in refs]
         u.ref_param = [i for _, _, i in refs]
+        u.tp_params = []
+        for p in params:
+            spec = next(specs)
+            info = tp_param(spec.name, p)
+            u.tp_params.append(info)
+            out_specs.append(tp_spec(spec, info))
+    collected.specs = out_specs
     return collected
 
 
-def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], plan: Plan, root: Root,
+def _tp_mesh(units: list[Unit], specs: list, mesh: DeviceMesh) -> DeviceMesh | None:
+    """The one tensor-parallel mesh of the model (None without TP): that of its tp-split
+    matrices and of any DTensor parameter whose mesh reaches ranks outside the root's
+    ``mesh`` (a tp-sharded embedding: its pieces differ across tp ranks that no unit
+    averages over). An expert-parallel mesh lies inside the root's dp x ep mesh. Every
+    DTensor parameter's mesh must be orthogonal to its unit's."""
+    inside = set(mesh.mesh.flatten().tolist())
+    meshes = {}
+    spec = iter(specs)
+    for u in units:
+        for info in u.tp_params:
+            split = next(spec).tp > 1
+            if info is None or info.mesh.size() == 1:
+                continue
+            check_tp_mesh(info.mesh, u.mesh)
+            if split or not set(info.mesh.mesh.flatten().tolist()) <= inside:
+                meshes.setdefault(_mesh_key(info.mesh), info.mesh)
+    if len(meshes) > 1:
+        raise NotImplementedError(
+            "matrixfsdp: the model's tensor-parallel parameters live on several tp meshes "
+            f"({list(meshes.values())}); one tensor-parallel mesh per model is supported")
+    return next(iter(meshes.values()), None)
+
+
+def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], root: Root,
                device: torch.device) -> None:
     """Give unit ``u`` its storage, its unsharded parameters, and turn each original
     parameter into this rank's shard (registered at every place it was)."""
-    u.layout, u.root = unit_layout(plan, ui), root
+    tp_rank = root.tp.rank if root.tp else 0
+    u.layout, u.root = unit_layout(u.domain.plan, ui, tp_rank), root
     dtype = params[0].dtype if params else torch.float32
     u.precision = Precision.resolve(u.mp_policy, dtype)
-    u.storage = UnitStorage(u.layout, root.shard_rank, dtype, u.precision, device)
+    u.storage = UnitStorage(u.layout, u.domain.shard_rank, dtype, u.precision, device, root.tp)
     # A model built on the meta device gets uninitialised shards on the mesh device,
     # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
     u.needs_init = any(p.device.type == "meta" for p in params)
     if not u.needs_init:
         u.storage.copy_in(params)
     u.sharded, u.unsharded = [], []
-    for i, p in enumerate(params):
-        up = nn.Parameter(u.storage.unsharded_view(i), requires_grad=p.requires_grad)
-        if not p.numel():  # nothing to reduce: its empty grad goes to the shard
+    for i, (p, info) in enumerate(zip(params, u.tp_params)):
+        view = u.storage.unsharded_view(i)
+        up = nn.Parameter(view, requires_grad=p.requires_grad) if info is None else \
+            info.wrap(view, p.requires_grad)  # TP: forward sees the plan's DTensor
+        empty = not p.numel()
+        if info is None:
+            rebind(p, u.storage.shard_view(i))  # the original object is the shard from now on
+        else:  # a DTensor cannot become a plain tensor: the shard is a new object (FSDP2's way)
+            shard = nn.Parameter(u.storage.shard_view(i), requires_grad=p.requires_grad)
+            mark_replaced(p, shard)
+            p = shard
+        if empty:  # nothing to reduce: its empty grad goes to the shard
             up.register_post_accumulate_grad_hook(_EmptyGradToShard(p))
         u.unsharded.append(up)
-        rebind(p, u.storage.shard_view(i))  # the original object is the shard from now on
-        mark_sharded(p, ShardedParam(u.layout.placements[i], u, i))
+        mark_sharded(p, ShardedParam(global_placement(u.layout.placements[i], info), u, i))
         u.sharded.append(p)
     u.register(u.sharded)
     guard_unit(u)  # a submodule called outside its unit's forward raises (never wrong rows)
@@ -119,16 +166,29 @@ class _EmptyGradToShard:
             set_sharded_grad(self.shard, torch.zeros_like(self.shard))
 
 
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    return (tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape), mesh.device_type)
+
+
 def _check_units(named_units: list[tuple[str, Unit]], root_unit: Unit) -> None:
+    """Name and number the units; each on the root's mesh, or (expert parallelism) on
+    another mesh of the same root mesh whose ranks the root's mesh covers."""
     mesh = root_unit.mesh
+    ranks = set(mesh.mesh.flatten().tolist())
     for index, (name, u) in enumerate(named_units):
         u.name, u.index = name or "<root>", index
         if u.root is not None:
             raise ValueError(f"matrixfsdp: unit '{name}' was already sharded as part of another root")
-        if u.mesh is not mesh and (u.mesh.mesh.tolist() != mesh.mesh.tolist()
-                                   or u.mesh.device_type != mesh.device_type):
-            raise ValueError(f"matrixfsdp: unit '{name}' uses a different mesh than the root "
-                             f"({u.mesh} vs {mesh}); one model needs one mesh")
+        if u.mesh is mesh or _mesh_key(u.mesh) == _mesh_key(mesh):
+            continue
+        same_root = _mesh_key(u.mesh._get_root_mesh()) == _mesh_key(mesh._get_root_mesh())
+        if not same_root or u.mesh.device_type != mesh.device_type or \
+                not set(u.mesh.mesh.flatten().tolist()) <= ranks:
+            raise ValueError(
+                f"matrixfsdp: unit '{name}' uses the mesh {u.mesh}, the root {mesh}: units may use "
+                "different meshes only as FSDP2 + expert parallelism does (sub-meshes of one mesh, "
+                "each inside the root's ranks, e.g. the experts on mesh['dp_shard_mod_ep'] and the "
+                "rest on the flattened dp x ep); otherwise one model needs one mesh")
 
 
 def _warn_partial_mesh(P: int) -> None:
@@ -140,36 +200,72 @@ def _warn_partial_mesh(P: int) -> None:
             stacklevel=3)
 
 
+def _domains(units: list[Unit], specs: list, stats: CommStats) -> list[Domain]:
+    """One :class:`Domain` per distinct unit mesh, the root unit's first; each plans its
+    own units' parameters, and every unit learns its domain."""
+    by_mesh: dict[tuple, list[int]] = {}
+    for ui, u in enumerate(units):
+        by_mesh.setdefault(_mesh_key(u.mesh), []).append(ui)
+    names = [u.name for u in units]
+    domains = []
+    for members in by_mesh.values():
+        mesh = units[members[0]].mesh
+        groups = MeshGroups.from_mesh(mesh)
+        mine = set(members)
+        plan = make_plan([s for s in specs if s.unit in mine], mesh.size(), names,
+                         shard_size=groups.shard_size)
+        domain = Domain.of(mesh, groups, plan, stats)
+        for ui in members:
+            units[ui].domain = domain
+        domains.append(domain)
+    return domains
+
+
+def _merged(domains: list[Domain], specs: list) -> Plan:
+    """Every unit's placements in one :class:`Plan` (the root domain's counts and sizes)."""
+    first = domains[0].plan
+    placements = {}
+    for d in domains:
+        placements.update(d.plan.placements)
+    return replace(first, placements={s.name: placements[s.name] for s in specs})
+
+
 def materialize(root_unit: Unit) -> Root:
     """Plan all units under ``root_unit`` at once and shard their parameters."""
     mesh = root_unit.mesh
-    groups = MeshGroups.from_mesh(mesh)
     named_units = unit_modules(root_unit.module)
     units = [u for _, u in named_units]
     _check_units(named_units, root_unit)
-    _warn_partial_mesh(mesh.size())
+    collected = _collect(named_units, root_unit.muon_filter)
+    tp_mesh = _tp_mesh(units, collected.specs, mesh)
+    _warn_partial_mesh(mesh.size() * (tp_mesh.size() if tp_mesh is not None else 1))
     root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
     for u in units[1:]:
         u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
-    collected = _collect(named_units, root_unit.muon_filter)
-    plan = make_plan(collected.specs, mesh.size(), [u.name for u in units],
-                     shard_size=groups.shard_size)
-    root = Root(root_unit.module, units, plan, mesh, groups, debug=root_unit.debug,
-                overlap=root_unit.overlap)
+    stats = CommStats()
+    domains = _domains(units, collected.specs, stats)
+    root = Root(root_unit.module, units, domains, _merged(domains, collected.specs), stats,
+                debug=root_unit.debug, overlap=root_unit.overlap)
     root.aliases = collected.aliases
-    named = [(spec.name, p) for spec, p in
-             zip(collected.specs, (p for ps in collected.params for p in ps))]
+    if tp_mesh is not None:
+        root.tp = TPGroups(tp_mesh, root.stats)
+    params = [p for ps in collected.params for p in ps]
+    named = [(spec.name, p.to_local() if isinstance(p, DTensor) else p)
+             for spec, p in zip(collected.specs, params)]
     sync = root_unit.sync_module_states
     # shapes, dtypes, buffers, policies first: a wider MLP on one rank is named as such,
     # never as "other initial values"
+    world = root.groups.world
     check_same_setup(model_setup(named, root_unit.module, [(u.name, u.mp_policy) for u in units],
-                                 buffer_values=not sync), groups.world, "the model")
+                                 buffer_values=not sync), world, "the model")
     if sync:
-        sync_buffers(root_unit.module, groups.world)
-    check_same_init(named, groups.world, sync=sync)
+        sync_buffers(root_unit.module, world)
+    domain_of = {spec.name: units[spec.unit].domain for spec in collected.specs}
+    for d in domains:  # each over its own ranks: the experts differ across the ep dim
+        check_same_init([(n, t) for n, t in named if domain_of[n] is d], d.groups.world, sync=sync)
     device = mesh_device(mesh)
     for ui, u in enumerate(units):
-        shard_unit(u, ui, collected.params[ui], plan, root, device)
+        shard_unit(u, ui, collected.params[ui], root, device)
     return root
 
 
@@ -181,14 +277,20 @@ def unshard_root(root: Root) -> None:
     root.sync_replicas()
     for u in root.units:
         if u.needs_init:
-            full = [torch.empty(pl.spec.shape, dtype=p.dtype, device="meta")
+            full = [torch.empty(slice_shape(pl.spec), dtype=p.dtype, device="meta")
                     for p, pl in zip(u.sharded, u.layout.placements)]
-        else:
-            full = u.storage.full_tensors(root.comm)
-        for p, f in zip(u.sharded, full):
-            rebind(p, f)
-            unmark_sharded(p, u)
-        u.register(u.sharded)
+        else:  # a DTensor parameter's local tensor (a tp-split matrix: this tp rank's slice)
+            full = u.storage.full_tensors(u.domain.comm)
+        restored = []
+        for p, f, info in zip(u.sharded, full, u.tp_params):
+            if info is None:
+                rebind(p, f)
+                unmark_sharded(p, u)
+            else:  # the DTensor again, as the TP plan made it (a new object, as at sharding)
+                p = info.wrap(f, p.requires_grad)
+                mark_waiting(p, u)
+            restored.append(p)
+        u.register(restored)
         unguard_unit(u)
         u.root, u.storage, u.layout = None, None, None
         u.sharded, u.unsharded = [], []

@@ -51,6 +51,18 @@ class ShardedParam:
         return self.unit.root
 
     @property
+    def tp(self) -> Any:
+        """Its tensor-parallel layout (a :class:`~matrixfsdp.runtime.tp.TPParam`), or None."""
+        return self.unit.tp_params[self.index] if self.unit.tp_params else None
+
+    @property
+    def tp_replicated(self) -> bool:
+        """Under tensor parallelism: whether every tp rank holds the same copy of this
+        piece (a plain or ``Replicate`` parameter), rather than a piece of its own."""
+        tp = self.tp
+        return self.root.tp is not None and (tp is None or tp.shard_dim is None)
+
+    @property
     def is_matrix(self) -> bool:
         """A Muon matrix (or expert stack), stepped whole where this rank holds it."""
         return self.placement.spec.muon
@@ -58,7 +70,12 @@ class ShardedParam:
     def steps_here(self) -> bool:
         """Whether this rank's copy gets a gradient and is stepped (HSDP: a 2-D matrix only
         in the replica that owns it)."""
-        return self.root.groups.steps_here(self.placement)
+        return self.unit.domain.groups.steps_here(self.placement)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank in the shard group of its unit's mesh (where its placement is read)."""
+        return self.unit.domain.shard_rank
 
 
 def sharded_param(p: Any) -> ShardedParam | None:
@@ -90,6 +107,19 @@ def mark_waiting(p: torch.Tensor, unit: Any) -> None:
 
 def mark_sharded(p: torch.Tensor, info: ShardedParam) -> None:
     setattr(p, _INFO, info)
+
+
+_REPLACED_BY = "_mf_replaced_by"  # on a DTensor parameter (TP): the shard that replaced it
+
+
+def mark_replaced(p: torch.Tensor, shard: torch.Tensor) -> None:
+    """``p`` (a tensor-parallel DTensor parameter) was replaced in the model by ``shard``."""
+    setattr(p, _REPLACED_BY, shard)
+
+
+def replaced_by(p: Any) -> torch.Tensor | None:
+    """The shard that replaced DTensor parameter ``p`` at ``fully_shard`` (None otherwise)."""
+    return getattr(p, _REPLACED_BY, None)
 
 
 def unmark_sharded(p: torch.Tensor, unit: Any) -> None:
@@ -141,10 +171,11 @@ def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
     """Make ``grad`` the ``.grad`` of shard ``p``: a :class:`ShardedGrad` view of it where
     the mesh has more than one rank (on one rank a local norm is the global one)."""
     info = sharded_param(p)
-    spread = info is not None and info.root is not None and info.root.world_size > 1
+    spread = info is not None and info.root is not None and \
+        (info.unit.domain.size > 1 or info.root.tp is not None)
     if spread and not isinstance(grad, ShardedGrad):
         grad = grad.as_subclass(ShardedGrad)
-        grad.param_name, grad.rank = info.name, info.root.groups.world_rank
+        grad.param_name, grad.rank = info.name, info.unit.domain.groups.world_rank
     p.grad = grad
 
 

@@ -10,17 +10,21 @@ end-of-backward callback).
 from __future__ import annotations
 
 import weakref
+import zlib
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..planning.types import Plan
+from . import arrival
 from .checks import check_optimizer_params, check_optimizer_step, check_unsharded_trainable
-from .collectives import Comm, CommStats
-from .debug import CollectiveCheck
-from .hsdp import MeshGroups, Replication
+from .collectives import CommStats, ring_load
+from .debug import GRAD_FLAGS, CollectiveCheck
+from .domain import Domain
 from .layout import UnitLayout
 from .overlap import Schedule
 from .param import release_grads, sharded_param
@@ -36,26 +40,34 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
 class Root:
     """State shared by all units of one model (the root unit first, in pre-order)."""
 
-    def __init__(self, module: nn.Module, units: list[Unit], plan: Plan, mesh: DeviceMesh,
-                 groups: MeshGroups, debug: bool = False, overlap: bool = True):
-        self.module, self.units, self.plan, self.mesh = module, units, plan, mesh
-        # ``shard_rank``: this rank in the shard group (where the buffers are split; the
-        # plan's world rank is ``groups.world_rank``); ``world_size``: every rank of the mesh.
-        self.groups = groups
-        self.shard_rank = groups.shard_rank
-        self.world_size = mesh.size()
-        self.stats = CommStats()
-        self.comm = Comm(groups.shard, self.stats)
-        self.replication = Replication(
-            groups, Comm(groups.replicate, self.stats, "replicate_") if groups.replicas > 1 else None)
+    def __init__(self, module: nn.Module, units: list[Unit], domains: list[Domain], plan: Plan,
+                 stats: CommStats, debug: bool = False, overlap: bool = True):
+        # ``domains``: one per distinct unit mesh, the root unit's first (domain.py; expert
+        # parallelism gives the experts' units their own). ``plan``: all units' placements.
+        # ``groups``, ``comm``, ``replication``, ``shard_rank`` are the root unit's domain's;
+        # a unit's own are ``unit.domain``'s. ``world_size``: every rank of the root's mesh.
+        primary = domains[0]
+        self.module, self.units, self.plan, self.mesh = module, units, plan, primary.mesh
+        self.domains = domains
+        self.groups = primary.groups
+        self.shard_rank = primary.shard_rank
+        self.world_size = primary.size
+        self.stats = stats
+        self.comm = primary.comm
+        self.replication = primary.replication
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
+        self.tp: Any = None  # TPGroups (tp.py) under tensor parallelism
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
         self.registration_check_due = True  # check_registered at the next root forward
-        self.collective_check = CollectiveCheck(groups.world, mesh_device(mesh), [u.name for u in units]) \
+        self.collective_check = CollectiveCheck(self.groups.world, mesh_device(self.mesh),
+                                                [u.name for u in units]) \
             if debug and self.world_size > 1 else None
         self.schedule = Schedule(enabled=overlap, polling=self.collective_check is None)
         self.hooks: list = []  # removable handles (the optimizer step pre-hook)
+        # this backward's reduces: unit index -> (which of its parameters had a gradient on
+        # this rank, which of its shards had no .grad before), for drop_unused_grads
+        self.grads_seen: dict[int, tuple[list[bool], list[bool]]] = {}
 
     def install_step_hook(self) -> None:
         """Register, for as long as this root lives, an optimizer step pre-hook (torch's
@@ -133,12 +145,10 @@ class Root:
         """HSDP: an optimizer is about to step ``params``; the units of those this root's
         replicas step apart must broadcast them before their next gather. Every rank steps
         the same parameters (placeholders included), so every rank marks the same units."""
-        if not self.replication.enabled:
-            return
         for p in params:
             info = sharded_param(p)
             if info is not None and info.root is self and info.unit.layout.has_replica_owned:
-                self.replication.mark_stepped(info.unit.index)
+                info.unit.domain.replication.mark_stepped(info.unit.index)
 
     def step_failed(self, unit: Unit) -> bool:
         """Whether the last forward or backward raised (and the caller caught it): a
@@ -168,11 +178,12 @@ class Root:
             unit.abandon(failed_backward)
         self.schedule.finish_reduces()
         for unit in self.units:
-            self.replication.finish_broadcast(unit.index)
+            unit.domain.replication.finish_broadcast(unit.index)
         if failed_backward:  # after the reduces: what they attached goes too
             for unit in self.units:
                 for p in unit.sharded:
                     p.grad = None
+        self.grads_seen = {}
         self.schedule.end_step()
         self.in_backward = self.forward_open = False
         self.registration_check_due = True
@@ -190,6 +201,49 @@ class Root:
                 u.reshard()
                 u.register(u.sharded)
 
+    def note_grads(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
+        """``unit``'s gradient reduce starts: note which of its parameters had a gradient on
+        this rank (``grads``: this pass's, with those kept from no-sync passes) and which of
+        its shards had no ``.grad`` before the reduce attaches one."""
+        had = [g is not None for g in grads]
+        seen = self.grads_seen.get(unit.index)
+        if seen is None:
+            self.grads_seen[unit.index] = (had, [p.grad is None for p in unit.sharded])
+        else:  # a second reduce in one pass: the .grad it adds to was this pass's
+            seen[0][:] = [a or b for a, b in zip(seen[0], had)]
+
+    @torch.no_grad()
+    def drop_unused_grads(self) -> None:
+        """After this backward's reduces: ``.grad`` is None again on every shard whose
+        parameter had no gradient on any rank (in this pass, or the no-sync passes it
+        reduced) and had none before, as torch leaves an unused parameter, so no optimizer
+        steps it (the reduce attached zeros: weight decay would move it). A parameter used
+        on some ranks only keeps the average with zeros (FSDP2's). One all-reduce (MAX) of
+        one uint8 flag per parameter of the units that reduced, over every rank of the mesh,
+        in unit order: every rank reduced the same units (debug mode checks it). Counted in
+        :attr:`stats` as ``grad_flags`` (its own phase, ``flags``)."""
+        seen, self.grads_seen = self.grads_seen, {}
+        if not seen:  # nothing reduced (a no-sync pass): nothing attached
+            return
+        order = sorted(seen)
+        had = torch.tensor([h for i in order for h in seen[i][0]], dtype=torch.uint8)
+        if self.world_size > 1:
+            world = self.groups.world
+            had = had.to(mesh_device(self.mesh))
+            if self.collective_check is not None:
+                self.collective_check(0, GRAD_FLAGS, had.numel(), zlib.crc32(repr(order).encode()))
+            work = dist.all_reduce(had, op=dist.ReduceOp.MAX, group=world, async_op=True)
+            self.stats.add("grad_flags", had.numel(), ring_load(had.numel(), self.world_size, 2))
+            arrival.wait(work, arrival.issued(world, "gradient flags all_reduce"))
+        flags = had.tolist()
+        at = 0
+        for i in order:
+            fresh = seen[i][1]
+            for p, was_none, used in zip(self.units[i].sharded, fresh, flags[at:at + len(fresh)]):
+                if was_none and not used:
+                    p.grad = None
+            at += len(fresh)
+
     def queue_final_callback(self) -> None:
         if not self.in_backward:
             self.in_backward = True
@@ -202,8 +256,9 @@ class Root:
         for unit in reversed(self.units):
             unit.post_backward()
         self.schedule.finish_reduces()  # every .grad is in place before backward() returns
+        self.drop_unused_grads()
         for unit in self.units:  # a unit this forward did not use: its broadcast ends here
-            self.replication.finish_broadcast(unit.index)
+            unit.domain.replication.finish_broadcast(unit.index)
         for unit in self.units:
             unit.end_backward()
         self.schedule.end_step()

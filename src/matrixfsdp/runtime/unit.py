@@ -71,6 +71,7 @@ class Unit:
         self.muon_filter, self.mp_policy = muon_filter, mp_policy
         self.debug, self.overlap = debug, overlap
         self.root: Any = None  # the model's Root (root.py, which sits above this file)
+        self.domain: Any = None  # the Domain of its mesh (domain.py): groups, Comm, plan
         self.name, self.index = "", 0  # in root.units
         self.forward_prefetch: list[Unit] | None = None  # None: the recorded order decides
         self.backward_prefetch: list[Unit] | None = None
@@ -80,11 +81,13 @@ class Unit:
         self.layout: UnitLayout | None = None
         self.precision: Precision | None = None
         self.storage: UnitStorage | None = None
+        self.tp_params: list = []  # per parameter: its TPParam (tp.py), None if plain
         self.sharded: list[nn.Parameter] = []
         self.unsharded: list[nn.Parameter] = []
         self.needs_init = False  # built on meta: shards allocated, not yet initialised
         # FSDP2's module methods (matrixfsdp.runtime.fully_shard.FSDPModule)
         self.requires_gradient_sync = True  # False: keep the gradients unsharded, no reduce
+        self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor
         self.reshard_after_backward = True
         self.accumulated: list[torch.Tensor | None] = []  # unsynced grads, reduce dtype
         self.pinned = False  # unshard() by the user: stays unsharded until reshard()
@@ -116,7 +119,7 @@ class Unit:
             return
         self.sync_replicas()  # HSDP: the matrices stepped last step, before they travel
         self.root.before_collective(self, phase, self.layout)
-        self._gather = self.storage.start_unshard(self.root.comm)
+        self._gather = self.storage.start_unshard(self.domain.comm)
 
     @torch.no_grad()
     def unshard(self) -> None:
@@ -151,15 +154,15 @@ class Unit:
     # ---- HSDP ---------------------------------------------------------------------------
     def start_broadcast(self) -> None:
         """HSDP: start sending the matrices each replica stepped to the other replicas."""
-        rep = self.root.replication
+        rep = self.domain.replication
         if rep.enabled and self.layout.has_replica_owned and rep.is_stale(self.index):
             self.root.before_collective(self, REPLICATE_BROADCAST, self.layout)
-            rep.start_broadcast(self.index, self.local, self.layout.replica_runs[self.root.shard_rank])
+            rep.start_broadcast(self.index, self.local, self.layout.replica_runs[self.domain.shard_rank])
 
     def sync_replicas(self) -> None:
         """HSDP: the matrices each replica stepped are on every replica when this returns."""
         self.start_broadcast()
-        self.root.replication.finish_broadcast(self.index)
+        self.domain.replication.finish_broadcast(self.index)
 
     # ---- hooks --------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
@@ -257,7 +260,8 @@ class Unit:
     def _take_grads(self) -> list[torch.Tensor | None]:
         """The unsharded parameters' gradients (cleared from them), plus those kept from
         backward passes without gradient sync (in the reduce dtype, as FSDP2 keeps them)."""
-        grads = [p.grad for p in self.unsharded]
+        grads = [p.grad if info is None else info.local_grad(p.grad)
+                 for p, info in zip(self.unsharded, self.tp_params)]
         for p in self.unsharded:
             p.grad = None
         if self.accumulated or not self.requires_gradient_sync:
@@ -276,33 +280,36 @@ class Unit:
         lay, _ = self.layout.subset(trainable)
         if not lay.numel:
             return
+        root.note_grads(self, grads)  # which had none: see Root.drop_unused_grads
         root.before_collective(self, REDUCE, lay)
-        started = self.storage.start_reduce(root.comm, grads, trainable)
+        started = self.storage.start_reduce(self.domain.comm, grads, trainable, self.divide_factor)
         if self.reshard_after_backward:
             self.reshard()  # the unsharded params are not needed any more
-        pending, out, lay, index = started
-        attach = self._attacher(out, lay, index)
-        if lay.replica_runs is None:
-            root.schedule.add_reduce(pending.then(attach))
-            return
-
-        def across_replicas() -> None:  # HSDP: then average over the replicas too
-            root.before_collective(self, REPLICATE_REDUCE, lay)
-            root.schedule.add_follow_up(root.replication.reduce_across(
-                out, lay.replica_runs[root.shard_rank]).then(attach))
-        root.schedule.add_reduce(pending.then(across_replicas))
+        pending, out, lay, index, hop = started
+        attach = finish = self._attacher(out, lay, index)
+        if lay.replica_runs is not None:
+            def finish() -> None:  # HSDP: then average over the replicas too
+                root.before_collective(self, REPLICATE_REDUCE, lay)
+                root.schedule.add_follow_up(self.domain.replication.reduce_across(
+                    out, lay.replica_runs[self.domain.shard_rank],
+                    None if self.divide_factor is None else 1).then(attach))
+        if hop is None:
+            root.schedule.add_reduce(pending.then(finish))
+        else:  # TP: first the slices of split matrices to the tp ranks holding them whole
+            root.schedule.add_reduce(pending.then(
+                lambda: root.schedule.add_follow_up(hop().then(finish))))
 
     def _attacher(self, out: torch.Tensor, lay: UnitLayout, index: list[int]):
         """Once the reduce is done: this rank's pieces of ``out`` become the shards' .grad."""
-        root, prec = self.root, self.precision
+        prec = self.precision
 
         def attach() -> None:
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
             for j, i in enumerate(index):
                 p = self.sharded[i]
-                if not p.numel() or not root.groups.steps_here(lay.placements[j]):
+                if not p.numel() or not self.domain.groups.steps_here(lay.placements[j]):
                     continue  # nothing here, or HSDP: another replica steps it
-                start = lay.shard_offset(j, root.shard_rank)
+                start = lay.shard_offset(j, self.domain.shard_rank)
                 view = grad[start:start + p.numel()].view(p.shape)
                 set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
         return attach

@@ -53,6 +53,22 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from ..planning.types import Placement
+from ..runtime.param import sharded_param
+from ..runtime.tp import global_ok
+
+
+def check_global(p: torch.Tensor) -> None:
+    """Refuse a shard whose place in the whole tensor is not a range of rows: a tensor-
+    parallel ``Shard(1)`` parameter that is not a Muon matrix (a ColwiseParallel embedding,
+    or a RowwiseParallel weight left to AdamW)."""
+    info = sharded_param(p)
+    if info is not None and not global_ok(info.placement, info.tp):
+        raise NotImplementedError(
+            f"matrixfsdp: parameter '{info.name}' is split over tp along dim 1 "
+            f"({info.tp.placements}) and sharded by rows over the data-parallel ranks: its pieces "
+            "are no row ranges of the whole tensor, which this library's state dicts hold. "
+            "Make it a Muon matrix (muon_filter), or shard that module with Shard(0) "
+            "(RowwiseParallel for an embedding, as torchtitan does)")
 
 
 class RowShard(torch.Tensor):

@@ -35,8 +35,9 @@ from torch import nn
 
 from ..runtime.fully_shard import get_root
 from ..runtime.layout import local_rows
-from ..runtime.param import placement_of
+from ..runtime.param import placement_of, sharded_param
 from ..runtime.root import Root
+from ..runtime.tp import global_ok
 
 InitFn = Callable[[nn.Module], object]
 _CHUNK = 1 << 22  # elements per chunk of the NaN scan: a 4 MiB boolean temporary
@@ -283,7 +284,12 @@ def _keep_params(mname: str, shards: dict, values: dict, before: dict, root: Roo
                 f"matrixfsdp.init_weights: the init of module '{mname}' wrote only part of parameter "
                 f"'{name}', or read its previous value. Each visit must write all of a parameter or "
                 "none of it, without reading it: no rank holds its previous value whole")
-        p.copy_(local_rows(value.detach(), placement_of(p), root.shard_rank))
+        full, info = value.detach(), sharded_param(p)
+        if _tp_slice(info):  # this tp rank's slice of the whole tensor, as the TP plan cut it
+            dim, mesh = info.tp.shard_dim, info.tp.mesh
+            n = full.shape[dim] // mesh.size()
+            full = full.narrow(dim, mesh.get_local_rank() * n, n)
+        p.copy_(local_rows(full, placement_of(p), info.shard_rank))
         pending.pop(id(p), None)
 
 
@@ -303,10 +309,21 @@ def _keep_buffers(module: nn.Module, mname: str, meta_buffers: dict, new_buffers
 
 def _nan_full(shard: nn.Parameter) -> nn.Parameter:
     """A full-size parameter for ``shard`` on its device, filled with NaN."""
-    placement = placement_of(shard)
-    shape = placement.spec.shape if placement is not None else shard.shape
+    info = sharded_param(shard)
+    shape = info.placement.spec.shape if info is not None else shard.shape
+    if _tp_slice(info):
+        shape = info.tp.shape  # the whole DTensor: the init draws what one process draws
     return nn.Parameter(torch.full(shape, float("nan"), dtype=shard.dtype, device=shard.device),
                         requires_grad=shard.requires_grad)
+
+
+def _tp_slice(info) -> bool:
+    """Tensor parallelism: whether shard ``info`` holds rows of its tp rank's slice only (a
+    DTensor split along a dim > 0 that is no tp-split Muon matrix, e.g. an embedding under
+    ColwiseParallel), not rows of the whole tensor (:func:`~matrixfsdp.runtime.tp.global_ok`).
+    Its init then runs on the whole tensor and each rank keeps its slice's rows: an init on
+    the slice alone would draw other random numbers, for it and every module after it."""
+    return info is not None and not global_ok(info.placement, info.tp)
 
 
 def _written(t: torch.Tensor, version: int | None) -> bool | None:

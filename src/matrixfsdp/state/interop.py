@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.fully_shard import get_root
-from ..runtime.param import placement_of
+from ..runtime.param import placement_of, sharded_param
 from .entries import check_names, state_entries
 from .state_dict import full_state_dict
 
@@ -131,7 +131,7 @@ def load_full_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: b
             if not pl.spec.shape:
                 p.copy_(source.whole(name))
                 continue
-            start, stop = pl.row_ranges[root.shard_rank]
+            start, stop = pl.row_ranges[sharded_param(p).shard_rank]
             p.copy_(source.read(name, start, stop).view(p.shape))
     buffers = [e for e in state_entries(model) if not e.is_param]
     for e in buffers:

@@ -36,7 +36,7 @@ from ..optim.plan_stamp import PLAN_KEYS
 from ..planning.types import Placement
 from ..runtime.layout import local_rows
 from ..runtime.param import placement_of, sharded_param
-from .dcp import RowShard
+from .dcp import RowShard, check_global
 
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
 
@@ -58,6 +58,7 @@ def _placement(p: torch.Tensor) -> Placement:
         raise ValueError(f"matrixfsdp: an optimizer holds a parameter of shape {tuple(p.shape)} that "
                          "is not a MatrixFSDP shard (build optimizers after the root fully_shard, "
                          "from model.parameters(), matrix_params or shard_params)")
+    check_global(p)
     return pl
 
 
@@ -142,12 +143,12 @@ def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict
                 pl = _placement(p)
                 names.append(pl.spec.name)
                 held = opt.state.get(p)
-                if not held or not p.requires_grad or not p.numel() or not root.groups.steps_here(pl):
+                if not held or not p.requires_grad or not p.numel() or not sharded_param(p).steps_here():
                     continue  # no state here (frozen, no rows, another replica steps it)
                 if pl.spec.name in state:
                     raise ValueError(f"matrixfsdp.get_state_dict: parameter '{pl.spec.name}' is in "
                                      "two optimizers")
-                state[pl.spec.name] = {k: _saved_value(v, p, pl, root.shard_rank, str(k))
+                state[pl.spec.name] = {k: _saved_value(v, p, pl, sharded_param(p).shard_rank, str(k))
                                        for k, v in held.items()}
             hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")
                      and not (per_rank and isinstance(k, str) and k.startswith("_"))}
@@ -269,10 +270,10 @@ def load_optim_state(optimizers: list[torch.optim.Optimizer], root: Any, osd: di
     for name, (opt, p) in where.items():
         saved, held = osd["state"].get(name), opt.state.get(p, {})
         pl = placement_of(p)
-        if not saved or not p.numel() or not root.groups.steps_here(pl):
+        if not saved or not p.numel() or not sharded_param(p).steps_here():
             opt.state.pop(p, None)  # nothing saved, none of it here, or another replica steps it
             continue
-        opt.state[p] = {k: _loaded_value(v, held.get(k), p, pl, root.shard_rank,
+        opt.state[p] = {k: _loaded_value(v, held.get(k), p, pl, sharded_param(p).shard_rank,
                                          f"optimizer state '{k}' of '{name}'") for k, v in saved.items()}
         step = opt.state[p].get("step")
         if isinstance(opt, Muon) and step is not None and not torch.is_tensor(step):

@@ -21,9 +21,9 @@ from torch import nn
 
 from ..planning.types import Placement
 from ..runtime.fully_shard import get_root
-from ..runtime.param import placement_of
+from ..runtime.param import placement_of, sharded_param
 from ..runtime.root import Root
-from .dcp import RowShard
+from .dcp import RowShard, check_global
 from .entries import check_names, state_entries
 from .optim_state_dict import Optimizers, as_list, load_optim_state, local_piece, optim_state_dict
 
@@ -41,7 +41,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     root.sync_replicas()  # HSDP: every replica holds the stepped matrices (no-op otherwise)
     out: dict[str, torch.Tensor] = {}
     for unit in root.units:
-        for pl, full in zip(unit.layout.placements, unit.storage.full_tensors(root.comm)):
+        for pl, full in zip(unit.layout.placements,
+                            unit.storage.full_tensors(unit.domain.comm, unit.tp_params)):
             out[pl.spec.name] = full
     # The module's order and names, tied parameters under each of their names (as
     # ``model.state_dict()`` holds them).
@@ -69,6 +70,7 @@ def _placement(p: torch.Tensor, name: str) -> Placement:
     if pl is None:
         raise ValueError(f"matrixfsdp: parameter '{name}' is not a MatrixFSDP shard (a state dict "
                          "is taken between steps, with the model planned by fully_shard)")
+    check_global(p)
     return pl
 
 
@@ -107,7 +109,8 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers | None = None) -> di
     for e in state_entries(model):
         if e.is_param:
             if id(e.tensor) not in shards:
-                shards[id(e.tensor)] = RowShard.of(e.tensor, _placement(e.tensor, e.name), root.shard_rank)
+                shards[id(e.tensor)] = RowShard.of(e.tensor, _placement(e.tensor, e.name),
+                                                     sharded_param(e.tensor).shard_rank)
             state[e.name] = shards[id(e.tensor)]
         elif e.tensor.is_meta:  # a model built on meta: DCP loads into a real tensor
             state[e.name] = torch.empty(e.tensor.shape, dtype=e.tensor.dtype,
@@ -167,7 +170,8 @@ def _load_model(model: nn.Module, root: Root, sd: dict[str, Any], strict: bool) 
             continue
         value = sd[e.name]
         if e.is_param:
-            src = local_piece(value, _placement(e.tensor, e.name), root.shard_rank, f"parameter '{e.name}'")
+            src = local_piece(value, _placement(e.tensor, e.name),
+                              sharded_param(e.tensor).shard_rank, f"parameter '{e.name}'")
             _copy(e.tensor, src)
             loaded.add(id(e.tensor))
         elif e.tensor.is_meta:  # a model built on meta: the buffer gets the loaded tensor

@@ -1,0 +1,47 @@
+"""The ranks a unit is sharded over: one :class:`Domain` per distinct ``fully_shard`` mesh.
+
+Most models have one. Expert parallelism gives the experts' units a mesh of their own, as
+in FSDP2 and torchtitan: the experts are DTensors split over an ``ep`` dim, and their
+``fully_shard`` runs over the data-parallel ranks outside it (``dp_shard_mod_ep``), while
+the dense units run over every data-parallel rank (the flattened dp x ep). Each domain
+plans its own units (its ranks hold its parameters: each expert whole on one rank of the
+experts' mesh, as any expert stack) and moves them over its own groups; everything a step
+needs stays local to the owners, so the domains never talk to each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..planning.types import Plan
+from .collectives import Comm, CommStats
+from .hsdp import MeshGroups, Replication
+
+
+@dataclass
+class Domain:
+    """One mesh's groups, the :class:`Comm` of its shard group, HSDP's
+    :class:`Replication` over its replicate group, and the plan of its units."""
+
+    mesh: DeviceMesh
+    groups: MeshGroups
+    comm: Comm
+    replication: Replication
+    plan: Plan
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh, groups: MeshGroups, plan: Plan, stats: CommStats) -> Domain:
+        rep = Comm(groups.replicate, stats, "replicate_") if groups.replicas > 1 else None
+        return cls(mesh, groups, Comm(groups.shard, stats), Replication(groups, rep), plan)
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank in the shard group (where a unit's buffers are split)."""
+        return self.groups.shard_rank
+
+    @property
+    def size(self) -> int:
+        """Every rank of the mesh."""
+        return self.mesh.size()

@@ -1,0 +1,178 @@
+"""Tensor parallelism: DTensor parameters (``parallelize_module``) under the owner layout.
+
+``parallelize_module(block, mesh["tp"], plan)`` then ``fully_shard(block, mesh=mesh["dp"])``,
+FSDP2's order and spelling. Every parameter the TP plan touched is a DTensor on the 1-D tp
+mesh; the runtime treats it as FSDP2 does, with one difference for Muon matrices
+(docs/nd-parallel.md):
+
+* a **tp-split Muon matrix** (``Shard(0)``: ColwiseParallel, ``Shard(1)``: RowwiseParallel)
+  lives whole on one rank of the data-parallel x tp grid: the plan picks its data-parallel
+  owner ``d`` as for any matrix, then the tp rank ``t`` of row ``d`` that holds it
+  (:func:`~matrixfsdp.planning.planner.make_plan`). Forward: the holder sends each tp rank
+  of its row that rank's slice (one all-to-all over the tp group per unit), then each slice
+  travels over its data-parallel group exactly like a 1-D matrix (a broadcast from row
+  ``d``). Backward, the reverse: each slice's gradient is averaged to row ``d`` over the
+  data-parallel group, then the slices go to the holder (one all-to-all per unit), which
+  has the whole averaged gradient. ``optimizer.step()`` runs torch's Muon on the whole
+  logical matrix with no collective.
+* every other DTensor parameter (norms under ``SequenceParallel``, a ``Shard(0)`` head or
+  embedding) is sharded over the data-parallel ranks by rows of its local tensor, as
+  FSDP2 does; a ``Replicate`` parameter's gradient is all-reduced over tp first (FSDP2's
+  ``redistribute`` to the parameter's placements).
+
+In forward and backward the module sees DTensor parameters with the TP plan's placements
+(whose local tensors view the gathered buffers); the optimizer sees plain tensors. The tp
+all-to-alls run on groups of their own (twins of the tp group): the gathers' and the
+gradients' travel at different moments in backward, and DTensor's own collectives use the
+mesh's group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ..planning.types import ParamSpec, Placement
+from .collectives import Comm, CommStats
+from .process_groups import group_timeout, twin_group
+
+
+@dataclass(frozen=True)
+class TPParam:
+    """How one parameter is laid out by the TP plan: its tp mesh, placements, and the
+    global (logical) shape and stride DTensor reports."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def shard_dim(self) -> int | None:
+        (pl,) = self.placements
+        return pl.dim if isinstance(pl, Shard) else None
+
+    def wrap(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        """An unsharded parameter for forward: a DTensor on the tp mesh viewing ``local``."""
+        return nn.Parameter(DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                               shape=torch.Size(self.shape), stride=self.stride),
+                            requires_grad=requires_grad)
+
+    def local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A gradient of the wrapped parameter as this rank's local tensor, in the
+        parameter's placements (a ``Partial`` one is reduced over tp first, as FSDP2 does)."""
+        if grad is None or not isinstance(grad, DTensor):
+            return grad
+        if tuple(grad.placements) != self.placements:
+            grad = grad.redistribute(placements=self.placements)
+        return grad.to_local()
+
+
+def tp_param(fqn: str, p: torch.Tensor) -> TPParam | None:
+    """The TP layout of parameter ``p`` (None for a plain tensor); refuses what the runtime
+    cannot lay out, naming the parameter."""
+    if not isinstance(p, DTensor):
+        return None
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"matrixfsdp: parameter '{fqn}' is a DTensor on a {mesh.ndim}-D mesh {mesh}; "
+            "tensor parallelism composes on a 1-D tp mesh (parallelize_module(module, "
+            "mesh['tp'], ...)) before fully_shard")
+    (pl,) = placements
+    if not isinstance(pl, (Shard, Replicate)):
+        raise NotImplementedError(f"matrixfsdp: parameter '{fqn}' has placement {pl}; only "
+                                  "Shard and Replicate DTensor parameters are supported")
+    if isinstance(pl, Shard) and p.shape[pl.dim] % mesh.size():
+        raise NotImplementedError(
+            f"matrixfsdp: parameter '{fqn}' {tuple(p.shape)} is split over {mesh.size()} tp ranks "
+            f"along dim {pl.dim}, which they do not divide; pad that dim to a multiple of "
+            f"{mesh.size()} (uneven TP shards are not supported)")
+    return TPParam(mesh, placements, tuple(p.shape), tuple(p.stride()))
+
+
+def tp_spec(spec: ParamSpec, info: TPParam | None) -> ParamSpec:
+    """The planner's view of a DTensor parameter: a 2-D Muon matrix split along dim 0 or 1
+    is planned whole (its logical shape, split ``tp`` ways); an expert stack split by
+    whole experts over an ep mesh (Shard(0)) as this rank's stack of experts; any other
+    DTensor parameter as its local tensor (what FSDP2 shards)."""
+    if info is None:
+        return spec
+    dim, size = info.shard_dim, info.mesh.size()
+    if spec.muon and dim is not None and size > 1:
+        if len(info.shape) == 3 and dim != 0:
+            raise NotImplementedError(
+                f"matrixfsdp: expert stack '{spec.name}' {info.shape} is split over its mesh "
+                f"{info.mesh.mesh_dim_names} along dim {dim}; experts split within a matrix "
+                "(expert tensor parallelism) are not supported: split whole experts (Shard(0), "
+                "expert parallelism)")
+        if len(info.shape) == 2:
+            return replace(spec, shape=info.shape, tp=size, tp_dim=dim)
+    # expert parallelism (a Shard(0) expert stack: this rank's experts, each a Muon matrix
+    # of its own) and every other DTensor: the local tensor
+    local = tuple(n // size if d == dim else n for d, n in enumerate(info.shape))
+    return replace(spec, shape=local)
+
+
+def global_placement(pl: Placement, info: TPParam | None) -> Placement:
+    """``pl`` in the coordinates of the whole (logical) tensor, what checkpoints and
+    optimizer states name: a ``Shard(0)`` DTensor's local tensor is rows ``[t R, (t+1) R)``
+    of the global one (``t``: this rank on the DTensor's mesh, tp or ep). A tp-split
+    matrix (planned whole), a ``Replicate`` or a plain parameter is already global. A
+    ``Shard(1)`` parameter that is no Muon matrix keeps its local placement (``global_ok``
+    says the state functions refuse it)."""
+    if info is None or pl.spec.tp > 1 or info.shard_dim != 0:
+        return pl
+    off = info.mesh.get_local_rank() * pl.spec.rows
+    return Placement(replace(pl.spec, shape=info.shape), pl.owner,
+                     [(a + off, b + off) for a, b in pl.row_ranges], pl.tp_owner)
+
+
+def global_ok(pl: Placement, info: TPParam | None) -> bool:
+    """Whether :func:`global_placement` places ``pl`` in the whole tensor."""
+    return info is None or pl.spec.tp > 1 or info.shard_dim in (None, 0)
+
+
+def slice_shape(spec: ParamSpec) -> tuple[int, ...]:
+    """The shape of one tp rank's slice of a tp-split matrix."""
+    return tuple(n // spec.tp if d == spec.tp_dim else n for d, n in enumerate(spec.shape))
+
+
+def tp_slice(full: torch.Tensor, spec: ParamSpec, s: int) -> torch.Tensor:
+    """Tp rank ``s``'s slice of the whole matrix ``full`` (a view)."""
+    n = spec.shape[spec.tp_dim] // spec.tp
+    return full.narrow(spec.tp_dim, s * n, n)
+
+
+def check_tp_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
+    """The tp mesh and the data-parallel mesh must be orthogonal slices of one mesh: each
+    data-parallel group holds one tp coordinate, each tp group one data-parallel one."""
+    dp_ranks = set(dp_mesh.mesh.flatten().tolist())
+    tp_ranks = set(tp_mesh.mesh.flatten().tolist())
+    if dp_ranks & tp_ranks != {dist.get_rank()}:
+        raise ValueError(
+            f"matrixfsdp: the tensor-parallel mesh {tp_mesh} and the fully_shard mesh {dp_mesh} "
+            f"share the ranks {sorted(dp_ranks & tp_ranks)}; pass fully_shard the data-parallel "
+            "dims of the same mesh the TP plan used (mesh['dp'] next to mesh['tp'])")
+
+
+class TPGroups:
+    """This rank's tp group (from the DTensor parameters' mesh) and the two twins of it the
+    runtime moves slices on, each a counted :class:`~matrixfsdp.runtime.collectives.Comm`:
+    ``gather`` (forward and backward gathers) and ``grads`` (the gradients' last hop). Two
+    groups, because a unit's gradients travel when its reduce finishes, which falls
+    between other units' gathers at a moment each rank picks up on its own."""
+
+    def __init__(self, mesh: DeviceMesh, stats: CommStats):
+        self.mesh = mesh
+        self.size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        limit = group_timeout(dist.group.WORLD, mesh.device_type)
+        gather = twin_group(mesh.get_group(), timeout=limit, local=True)
+        self.gather = Comm(gather, stats, "tp_")
+        self.grads = Comm(twin_group(gather, timeout=limit, local=True), stats, "tp_grad_")
