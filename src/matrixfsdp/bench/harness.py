@@ -121,6 +121,10 @@ HSDP (``--replicas R``)
     the world, broadcast back in the next forward). Only the systems of
     :data:`.config.HSDP_SYSTEMS` run: DistMuon and muon-fsdp2 take 1-D meshes.
 
+``matrixfsdp bench --link ...`` runs the link-speed sweep of ``bench/link.py`` instead, and
+``matrixfsdp bench --tp ...`` the tensor-parallel byte count of ``bench/tp.py`` (MatrixFSDP
+dp x tp against FSDP2 + TP, docs/nd-parallel.md).
+
 Outputs in ``--out``: ``results.json`` (everything), ``results.md`` (the tables, also
 printed), ``phases.png`` (stacked forward/backward/step medians; skipped with a warning
 when matplotlib is missing).
@@ -158,6 +162,7 @@ from .config import (
 from .link import main as link_main
 from .report import write_results
 from .run import rank_main
+from .tp import main as tp_main
 
 
 def parse_args(argv: list[str] | None) -> BenchConfig:
@@ -223,9 +228,12 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; write ``results.json``, ``results.md``, ``phases.png`` into
     ``--out`` and print the table. Returns 0, or 1 if a rank crashed outside a system.
-    With ``--link``: the step-time-against-link-speed sweep of :mod:`.link` instead."""
+    With ``--link``: the step-time-against-link-speed sweep of :mod:`.link` instead; with
+    ``--tp``: tensor parallelism's bytes against FSDP2 + TP (:mod:`.tp`)."""
     if any(a == "--link" or a.startswith("--link=") for a in (argv or [])):
         return link_main(argv)
+    if "--tp" in (argv or []):
+        return tp_main(argv)
     cfg = parse_args(argv)
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.device_type == "cpu":
