@@ -167,6 +167,21 @@ def _built_before(rank, world):
         opt.step()
 
 
+def _compiled(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _shard(apply_tp(build_llama(), mesh["tp"]), mesh["dp"])
+    model.layers[0].compile(backend="eager")
+    x = torch.randint(0, VOCAB, (PER, SEQ + 1))
+    with pytest.raises(NotImplementedError, match=r"unit 'layers.0' was compiled .* tensor parallelism"):
+        model.loss(x[:, :-1], x[:, 1:])
+
+
+def test_compiled_block_with_tp_is_refused():
+    """module.compile() on a block of a TP model computes wrong gradients on torch 2.13 (and
+    crashes under FSDP2 + TP): refused at its first forward, on every rank, naming the unit."""
+    spawn(_compiled, 4)
+
+
 def test_optimizer_built_before_fully_shard_is_refused():
     """FSDP2 replaces every parameter; here a DTensor parameter is replaced too (a DTensor
     cannot become a plain shard): an optimizer holding the old one raises at its step on

@@ -173,6 +173,12 @@ class Unit:
         if self.needs_init:
             raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
+        if root.tp is not None and getattr(module, "_compiled_call_impl", None) is not None:
+            raise NotImplementedError(
+                f"matrixfsdp: unit '{self.name}' was compiled (module.compile()) in a model with "
+                "tensor parallelism: on torch 2.13 a compiled block fed the TP plan's pending "
+                "collective results computes wrong gradients (1e-4 off one process, measured), "
+                "under FSDP2 + TP it crashes. Train these blocks eagerly (docs/compile.md)")
         if root.step_failed(self):
             root.recover()  # the last forward or backward raised and the user caught it
         if self.new_step:
