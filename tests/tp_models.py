@@ -16,10 +16,10 @@ VOCAB = TINY.vocab
 __all__ = ["TINY", "VOCAB", "Llama", "apply_tp", "build_llama"]
 
 
-def Llama() -> _Llama:  # noqa: N802 (the tests build it like a class)
-    return _Llama(TINY)
+def Llama(config: LlamaConfig = TINY) -> _Llama:  # noqa: N802 (the tests build it like a class)
+    return _Llama(config)
 
 
-def build_llama(seed: int = 0) -> _Llama:
+def build_llama(seed: int = 0, config: LlamaConfig = TINY) -> _Llama:
     torch.manual_seed(seed)
-    return Llama()
+    return Llama(config)

@@ -3,6 +3,7 @@ owner rank, so the optimizer step runs exact Muon with no communication."""
 
 from __future__ import annotations
 
+from .integrations import pipelining
 from .integrations.huggingface import shard_model
 from .optim.clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .optim.matrix import matrix_optimizer, matrix_params, shard_params
@@ -36,7 +37,7 @@ __all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank", "for
            "full_state_dict", "fully_shard", "get_root", "get_state_dict", "init_weights",
            "latest_checkpoint", "load_checkpoint", "load_full_checkpoint", "load_full_state_dict",
            "make_plan", "matrix_optimizer", "matrix_params", "Muon", "muon_param_groups",
-           "nonfinite_grad_names", "Plan", "plan_of", "plan_report", "register_elementwise",
+           "nonfinite_grad_names", "pipelining", "Plan", "plan_of", "plan_report", "register_elementwise",
            "register_fsdp_forward_method", "RowShard", "save_checkpoint", "save_pretrained",
            "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch",
            "set_state_dict", "shard_model", "shard_params", "total_grad_norm", "UnshardHandle",

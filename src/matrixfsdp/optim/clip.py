@@ -24,6 +24,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..runtime import arrival
 from ..runtime.collectives import all_gather_single
@@ -34,24 +35,27 @@ __all__ = ["clip_grad_norm_", "nonfinite_grad_names", "nonfinite_grad_ranks"]
 _Params = torch.Tensor | Iterable[torch.Tensor]
 
 
-def _split(parameters: _Params):
-    """(all params, sharded params, plain params, their root). Sharded ones must share a root."""
+def _split(parameters: _Params, pp_mesh: DeviceMesh | None):
+    """(all params, sharded params by root, plain params). Sharded ones share a root,
+    unless ``pp_mesh`` is given (one root per pipeline stage on this rank)."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    sharded, plain = [], []
-    root, first = None, None
+    by_root: dict = {}
+    plain, first = [], {}
     for p in params:
         pl = placement_of(p)
         if pl is None:
             plain.append(p)
             continue
         r = root_of(p)
-        if root is None:
-            root, first = r, pl.spec.name
-        elif r is not root:
-            raise ValueError(f"parameters '{first}' and '{pl.spec.name}' belong to different "
-                             "matrixfsdp roots; clip each model's parameters in its own call")
-        sharded.append(p)
-    return params, sharded, plain, root
+        if r not in by_root:
+            if by_root and pp_mesh is None:
+                raise ValueError(
+                    f"parameters '{next(iter(first.values()))}' and '{pl.spec.name}' belong to "
+                    "different matrixfsdp roots; clip each model's parameters in its own call, "
+                    "or, for the stages of one pipeline, all of them in one call with pp_mesh")
+            by_root[r], first[r] = [], pl.spec.name
+        by_root[r].append(p)
+    return params, by_root, plain
 
 
 def _local_stat(grads: list[torch.Tensor], p: float, acc: torch.dtype, device: torch.device,
@@ -82,15 +86,9 @@ def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) ->
     arrival.wait(work, arrival.issued(group, "gradient norm all_reduce"))
 
 
-def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) -> torch.Tensor:
-    # Decided from the parameters, which every rank holds alike (placeholders included),
-    # never from the grads, which only some ranks have: the all-reduce must match.
-    acc = torch.float64 if any(q.dtype == torch.float64 for q in params) else torch.float32
-    plain_grads = [q.grad for q in plain if q.grad is not None]
-    if root is None:  # nothing sharded: torch's own result, same reduction
-        device = plain_grads[0].device if plain_grads else torch.device("cpu")
-        stat = _local_stat(plain_grads, p, acc, device, foreach)
-        return stat if math.isinf(p) else stat.pow(1.0 / p)
+def _root_stat(sharded, root, p: float, acc: torch.dtype, foreach: bool | None) -> torch.Tensor:
+    """``sum |g|^p`` (p = inf: ``[max |g|, any NaN]``) over one root's pieces, all-reduced
+    over its ranks: the same on every rank of the root."""
     device = sharded[0].device
     counted = [q for q in sharded if q.grad is not None
                and (sharded_param(q).unit.domain.groups.replica == 0
@@ -102,19 +100,44 @@ def _total_norm(params, sharded, plain, root, p: float, foreach: bool | None) ->
     copies = _local_stat([q.grad for q, s in zip(counted, same) if s], p, acc, device, foreach)
     groups = [root.groups.world] + ([root.tp.gather.group] if root.tp is not None else [])
     if math.isinf(p):
+        local = torch.maximum(local, copies)
         # A MAX all-reduce need not propagate NaN (max(nan, x) may give x), so NaN travels
         # as a separate flag in the same call.
-        local = torch.maximum(local, copies)
         nan = local.isnan()
-        buf = torch.stack([torch.where(nan, torch.zeros_like(local), local), nan.to(acc)])
-        for group in groups:
-            _all_reduce(buf, dist.ReduceOp.MAX, group)
-        total = torch.where(buf[1] > 0, torch.full_like(buf[0], math.nan), buf[0])
-        return torch.maximum(total, _local_stat(plain_grads, p, acc, device, foreach))
-    local = local + copies / (root.tp.size if root.tp is not None else 1)
+        local = torch.stack([torch.where(nan, torch.zeros_like(local), local), nan.to(acc)])
+    else:
+        local = local + copies / (root.tp.size if root.tp is not None else 1)
     for group in groups:
-        _all_reduce(local, dist.ReduceOp.SUM, group)
-    return (local + _local_stat(plain_grads, p, acc, device, foreach)).pow(1.0 / p)
+        _all_reduce(local, dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group)
+    return local
+
+
+def _total_norm(params, by_root, plain, p: float, foreach: bool | None,
+                pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
+    # Decided from the parameters, which every rank holds alike (placeholders included),
+    # never from the grads, which only some ranks have: the all-reduce must match.
+    acc = torch.float64 if any(q.dtype == torch.float64 for q in params) else torch.float32
+    plain_grads = [q.grad for q in plain if q.grad is not None]
+    if not by_root and pp_mesh is None:  # nothing sharded: torch's own result, same reduction
+        device = plain_grads[0].device if plain_grads else torch.device("cpu")
+        stat = _local_stat(plain_grads, p, acc, device, foreach)
+        return stat if math.isinf(p) else stat.pow(1.0 / p)
+    device = next(iter(by_root.values()))[0].device if by_root else torch.device(
+        pp_mesh.device_type if pp_mesh.device_type == "cpu" else torch.get_device_module(
+            pp_mesh.device_type).current_device())
+    stats = [_root_stat(sharded, root, p, acc, foreach) for root, sharded in by_root.items()]
+    mine = _local_stat(plain_grads, p, acc, device, foreach)  # replicated: counted once
+    if math.isinf(p):
+        buf = torch.stack([mine.nan_to_num(0.0), mine.isnan().to(acc)])
+        for st in stats:
+            buf = torch.maximum(buf, st)
+        if pp_mesh is not None:  # the stages hold disjoint parameters
+            _all_reduce(buf, dist.ReduceOp.MAX, pp_mesh.get_group())
+        return torch.where(buf[1] > 0, torch.full_like(buf[0], math.nan), buf[0])
+    total = sum(stats, mine)
+    if pp_mesh is not None:
+        _all_reduce(total, dist.ReduceOp.SUM, pp_mesh.get_group())
+    return total.pow(1.0 / p)
 
 
 def _bad(grad: torch.Tensor | None) -> torch.Tensor:
@@ -124,35 +147,40 @@ def _bad(grad: torch.Tensor | None) -> torch.Tensor:
     return (~torch.isfinite(grad.as_subclass(torch.Tensor)).all()).to(torch.int32)
 
 
-def _nonfinite(params, sharded, plain, root) -> dict[str, list[int]]:
+def _nonfinite(params, by_root, plain) -> dict[str, list[int]]:
     """{name: the world ranks whose piece of its gradient is not finite}, the same on every
-    rank: one all-gather of one int32 flag per planned parameter and per non-sharded one."""
-    order = list(root.plan.placements) if root is not None else []  # the plan's: the same everywhere
-    index = {name: i for i, name in enumerate(order)}
+    rank of a root: per root, one all-gather of one int32 flag per planned parameter (and,
+    with the first root, per non-sharded one)."""
     others = [(i, q) for i, q in enumerate(params) if placement_of(q) is None]
-    names = order + [f"<parameter {i} of shape {tuple(q.shape)} (not sharded)>" for i, q in others]
-    device = sharded[0].device if sharded else torch.device("cpu")
-    flags = torch.zeros(len(names), dtype=torch.int32, device=device)
-    for q in sharded:
-        flags[index[placement_of(q).spec.name]] = _bad(q.grad)
-    for j, (_, q) in enumerate(others):
-        flags[len(order) + j] = _bad(q.grad)
-    if root is None:  # nothing sharded: this rank's verdict, no collective
+    other_names = [f"<parameter {i} of shape {tuple(q.shape)} (not sharded)>" for i, q in others]
+    if not by_root:  # nothing sharded: this rank's verdict, no collective
         me = dist.get_rank() if dist.is_initialized() else 0
-        return {names[i]: [me] for i in flags.nonzero().flatten().tolist()}
-    group = root.groups.world
-    ranks = dist.get_process_group_ranks(group)
-    everyone = torch.empty(len(ranks) * len(names), dtype=torch.int32, device=device)
-    work = all_gather_single(everyone, flags, group=group, async_op=True)
-    arrival.wait(work, arrival.issued(group, "non-finite gradients all_gather"))
-    rows = everyone.view(len(ranks), len(names)).cpu()
-    return {names[i]: [ranks[r] for r in rows[:, i].nonzero().flatten().tolist()]
-            for i in rows.amax(0).nonzero().flatten().tolist()}
+        return {n: [me] for n, (_, q) in zip(other_names, others) if _bad(q.grad)}
+    out: dict[str, list[int]] = {}
+    for k, (root, sharded) in enumerate(by_root.items()):
+        order = list(root.plan.placements)  # the plan's: the same everywhere
+        index = {name: i for i, name in enumerate(order)}
+        names = order + (other_names if k == 0 else [])
+        flags = torch.zeros(len(names), dtype=torch.int32, device=sharded[0].device)
+        for q in sharded:
+            flags[index[placement_of(q).spec.name]] = _bad(q.grad)
+        for j, (_, q) in enumerate(others if k == 0 else []):
+            flags[len(order) + j] = _bad(q.grad)
+        group = root.groups.world
+        ranks = dist.get_process_group_ranks(group)
+        everyone = torch.empty(len(ranks) * len(names), dtype=torch.int32, device=flags.device)
+        work = all_gather_single(everyone, flags, group=group, async_op=True)
+        arrival.wait(work, arrival.issued(group, "non-finite gradients all_gather"))
+        rows = everyone.view(len(ranks), len(names)).cpu()
+        out.update({names[i]: [ranks[r] for r in rows[:, i].nonzero().flatten().tolist()]
+                    for i in rows.amax(0).nonzero().flatten().tolist()})
+    return out
 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, *,
+                    pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over the global gradient of a MatrixFSDP model.
 
     A collective: every rank of the model's process group must call it, with the same
@@ -169,6 +197,10 @@ def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0
         error_if_nonfinite: raise ``RuntimeError`` (on every rank together) if the total
             norm is NaN or inf, naming the parameters whose gradients are not finite.
         foreach: as in torch; None picks the foreach kernels on CPU and CUDA.
+        pp_mesh: pipeline parallelism (torchtitan's argument of that name): the mesh of the
+            pipeline dim. ``parameters`` are those of every stage on this rank (one root
+            each); the stages' sums are added over ``pp_mesh`` (one more all-reduce), so
+            every rank of every stage clips by the norm of the whole model.
     Returns:
         The total norm, a 0-d tensor on the shards' device, identical on every rank.
         Accumulated and returned in float32 (float64 if a parameter is float64), also
@@ -177,10 +209,10 @@ def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0
     p = float(norm_type)
     if not p > 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-    params, sharded, plain, root = _split(parameters)
-    total = _total_norm(params, sharded, plain, root, p, foreach)
+    params, by_root, plain = _split(parameters, pp_mesh)
+    total = _total_norm(params, by_root, plain, p, foreach, pp_mesh)
     if error_if_nonfinite and not bool(torch.isfinite(total)):  # same verdict on every rank
-        names = list(_nonfinite(params, sharded, plain, root))
+        names = list(_nonfinite(params, by_root, plain))
         where = (f"non-finite gradients: {', '.join(names)}" if names else
                  "every gradient is finite: the norm overflowed")
         raise RuntimeError(
@@ -193,7 +225,7 @@ def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0
 
 @torch.no_grad()
 def total_grad_norm(parameters: _Params, norm_type: float = 2.0,
-                    foreach: bool | None = None) -> torch.Tensor:
+                    foreach: bool | None = None, *, pp_mesh: DeviceMesh | None = None) -> torch.Tensor:
     """The global gradient norm alone (``clip_grad_norm_`` without the scaling): the same
     0-d tensor on every rank. A collective. With torch's
     ``torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)`` on the local grads it
@@ -210,8 +242,8 @@ def total_grad_norm(parameters: _Params, norm_type: float = 2.0,
     p = float(norm_type)
     if not p > 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-    params, sharded, plain, root = _split(parameters)
-    return _total_norm(params, sharded, plain, root, p, foreach)
+    params, by_root, plain = _split(parameters, pp_mesh)
+    return _total_norm(params, by_root, plain, p, foreach, pp_mesh)
 
 
 @torch.no_grad()
@@ -222,7 +254,7 @@ def nonfinite_grad_names(parameters: _Params) -> list[str]:
     same list on every rank: sharded parameters by name, in plan order, then any
     non-sharded ones by position in ``parameters``. Call it before any clipping scales
     the gradients by a non-finite norm (see :func:`total_grad_norm`)."""
-    return list(_nonfinite(*_split(parameters)))
+    return list(_nonfinite(*_split(parameters, None)))
 
 
 @torch.no_grad()
@@ -231,4 +263,4 @@ def nonfinite_grad_ranks(parameters: _Params) -> dict[str, list[int]]:
     gradient holds a NaN or inf (a rank holding no piece of it is never named). The same
     on every rank; a collective (one all-gather of one int32 flag per planned parameter).
     Without sharded parameters, this rank's verdict alone, no collective."""
-    return _nonfinite(*_split(parameters))
+    return _nonfinite(*_split(parameters, None))

@@ -33,6 +33,7 @@ from .collectives import CommStats
 from .domain import Domain
 from .hsdp import MeshGroups
 from .layout import unit_layout
+from .mesh_checks import sliced_from_named_world
 from .mixed_precision import Precision
 from .param import (
     ShardedParam,
@@ -238,7 +239,8 @@ def materialize(root_unit: Unit) -> Root:
     _check_units(named_units, root_unit)
     collected = _collect(named_units, root_unit.muon_filter)
     tp_mesh = _tp_mesh(units, collected.specs, mesh)
-    _warn_partial_mesh(mesh.size() * (tp_mesh.size() if tp_mesh is not None else 1))
+    if not sliced_from_named_world(mesh):
+        _warn_partial_mesh(mesh.size() * (tp_mesh.size() if tp_mesh is not None else 1))
     root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
     for u in units[1:]:
         u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward

@@ -3,6 +3,7 @@ dims of the parent mesh a mesh covers (torchtitan's meshes: size-1 and flattened
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 
@@ -69,6 +70,31 @@ def _groups_along(root: DeviceMesh) -> dict[str, set[int]] | None:
     return out
 
 
+def _left_out(mesh: DeviceMesh) -> tuple[DeviceMesh, list[tuple[str, int]]] | None:
+    """The named mesh ``mesh`` was sliced from and its data-parallel dims (name, size > 1)
+    whose ranks ``mesh`` leaves out; None if that cannot be read (see :func:`check_mesh`)."""
+    root = mesh._get_root_mesh()
+    if root is mesh or root.ndim < 2 or not root.mesh_dim_names:
+        return None
+    along = _groups_along(root)
+    if along is None:
+        return None
+    mine = set(mesh.mesh.flatten().tolist())
+    experts = [g for n, g in along.items() if n.lower() in EXPERT_DIM_NAMES and not g <= mine]
+    return root, [(name, size) for name, size in zip(root.mesh_dim_names, root.shape)
+                  if size > 1 and _data_kind(name) and not along[name] <= mine
+                  and not any(along[name] <= g for g in experts)]
+
+
+def sliced_from_named_world(mesh: DeviceMesh) -> bool:
+    """Whether ``mesh`` is a slice of a mesh with named dims over every rank that leaves
+    out none of its data-parallel dims: the ranks outside it hold other parameters
+    (pipeline stages), and nothing is left to warn about."""
+    found = _left_out(mesh)
+    return (found is not None and not found[1] and dist.is_initialized()
+            and found[0].size() == dist.get_world_size())
+
+
 def check_mesh(mesh: DeviceMesh, independent_replicas: bool = False) -> None:
     """Refuse a mesh sliced from a larger one (``mesh["shard"]`` of a ``("replicate",
     "shard")`` mesh) that leaves out a data-parallel dim of size > 1 of that mesh: the
@@ -93,19 +119,10 @@ def check_mesh(mesh: DeviceMesh, independent_replicas: bool = False) -> None:
     ``dense["fsdp"]`` there passes whatever ``dp_replicate`` is."""
     if mesh.ndim > 2 or independent_replicas:
         return
-    root = mesh._get_root_mesh()
-    if root is mesh or root.ndim < 2 or not root.mesh_dim_names:
+    found = _left_out(mesh)
+    if found is None or not found[1]:
         return
-    along = _groups_along(root)
-    if along is None:
-        return
-    mine = set(mesh.mesh.flatten().tolist())
-    experts = [g for n, g in along.items() if n.lower() in EXPERT_DIM_NAMES and not g <= mine]
-    apart = [(name, size) for name, size in zip(root.mesh_dim_names, root.shape)
-             if size > 1 and _data_kind(name) and not along[name] <= mine
-             and not any(along[name] <= g for g in experts)]
-    if not apart:
-        return
+    root, apart = found
     bad = [n for n, _ in apart]
     names = mesh.mesh_dim_names or ()
     kinds = {n: _data_kind(n) for n in bad}

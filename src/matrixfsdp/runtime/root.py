@@ -68,6 +68,9 @@ class Root:
         # this backward's reduces: unit index -> (which of its parameters had a gradient on
         # this rank, which of its shards had no .grad before), for drop_unused_grads
         self.grads_seen: dict[int, tuple[list[bool], list[bool]]] = {}
+        # a pipeline stage (integrations/pipelining.py) holding this step's gradients
+        # unreduced until its schedule's last backward: its name, else None
+        self.grads_held_by: str | None = None
 
     def install_step_hook(self) -> None:
         """Register, for as long as this root lives, an optimizer step pre-hook (torch's
@@ -84,6 +87,7 @@ class Root:
                 return
             check_optimizer_params(optimizer)
             check_optimizer_step(optimizer)
+            r.check_grads_reduced()
             r.before_step()  # unsharded copies kept past backward would go stale
             params = [p for group in optimizer.param_groups for p in group["params"]]
             r.mark_stepped(params)
@@ -96,6 +100,17 @@ class Root:
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
+
+    def check_grads_reduced(self) -> None:
+        """Before an optimizer step: raise if a pipeline stage still holds this step's
+        gradients unreduced (its schedule never called ``perform_reduce_grad``), the same
+        on every rank of the stage."""
+        if self.grads_held_by is not None:
+            raise RuntimeError(
+                f"matrixfsdp: optimizer.step() while {self.grads_held_by} still holds this "
+                "step's gradients unreduced: its schedule did not finish the step (torch's "
+                "schedules call perform_reduce_grad after the last backward); run the whole "
+                "schedule.step() before optimizer.step()")
 
     def pre_forward(self) -> None:
         """The root unit's forward starts (a new step, or an eval forward)."""
@@ -250,6 +265,13 @@ class Root:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
+        self.finish_grads()
+
+    def finish_grads(self) -> None:
+        """The end of a backward pass (the engine's final callback), or of a pipeline
+        schedule's step (:mod:`matrixfsdp.integrations.pipelining`, after its last weight
+        pass): every gradient left on the unsharded parameters (and kept from passes
+        without sync, when sync is on again) is reduced, and in place when this returns."""
         # Units whose last call's post-backward did not fire (the root, whose input is token
         # ids; a call whose inputs need no grad) reduce here, in a fixed order, so every
         # rank issues the same collectives in the same order.

@@ -22,6 +22,7 @@ several backward passes before a step accumulate exactly as in torch.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -39,6 +40,36 @@ from .storage import UnitStorage
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     return [t for t in tensors_in(obj) if t.requires_grad]
+
+
+def refuse_torch_pipeline_stage(module: nn.Module) -> None:
+    """Raise if torch's own ``PipelineStage`` runs this root's forward.
+
+    torch's stage handles data parallelism only for torch's ``FSDPModule`` class: over this
+    library's module it reduces every micro-batch's gradients (k times the bytes), and its
+    split backward (zero-bubble schedules) hands autograd the module's parameters, which
+    between calls are the shards, so the weight pass never reaches the stage's parameters
+    and every stage but the first silently stops training. Nothing torch calls on the
+    module tells one stage from the other, so the caller is read from the stack: the
+    stage's ``forward_maybe_with_nosync`` (or, at its shape inference, ``_compute_outputs``)
+    is a few frames up (module call, hooks)."""
+    frame = sys._getframe(1)
+    for _ in range(16):
+        frame = frame.f_back
+        if frame is None:
+            return
+        if frame.f_code.co_name in ("forward_maybe_with_nosync", "_compute_outputs"):
+            stage = frame.f_locals.get("self")  # _compute_outputs: shape inference
+            if getattr(stage, "submod", None) is module and \
+                    not getattr(stage, "sees_matrixfsdp", False):
+                raise TypeError(
+                    f"matrixfsdp: {type(module).__name__} runs in torch.distributed.pipelining's "
+                    "own PipelineStage, which drives data parallelism only for torch's FSDP2: "
+                    "it would reduce every micro-batch's gradients and, under the zero-bubble "
+                    "schedules, never hand the weight pass this library's parameters (stages "
+                    "left untrained). Build the stage with matrixfsdp.pipelining.PipelineStage "
+                    "(torch's class and signature; docs/pipelining.md)")
+            return
 
 
 class _PostBackward(torch.autograd.Function):
@@ -185,6 +216,7 @@ class Unit:
             self.calls, self.new_step = 0, False
         recompute = root.in_backward and self.backward_open
         if self.index == 0 and not recompute:
+            refuse_torch_pipeline_stage(module)
             root.pre_forward()
         self.unshard()
         if not root.in_backward:

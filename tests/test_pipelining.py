@@ -1,0 +1,197 @@
+"""Pipeline parallelism: torch's schedules over stages sharded by this library, 2 stages x
+2 data-parallel ranks, against one process running torch.optim.Muon (fp32 NS) + AdamW on
+the whole batch.
+
+Stages are built as torchtitan builds them (the full model with other stages' layers
+deleted, pp_models.py) and wrapped in ``mf.pipelining.PipelineStage`` (torch's class, taught
+this library's module). Every schedule family trains within the parity bound, each stage
+reduces its gradients once per step (the reduce bytes of a step do not depend on the
+micro-batch count), and torch's own PipelineStage over this library's module is refused
+at its first forward instead of silently leaving stages untrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import spawn
+from pp_models import build_full, build_stage, loss_fn
+from reference import assert_params_close, reference_ns_fp32
+from test_parity import ADAMW, MUON, _groups
+from torch import nn
+from torch.distributed import pipelining as tp_pipelining
+from torch.distributed.device_mesh import init_device_mesh
+from tp_models import VOCAB
+
+import matrixfsdp as mf
+
+STEPS, PER, SEQ, CLIP = 2, 8, 8, 0.3  # PER rows per dp rank: divisible by 8 micro-batches
+PP, DP = 2, 2
+
+# name: (schedule class, stages per rank, V-shaped placement)
+SCHEDULES = {
+    "GPipe": (tp_pipelining.ScheduleGPipe, 1, False),
+    "1F1B": (tp_pipelining.Schedule1F1B, 1, False),
+    "Interleaved1F1B": (tp_pipelining.ScheduleInterleaved1F1B, 2, False),
+    "LoopedBFS": (tp_pipelining.ScheduleLoopedBFS, 2, False),
+    "InterleavedZeroBubble": (tp_pipelining.ScheduleInterleavedZeroBubble, 2, False),
+    "ZBVZeroBubble": (tp_pipelining.ScheduleZBVZeroBubble, 2, True),
+    "DualPipeV": (tp_pipelining.ScheduleDualPipeV, 2, True),
+}
+
+
+def _is_muon(name: str, p: torch.Tensor) -> bool:
+    return name.startswith("layers.") and p.dim() == 2
+
+
+def _data(steps: int = STEPS) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (DP * PER, SEQ + 1), generator=g) for _ in range(steps)]
+
+
+def _reference(data, model=None) -> dict[str, torch.Tensor]:
+    """One process, the whole batch: the parameters after the last step."""
+    model = model or build_full()
+    named = list(model.named_parameters())
+    muon = torch.optim.Muon([p for n, p in named if _is_muon(n, p)], **MUON)
+    adamw = torch.optim.AdamW([p for n, p in named if not _is_muon(n, p)], **ADAMW)
+    with reference_ns_fp32():
+        for x in data:
+            logits = model(x[:, :-1])
+            loss_fn(logits, x[:, 1:]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _stage_ids(pp_rank: int, pp: int, per_rank: int, v_shape: bool) -> list[int]:
+    n = pp * per_rank
+    if per_rank == 1:
+        return [pp_rank]
+    return [pp_rank, n - 1 - pp_rank] if v_shape else [pp_rank + k * pp for k in range(per_rank)]
+
+
+class _Run:
+    """One rank's stages of one schedule, sharded over the dp ranks, and their optimizer."""
+
+    def __init__(self, mesh, name: str, n_mb: int, *, scale_grads: bool = True,
+                 reshard_after_forward: bool | None = None, stage_cls=None, seed: int = 0):
+        cls, per_rank, v_shape = SCHEDULES[name]
+        pp = mesh["pp"].size()
+        self.mesh, self.n_stages = mesh, pp * per_rank
+        self.ids = _stage_ids(mesh["pp"].get_local_rank(), pp, per_rank, v_shape)
+        self.modules = [build_stage(s, self.n_stages, seed) for s in self.ids]
+        for m in self.modules:  # a parameter no forward uses: never stepped, as in torch
+            m.unused = nn.Linear(4, 4)
+        self.unused = [m.unused.weight.detach().clone() for m in self.modules]
+        for m in self.modules:
+            for block in m.layers.values():
+                mf.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+            mf.fully_shard(m, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+        stage_cls = stage_cls or mf.pipelining.PipelineStage
+        stages = [stage_cls(m, s, self.n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+                  for m, s in zip(self.modules, self.ids)]
+        self.opt = mf.Muon([g for m in self.modules for g in _groups(m, MUON, ADAMW, torch.float32)])
+        lf = loss_fn if scale_grads else (lambda out, y: loss_fn(out, y) / n_mb)
+        self.schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=n_mb,
+                            loss_fn=lf, scale_grads=scale_grads)
+
+    def step(self, x: torch.Tensor) -> None:
+        dp = self.mesh["dp"].get_local_rank()
+        x = x[dp * PER:(dp + 1) * PER]
+        args = (x[:, :-1],) if 0 in self.ids else ()
+        kwargs = dict(target=x[:, 1:], losses=[]) if self.n_stages - 1 in self.ids else {}
+        with reference_ns_fp32():
+            self.schedule.step(*args, **kwargs)
+            # torchtitan's clipping: every stage's parameters, the norm summed over pp
+            mf.clip_grad_norm_([p for m in self.modules for p in m.parameters()], CLIP,
+                               pp_mesh=self.mesh["pp"])
+            self.opt.step()
+        self.opt.zero_grad()
+
+    def check(self, ref: dict[str, torch.Tensor], what: str) -> None:
+        for m, unused in zip(self.modules, self.unused):
+            full = mf.full_state_dict(m)
+            assert torch.equal(full.pop("unused.weight"), unused), what
+            full.pop("unused.bias")
+            assert_params_close(full, {n: ref[n] for n in full}, what=what)
+
+
+def _schedules(rank, world, names):
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    data = _data()
+    ref = _reference(data)
+    for name in names:
+        for scale_grads in (True, False):
+            run = _Run(mesh, name, 4, scale_grads=scale_grads)
+            for x in data:
+                run.step(x)
+            run.check(ref, f"{name} scale_grads={scale_grads} ")
+
+
+@pytest.mark.parametrize("names", [["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS"],
+                                   ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]],
+                         ids=["full-backward", "split-backward"])
+def test_every_schedule_matches_one_process(names):
+    """2 stages x 2 dp ranks (4 stages, 2 per rank, for the interleaved and V schedules),
+    4 micro-batches, scale_grads on and off, gradients clipped by the whole model's norm
+    (``pp_mesh``): every stage's parameters within the fp32-NS parity bound of one process
+    after 2 steps."""
+    spawn(_schedules, PP * DP, names)
+
+
+def _reduced_bytes(run: _Run) -> tuple[int, int]:
+    """(gather, reduce) bytes of this rank's stages in one step, as the most loaded rank."""
+    out = [0, 0]
+    for m in run.modules:
+        phases = mf.comm_stats(m).phase("critical_bytes")
+        out[0] += phases.get("gather", 0)
+        out[1] += phases.get("reduce", 0)
+    return out[0], out[1]
+
+
+def _bytes_per_step(rank, world):
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    x = _data(1)[0]
+    seen = {}
+    for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
+        for n_mb in (4, 8):
+            run = _Run(mesh, name, n_mb, reshard_after_forward=False)
+            run.step(x)  # the first step also runs torch's shape inference
+            for m in run.modules:
+                mf.comm_stats(m).reset()
+            run.step(x)
+            seen[n_mb] = _reduced_bytes(run)
+        assert seen[4] == seen[8] and seen[4][1] > 0, (name, seen)  # once per step
+
+
+def test_one_reduce_per_step_whatever_the_micro_batch_count():
+    """With reshard_after_forward=False (torchtitan's default under PP), a step's gather and
+    reduce bytes are the same at 4 and 8 micro-batches, for a full-backward, an interleaved
+    and a split-backward schedule (torch's own PipelineStage over the same module reduced
+    once per micro-batch: twice the bytes at 8, docs/pipelining.md)."""
+    spawn(_bytes_per_step, PP * DP)
+
+
+def _torch_stage(rank, world):
+    # One pipeline rank (its stages exchange activations in process) and 2 dp ranks: what
+    # is checked is the first forward; with more pipeline ranks the later stages would
+    # wait for activations that never come (the launcher ends them with the first).
+    mesh = init_device_mesh("cpu", (1, DP), mesh_dim_names=("pp", "dp"))
+    for name in ("GPipe", "ZBVZeroBubble"):
+        run = _Run(mesh, name, 4, stage_cls=tp_pipelining.PipelineStage)
+        before = [p.detach().clone() for m in run.modules for p in m.parameters()]
+        with pytest.raises(TypeError, match="own PipelineStage") as err:
+            run.step(_data(1)[0])
+        assert "matrixfsdp.pipelining.PipelineStage" in str(err.value)
+        after = [p.detach() for m in run.modules for p in m.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), name
+
+
+def test_torch_stage_is_refused_before_anything_moves():
+    """torch's own PipelineStage drives data parallelism only for FSDP2 (over this library's
+    module: a reduce per micro-batch, and a split backward that never reaches the
+    parameters, leaving stages silently untrained): the first stage's first forward raises,
+    naming the class to use, before any parameter has moved."""
+    spawn(_torch_stage, DP)
