@@ -86,7 +86,7 @@ def test_muon_defaults_constant_matches_the_signature():
     torch.optim.AdamW's own."""
     import inspect
 
-    from matrixfsdp.optim.groups import ADAMW_DEFAULTS
+    from matrixfsdp.optim.groups import ADAMW_DEFAULTS, MUON_EXTENSIONS
     from matrixfsdp.optim.muon import MUON_DEFAULTS
     sig = inspect.signature(mf.Muon).parameters
     assert list(sig) == ["params", *MUON_DEFAULTS, *(f"adamw_{k}" for k in ADAMW_DEFAULTS)]
@@ -94,7 +94,7 @@ def test_muon_defaults_constant_matches_the_signature():
     assert {k: sig[f"adamw_{k}"].default for k in ADAMW_DEFAULTS} == ADAMW_DEFAULTS
     torch_muon = inspect.signature(torch.optim.Muon).parameters
     assert {k: v.default for k, v in torch_muon.items() if k != "params"} == \
-        {k: v for k, v in MUON_DEFAULTS.items() if k != "ns_dtype"}
+        {k: v for k, v in MUON_DEFAULTS.items() if k not in MUON_EXTENSIONS}
     torch_adamw = inspect.signature(torch.optim.AdamW).parameters
     assert {k: v.default for k, v in torch_adamw.items() if k != "params"} == ADAMW_DEFAULTS
     groups = inspect.signature(mf.muon_param_groups).parameters

@@ -8,6 +8,7 @@ from .integrations.huggingface import shard_model
 from .optim.clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .optim.matrix import matrix_optimizer, matrix_params, shard_params
 from .optim.muon import Muon, muon_param_groups, zeropower_via_newtonschulz
+from .optim.qk_clip import QKClip, max_logits
 from .planning.planner import make_plan
 from .planning.report import format_report
 from .planning.types import Plan
@@ -36,8 +37,9 @@ __all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank", "for
            "FSDPModule",
            "full_state_dict", "fully_shard", "get_root", "get_state_dict", "init_weights",
            "latest_checkpoint", "load_checkpoint", "load_full_checkpoint", "load_full_state_dict",
-           "make_plan", "matrix_optimizer", "matrix_params", "Muon", "muon_param_groups",
-           "nonfinite_grad_names", "pipelining", "Plan", "plan_of", "plan_report", "register_elementwise",
+           "make_plan", "matrix_optimizer", "matrix_params", "max_logits", "Muon",
+           "muon_param_groups", "nonfinite_grad_names", "pipelining", "Plan", "plan_of",
+           "plan_report", "QKClip", "register_elementwise",
            "register_fsdp_forward_method", "RowShard", "save_checkpoint", "save_pretrained",
            "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch",
            "set_state_dict", "shard_model", "shard_params", "total_grad_norm", "UnshardHandle",

@@ -9,6 +9,8 @@ Parameters may be given as tensors or as ``(name, tensor)`` pairs, as torch acce
 from __future__ import annotations
 
 import difflib
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,7 +24,11 @@ from ..runtime.param import placement_of, sharded_param, waiting_for
 # and the benchmark; tests/test_optim.py checks them against torch's signatures.
 MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                      ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
-                     adjust_lr_fn=None, ns_dtype=torch.bfloat16)
+                     adjust_lr_fn=None, ns_dtype=torch.bfloat16, num_heads=None)
+# Muon options of this library's own, beyond torch.optim.Muon's: the NS dtype, and per-head
+# (block) Muon: each matrix's rows split into num_heads equal blocks, each orthogonalised
+# as its own matrix (docs/optimizers.md#per-head-muon).
+MUON_EXTENSIONS = ("ns_dtype", "num_heads")
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                       maximize=False, foreach=None, capturable=False, differentiable=False,
                       fused=None)
@@ -66,8 +72,18 @@ def check_muon_group(group: dict) -> None:
         raise ValueError(f"Adjust learning rate function {group['adjust_lr_fn']} is not supported")
     if group["ns_steps"] >= 100 or len(group["ns_coefficients"]) != 3:
         raise ValueError("ns_steps must be < 100 and ns_coefficients three floats")
+    heads = group["num_heads"]
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
+        raise ValueError(f"num_heads={heads!r}: a positive int (row blocks per matrix) or None")
     for p in group["params"]:
         pl = placement_of(p)
+        shape = tuple(pl.spec.shape) if pl is not None else tuple(p.shape)
+        if heads is not None and len(shape) >= 2 and shape[-2] % heads:
+            name = pl.spec.name if pl is not None else f"of shape {shape}"
+            raise ValueError(
+                f"parameter '{name}' (shape {shape}) is in a Muon group with num_heads={heads}, "
+                f"which does not divide its {shape[-2]} rows into equal head blocks; put it in "
+                "a group with its own num_heads (matrixfsdp.muon_param_groups(per_head=...))")
         if pl is not None and not pl.spec.muon and pl.spec.numel:  # empty: a no-op anywhere
             raise ValueError(
                 f"parameter '{pl.spec.name}' (shape {pl.spec.shape}) is in a use_muon=True "
@@ -116,28 +132,97 @@ def check_planned_together(params: list[torch.Tensor]) -> None:
             "the optimizer from matrixfsdp.muon_param_groups(model)")
 
 
+# Projections split per head, by child name: those of one head_dim-sized block per head
+# (q, k, v and fused qkv; transformers', torchtitan's, this library's GPT's) and MLA's
+# up-projections, whose head blocks are num_heads equal slices of their rows.
+HEAD_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "wq", "wk", "wv", "wqkv",
+                    "q", "k", "v", "qkv")
+MLA_PROJECTIONS = ("q_b_proj", "kv_b_proj", "wq_b", "wkv_b")
+_log = logging.getLogger("matrixfsdp")
+
+
+def _head_dim(attn: nn.Module) -> int | None:
+    hd = getattr(attn, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    heads = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None)
+    q = getattr(attn, "q", None) or getattr(attn, "q_proj", None) or getattr(attn, "wq", None)
+    rows = getattr(q, "out_features", None)
+    return rows // heads if isinstance(heads, int) and rows and rows % heads == 0 else None
+
+
+def head_blocks(model: nn.Module) -> dict[str, int]:
+    """``{parameter name: heads}`` for the attention projections of ``model`` found by name
+    (``HEAD_PROJECTIONS``: a child ``nn.Linear`` of a module with ``head_dim``, or with
+    ``n_heads`` / ``num_heads`` and a q projection, as transformers', torchtitan's and this
+    library's attention modules have; its rows / head_dim heads, so GQA's k/v and a fused
+    qkv come out right) and MLA's up-projections (``num_heads`` blocks)."""
+    out: dict[str, int] = {}
+    for mname, attn in model.named_modules():
+        hd = _head_dim(attn)
+        mla_heads = getattr(attn, "num_heads", None) or getattr(attn, "n_heads", None)
+        for cname, child in attn.named_children():
+            w = getattr(child, "weight", None)
+            if not isinstance(w, torch.Tensor) or not isinstance(child, nn.Linear):
+                continue
+            rows = child.out_features
+            heads = (rows // hd if cname in HEAD_PROJECTIONS and hd and rows % hd == 0 else
+                     mla_heads if cname in MLA_PROJECTIONS and isinstance(mla_heads, int)
+                     and rows % mla_heads == 0 else None)
+            if heads and heads > 1:
+                out[f"{mname}.{cname}.weight" if mname else f"{cname}.weight"] = heads
+    return out
+
+
 def muon_param_groups(model: nn.Module, *, lr: float = MUON_DEFAULTS["lr"],
-                      adamw_lr: float = ADAMW_DEFAULTS["lr"], **options: Any) -> list[dict]:
-    """The two parameter groups of a planned model: Muon matrices (2-D, and 3-D expert
-    stacks) and everything else. Frozen parameters (``requires_grad=False``) are in
-    neither: they get no optimizer state and no weight decay.
+                      adamw_lr: float = ADAMW_DEFAULTS["lr"],
+                      per_head: bool | Mapping[str, int] = False, **options: Any) -> list[dict]:
+    """The parameter groups of a planned model: Muon matrices (2-D, and 3-D expert stacks)
+    and everything else. Frozen parameters (``requires_grad=False``) are in neither: they
+    get no optimizer state and no weight decay.
 
     ``options`` starting with ``adamw_`` (``adamw_betas``, ``adamw_eps``,
     ``adamw_weight_decay``, ``adamw_amsgrad``, ``adamw_maximize``, ``adamw_foreach``,
     ``adamw_fused``) go to the AdamW group without the prefix; the rest (``weight_decay``,
-    ``momentum``, ``ns_dtype``, ...) to the Muon group. An unknown option raises a
+    ``momentum``, ``ns_dtype``, ...) to the Muon groups. An unknown option raises a
     ``ValueError`` naming it. Every rank gets the same groups (non-owners hold empty
     placeholders), so ``state_dict`` lines up.
+
+    ``per_head``: per-head Muon (docs/optimizers.md#per-head-muon) for the attention
+    projections :func:`head_blocks` finds (True), or for the parameters named in a mapping
+    ``{name: heads}``; one Muon group per head count (``num_heads``), the whole matrices in
+    the first. What was split is logged (logger ``matrixfsdp``, INFO); True with nothing
+    found raises.
     """
     muon_opts = {k: v for k, v in options.items() if not k.startswith("adamw_")}
     adamw_opts = {k[len("adamw_"):]: v for k, v in options.items() if k.startswith("adamw_")}
     check_options(muon_opts, True, "matrixfsdp.muon_param_groups")
     check_options(adamw_opts, False, "matrixfsdp.muon_param_groups (adamw_ prefix)")
     root = get_root(model)
-    muon, other = [], []
+    blocks = dict(per_head) if isinstance(per_head, Mapping) else head_blocks(model) if per_head else {}
+    if per_head is True and not blocks:
+        raise ValueError(f"matrixfsdp.muon_param_groups(per_head=True): no attention projection "
+                         f"found in {type(model).__name__} (docs/optimizers.md#per-head-muon); "
+                         "pass per_head={parameter name: heads}")
+    default = muon_opts.get("num_heads")
+    muon: dict[int | None, list] = {default: []}
+    other = []
     for unit in root.units:
         for p in unit.sharded:
             if p.requires_grad:
-                (muon if placement_of(p).spec.muon else other).append(p)
-    return [dict(params=muon, use_muon=True, lr=lr, **muon_opts),
+                spec = placement_of(p).spec
+                if spec.muon:
+                    muon.setdefault(blocks.pop(spec.name, default), []).append(p)
+                else:
+                    other.append(p)
+    if isinstance(per_head, Mapping) and blocks:
+        raise ValueError(f"matrixfsdp.muon_param_groups: per_head names {sorted(blocks)}, which "
+                         "are no Muon matrices of this model")
+    split = {h: [placement_of(p).spec.name for p in ps] for h, ps in muon.items() if h}
+    if split:
+        _log.info("matrixfsdp: per-head Muon: %s", "; ".join(
+            f"{len(names)} matrices in {h} heads ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
+            for h, names in split.items()))
+    return [*(dict(params=ps, use_muon=True, lr=lr, **{**muon_opts, "num_heads": h})
+              for h, ps in muon.items() if ps or h == default),
             dict(params=other, use_muon=False, lr=adamw_lr, **adamw_opts)]

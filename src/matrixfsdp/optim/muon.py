@@ -109,8 +109,11 @@ class Muon(torch.optim.Optimizer):
 
     Muon groups take ``torch.optim.Muon``'s options and defaults (lr, weight_decay,
     momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn) plus ``ns_dtype``
-    (bf16 like torch; float32 for tight checks). A Muon parameter may be 2-D or a 3-D
-    ``(experts, m, n)`` stack, which is stepped as ``experts`` separate matrices.
+    (bf16 like torch; float32 for tight checks) and ``num_heads`` (per-head Muon: the rows
+    of each matrix split into ``num_heads`` equal blocks, each stepped exactly as
+    ``torch.optim.Muon`` steps a parameter of the block's shape: its own NS and lr
+    adjustment). A Muon parameter may be 2-D or a 3-D ``(experts, m, n)`` stack, which is
+    stepped as ``experts`` separate matrices.
     AdamW groups take ``torch.optim.AdamW``'s (lr, betas, eps, weight_decay, amsgrad,
     maximize, foreach, fused; ``capturable`` and ``differentiable`` only False);
     constructor defaults for them are the ``adamw_`` keywords. With ``foreach`` and
@@ -131,6 +134,7 @@ class Muon(torch.optim.Optimizer):
                  ns_steps: int = MUON_DEFAULTS["ns_steps"],
                  adjust_lr_fn: str | None = MUON_DEFAULTS["adjust_lr_fn"],
                  ns_dtype: torch.dtype = MUON_DEFAULTS["ns_dtype"],
+                 num_heads: int | None = MUON_DEFAULTS["num_heads"],
                  adamw_lr: float | torch.Tensor = ADAMW_DEFAULTS["lr"],
                  adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["betas"],
                  adamw_eps: float = ADAMW_DEFAULTS["eps"],
@@ -144,7 +148,7 @@ class Muon(torch.optim.Optimizer):
         self._kind_defaults = {
             True: dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                       adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype),
+                       adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, num_heads=num_heads),
             False: dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                         weight_decay=adamw_weight_decay, amsgrad=adamw_amsgrad,
                         maximize=adamw_maximize, foreach=adamw_foreach,
@@ -265,9 +269,11 @@ class Muon(torch.optim.Optimizer):
                 torch.lerp(grad, buf, group["momentum"], out=x)
             else:
                 x.copy_(buf)
+            if group["num_heads"]:  # per-head: each row block its own matrix, one batched NS
+                x = x.view(-1, x.shape[-2] // group["num_heads"], x.shape[-1])
             update = _newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
             p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], p.shape))
+            p.add_(update.reshape(p.shape), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], x.shape))
 
     def _adamw_step(self, group: dict) -> None:
         # foreach/fused None: torch's functional ``adam`` makes torch.optim.AdamW's default

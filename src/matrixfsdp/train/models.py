@@ -39,6 +39,7 @@ class Attention(nn.Module):
             self.k = nn.Linear(d, self.d_kv, bias=False)
             self.v = nn.Linear(d, self.d_kv, bias=False)
         self.o = nn.Linear(d, d, bias=False)
+        self.qk_clip = None  # set by matrixfsdp.QKClip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
@@ -48,6 +49,8 @@ class Attention(nn.Module):
             q, k, v = self.q(x), self.k(x), self.v(x)
         q = q.view(B, T, self.n_heads, -1).transpose(1, 2)
         k, v = (t.view(B, T, self.n_kv_heads, -1).transpose(1, 2) for t in (k, v))
+        if self.qk_clip is not None:  # matrixfsdp.QKClip: this step's largest logits per head
+            self.qk_clip.observe(self, q, k)
         gqa = self.n_kv_heads != self.n_heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.o(y.transpose(1, 2).reshape(B, T, D))

@@ -1,0 +1,230 @@
+"""QK-clip (Kimi K2's MuonClip): after each optimizer step, shrink W_q and W_k of every
+attention head whose largest pre-softmax logit in the step exceeded ``tau``.
+
+For head h with largest logit ``S_h`` over the step's batch on every data-parallel rank,
+``eta_h = min(1, tau / S_h)``; then ``W_q[h] *= eta_h ** alpha`` and ``W_k[h] *= eta_h **
+(1 - alpha)`` (biases too), so the head's logits scale by ``eta_h`` and its largest is at
+most ``tau``. Under GQA a k head shared by several q heads takes the smallest ``eta`` of
+its q heads (the largest logit over them).
+
+Where the work runs: each attention forward reduces its per-head maxima over the model's
+data-parallel ranks with one all-reduce (MAX) of ``heads`` floats, started in forward and
+waited for at the end of the step, so ``optimizer.step()`` stays free of collectives. The
+rescaling is element-wise on whatever rows of W_q / W_k a rank holds: the whole matrix on
+its owner, its rows of a row-sharded one, nothing elsewhere; under HSDP the replica that
+stepped a matrix scales it and the broadcast before its next gather carries that.
+
+Attention reports its logits through :meth:`QKClip.observe`. transformers models need no
+change (an attention function registered with transformers' ``AttentionInterface``
+computes the maxima, then runs torch's SDPA); any other attention calls
+``self.qk_clip.observe(self, q, k)`` in its forward when ``qk_clip`` is set (this
+library's GPT does). The maxima are computed in blocks of query rows, never the whole
+score matrix at once.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.fully_shard import get_root
+from ..runtime.param import placement_of, sharded_param
+
+__all__ = ["QKClip", "max_logits"]
+
+HF_IMPLEMENTATION = "matrixfsdp_qk_clip"
+_CLIPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> QKClip
+
+
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *,
+               causal: bool = True, mask: torch.Tensor | None = None,
+               block: int = 256) -> torch.Tensor:
+    """The largest pre-softmax logit of each q head: ``q (B, H, T, d)``, ``k (B, G, S, d)``
+    with ``G`` dividing ``H`` (GQA), over the positions attention reads (``causal``: key
+    ``j <= i + S - T``; ``mask``: boolean, True = attend, or additive), computed ``block``
+    query rows at a time. Returns ``(H,)`` float32."""
+    B, H, T, d = q.shape
+    G, S = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    k = k.float().repeat_interleave(H // G, dim=1) if G != H else k.float()
+    out = torch.full((H,), -math.inf, dtype=torch.float32, device=q.device)
+    keys = torch.arange(S, device=q.device)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        s = torch.matmul(q[:, :, t0:t1].float(), k.mT) * scale  # (B, H, t, S)
+        if causal:
+            rows = torch.arange(t0, t1, device=q.device) + (S - T)
+            s.masked_fill_(keys[None, :] > rows[:, None], -math.inf)
+        if mask is not None:
+            m = mask[..., t0:t1, :]
+            s = s.masked_fill(~m, -math.inf) if m.dtype == torch.bool else s + m.float()
+        out = torch.maximum(out, s.amax(dim=(0, 2, 3)))
+    return out
+
+
+@dataclass
+class _Layer:
+    """One attention module: where its q and k head blocks lie (``(param, first row)``:
+    a fused qkv weight holds k after q), and this step's pending maxima."""
+
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    q: list[tuple[torch.Tensor, int]]
+    k: list[tuple[torch.Tensor, int]]
+    pending: list[tuple[object, torch.Tensor]] = field(default_factory=list)
+
+
+def _pieces(attn: nn.Module, proj: str, row0: int = 0) -> list[tuple[torch.Tensor, int]]:
+    lin = getattr(attn, proj)
+    return [(t, row0) for t in (lin.weight, lin.bias) if t is not None]
+
+
+def _layer(name: str, attn: nn.Module) -> _Layer | None:
+    """The q/k layout of an attention module (transformers', torchtitan's, this library's
+    GPT's names, GQA and a fused qkv included), None if it is not one."""
+    hd = getattr(attn, "head_dim", None)
+    for q, k in (("q_proj", "k_proj"), ("wq", "wk"), ("q", "k")):
+        if isinstance(getattr(attn, q, None), nn.Linear) and isinstance(getattr(attn, k, None), nn.Linear):
+            rows_q, rows_k = getattr(attn, q).out_features, getattr(attn, k).out_features
+            heads = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None)
+            hd = hd or (rows_q // heads if heads else None)
+            if not hd:
+                return None
+            return _Layer(name, rows_q // hd, rows_k // hd, hd, _pieces(attn, q), _pieces(attn, k))
+    fused = getattr(attn, "qkv", None)
+    heads = getattr(attn, "n_heads", None)
+    if isinstance(fused, nn.Linear) and heads:
+        kv = getattr(attn, "n_kv_heads", heads)
+        hd = hd or (fused.out_features // (heads + 2 * kv))
+        return _Layer(name, heads, kv, hd, _pieces(attn, "qkv"), _pieces(attn, "qkv", heads * hd))
+    return None
+
+
+class QKClip:
+    """QK-clip for a model sharded by :func:`matrixfsdp.fully_shard` (module docstring).
+
+    ``QKClip(model, tau=100.0, alpha=0.5)`` finds the attention modules (q/k projections
+    by name), hooks itself after ``optimizer``'s step if given (else call :meth:`apply`
+    after each ``optimizer.step()``), and for transformers models switches the attention
+    implementation to one that reports the logits (then SDPA). ``last_max`` holds, per
+    attention module name, the reduced per-head maxima of the last step (before clipping).
+    """
+
+    def __init__(self, model: nn.Module, *, tau: float = 100.0, alpha: float = 0.5,
+                 optimizer: torch.optim.Optimizer | None = None):
+        if not tau > 0 or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"matrixfsdp.QKClip: tau={tau} must be > 0, alpha={alpha} in [0, 1]")
+        self.root = get_root(model)
+        if self.root.tp is not None:
+            raise NotImplementedError(
+                "matrixfsdp.QKClip under tensor parallelism: each tp rank sees its own heads' "
+                "logits; not supported yet (docs/optimizers.md#qk-clip)")
+        self.tau, self.alpha = float(tau), float(alpha)
+        self.layers: dict[int, _Layer] = {}
+        self.last_max: dict[str, torch.Tensor] = {}
+        hf = []
+        for name, mod in model.named_modules():
+            layer = _layer(name, mod)
+            if layer is None:
+                continue
+            self.layers[id(mod)] = layer
+            _CLIPS[mod] = self
+            if getattr(getattr(mod, "config", None), "_attn_implementation", None) is not None:
+                hf.append(mod)
+            else:
+                mod.qk_clip = self
+        if not self.layers:
+            raise ValueError(f"matrixfsdp.QKClip: no attention module with q/k projections in "
+                             f"{type(model).__name__}")
+        if hf:
+            _use_hf_attention(model)
+        if optimizer is not None:
+            optimizer.register_step_post_hook(lambda *_: self.apply())
+
+    def observe(self, attn: nn.Module, q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
+                *, causal: bool = True, mask: torch.Tensor | None = None) -> None:
+        """From ``attn``'s forward: its q ``(B, H, T, d)`` and k ``(B, G, S, d)`` as the
+        softmax sees them (after rotary embedding and any q/k norm). Starts the all-reduce
+        (MAX) of the per-head maxima over the data-parallel ranks. Skipped in eval mode and
+        when activation checkpointing recomputes the forward inside backward."""
+        if not attn.training or torch._C._current_graph_task_id() != -1:
+            return
+        layer = self.layers[id(attn)]
+        m = max_logits(q.detach(), k.detach(), scale, causal=causal, mask=mask)
+        group = self.root.groups.world
+        work = dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group, async_op=True) \
+            if dist.get_world_size(group) > 1 else None
+        layer.pending.append((work, m))
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """After the optimizer step: scale the W_q / W_k head blocks (and biases) this rank
+        holds, for every head whose largest logit this step exceeded ``tau``."""
+        silent = [layer.name for layer in self.layers.values() if not layer.pending]
+        if silent and len(silent) < len(self.layers):
+            raise RuntimeError(
+                f"matrixfsdp.QKClip: attention modules {silent[:4]} reported no logits this "
+                "step while others did: call self.qk_clip.observe(self, q, k) in their forward")
+        for layer in self.layers.values():
+            if not layer.pending:
+                continue
+            for work, _ in layer.pending:
+                if work is not None:
+                    work.wait()
+            s = torch.stack([m for _, m in layer.pending]).amax(0)
+            layer.pending.clear()
+            self.last_max[layer.name] = s
+            eta = (self.tau / s).clamp(max=1.0)
+            if bool((eta >= 1.0).all()):
+                continue
+            eta_k = eta.view(layer.kv_heads, -1).amin(1)  # a shared k head: its q heads' max
+            rows_q = (eta ** self.alpha).repeat_interleave(layer.head_dim)
+            rows_k = (eta_k ** (1.0 - self.alpha)).repeat_interleave(layer.head_dim)
+            for pieces, rows in ((layer.q, rows_q), (layer.k, rows_k)):
+                for p, row0 in pieces:
+                    _scale_rows(p, row0, rows)
+
+
+def _scale_rows(p: torch.Tensor, row0: int, factors: torch.Tensor) -> None:
+    """Multiply the global rows ``[row0, row0 + len(factors))`` of parameter ``p`` by
+    ``factors``, on the rows this rank holds and steps."""
+    info, pl = sharded_param(p), placement_of(p)
+    if info is None:  # not sharded: the whole tensor is here
+        start, stop = 0, p.shape[0]
+    else:
+        if not p.numel() or not info.steps_here():
+            return
+        start, stop = pl.row_ranges[info.shard_rank]
+    lo, hi = max(start, row0), min(stop, row0 + len(factors))
+    if lo >= hi:
+        return
+    f = factors[lo - row0:hi - row0].to(p.dtype)
+    p[lo - start:hi - start].mul_(f.view(-1, *[1] * (p.dim() - 1)))
+
+
+def _use_hf_attention(model: nn.Module) -> None:
+    """Switch a transformers model to an attention function that reports each call's
+    logits to the module's QKClip, then runs transformers' SDPA attention."""
+    from transformers import AttentionInterface  # optional dependency
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        clip = _CLIPS.get(module)
+        if clip is not None:
+            causal = attention_mask is None and query.shape[2] > 1 and getattr(module, "is_causal", True)
+            mask = attention_mask[..., :key.shape[2]] if attention_mask is not None else None
+            clip.observe(module, query, key, kwargs.get("scaling"), causal=causal, mask=mask)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(HF_IMPLEMENTATION, attention)
+    AttentionMaskInterface.register(HF_IMPLEMENTATION, sdpa_mask)
+    model.set_attn_implementation(HF_IMPLEMENTATION)
