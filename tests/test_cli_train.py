@@ -153,8 +153,12 @@ def test_train_hf_llama_on_two_ranks(tmp_path):
     out = run_cli("train", "--model", "hf-llama", "--ranks", "2", "--steps", "6", "--layers", "2",
                   "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2",
                   "--grad-accum", "2", "--activation-checkpointing", "--mp", "bf16", "--clip", "1.0",
-                  "--skip-nonfinite", "--out", str(tmp_path), env={"OMP_NUM_THREADS": "1"})
+                  "--skip-nonfinite", "--per-head", "--qk-clip", "1.0", "--out", str(tmp_path),
+                  env={"OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == "hf-llama" and summary["skipped_steps"] == []
+    # per-head Muon on q/k/v, QK-clip's maxima through transformers' attention interface
+    assert summary["per_head"] and len(summary["max_logits"]) == 6
+    assert "per-head Muon: 6 matrices in 2 heads" in out.stderr + out.stdout
     assert summary["loss_end"] < summary["loss_start"]

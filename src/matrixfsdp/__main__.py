@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import math
 import os
 import shutil
 import sys
@@ -162,6 +163,11 @@ def _bench_out_error(rest: list[str]) -> str | None:
     return writable_dir_error(known.out)
 
 
+def _tau(text: str) -> float:
+    """``--qk-clip``: a number > 0, or ``inf`` (record the largest logits, clip nothing)."""
+    return math.inf if text.strip().lower() in ("inf", "infinity") else _positive_float(text)
+
+
 def _add_train_args(sub) -> argparse.ArgumentParser:
     tr = sub.add_parser("train", help="train a byte-level model on the stdlib sources")
     pos = _int_at_least(1)
@@ -181,6 +187,12 @@ def _add_train_args(sub) -> argparse.ArgumentParser:
                     help="micro-batches per step, each backward of loss / K")
     tr.add_argument("--lr", type=_positive_float, default=0.02)
     tr.add_argument("--adamw-lr", type=_positive_float, default=3e-3)
+    tr.add_argument("--per-head", action="store_true",
+                    help="per-head Muon: each attention head's block of q/k/v orthogonalised on "
+                         "its own (matrixfsdp.muon_param_groups(per_head=True))")
+    tr.add_argument("--qk-clip", type=_tau, default=None, metavar="TAU",
+                    help="QK-clip (Kimi K2's MuonClip): after each step, shrink W_q/W_k of heads "
+                         "whose largest logit exceeded TAU (inf: only record the largest logits)")
     tr.add_argument("--clip", type=_positive_float, default=None, metavar="X",
                     help="clip gradients to global norm X (matrixfsdp.clip_grad_norm_)")
     tr.add_argument("--debug", action="store_true",

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..optim.groups import muon_param_groups
 from ..optim.muon import Muon
+from ..optim.qk_clip import QKClip
 from ..runtime.fully_shard import comm_stats, plan_of, plan_report
 from ..state.files import (
     AsyncCheckpoint,
@@ -64,6 +65,7 @@ class Run:
     plan: Any
     corpus: torch.Tensor
     stats: Any
+    qk_clip: Any = None  # --qk-clip: matrixfsdp.QKClip
     trained: dict[int, threading.Event] = field(default_factory=dict)  # HOLD_COMMIT_ENV: set after step i
 
 
@@ -83,6 +85,7 @@ class History:
     saves: list[Any] = field(default_factory=list)  # committed checkpoints
     step_wall_ms: list[float] = field(default_factory=list)  # each whole step with its save's blocking part
     save_steps: list[int] = field(default_factory=list)
+    max_logits: list[float] = field(default_factory=list)  # --qk-clip: the step's largest, before clipping
 
 
 # ---- checkpoints (--save-every, --resume) -----------------------------------------------------
@@ -182,14 +185,20 @@ def _setup(args) -> Run:
     model, loss_fn = build_model(args, device, mesh)
     opt = Muon(muon_param_groups(model, lr=args.lr, adamw_lr=args.adamw_lr,
                                        weight_decay=0.1, adamw_weight_decay=0.01,
-                                       adamw_betas=(0.9, 0.95)))
+                                       adamw_betas=(0.9, 0.95),
+                                       per_head=getattr(args, "per_head", False)))
+    tau = getattr(args, "qk_clip", None)
+    qk_clip = QKClip(model, tau=tau, optimizer=opt) if tau is not None else None
     warm = max(1, args.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1 - s / args.steps))
     run = Run(args, rank, world, device, model, loss_fn, opt, sched, plan_of(model),
-              stdlib_corpus(), comm_stats(model))
+              stdlib_corpus(), comm_stats(model), qk_clip)
     if rank == 0:
         print(plan_report(model))
+        if getattr(args, "per_head", False):
+            print("per-head Muon: " + "; ".join(f"{len(g['params'])} matrices in {g['num_heads']} heads"
+                                              for g in opt.param_groups if g.get("num_heads")))
         print(f"\ncorpus: {len(run.corpus) / 1e6:.1f} MB of the Python standard library's sources; "
               f"{world} ranks on {device.type}; {args.model} model of "
               f"{sum(pl.spec.numel for pl in run.plan.placements.values()) / 1e6:.2f}M parameters\n")
@@ -236,6 +245,8 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
                       f"{nonfinite.describe()}")
     if norm is not None:
         hist.norms.append(norm.item())
+    if run.qk_clip is not None and run.qk_clip.last_max:
+        hist.max_logits.append(max(s.max().item() for s in run.qk_clip.last_max.values()))
     hist.step_bytes.append(sum(run.stats.payload_bytes.values()))
     hist.step_calls = dict(run.stats.calls)
     hist.step_ms.append((t2 - t1) * 1e3)

@@ -111,6 +111,9 @@ def _summary(run, hist, val_loss: float, step_ms_all: list[float]) -> dict[str, 
     }
     if hist.norms:
         summary["grad_norms"] = hist.norms  # global, before clipping; null where not finite
+    if getattr(args, "qk_clip", None) is not None:
+        summary.update(qk_clip_tau=args.qk_clip, max_logits=hist.max_logits)
+    summary["per_head"] = bool(getattr(args, "per_head", False))
     if args.skip_nonfinite:
         summary["skipped_steps"] = hist.skipped
     if hist.saves:
