@@ -5,6 +5,8 @@ and 4 ranks with GQA (k and v with fewer heads than q), and under tensor paralle
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,7 +96,7 @@ def _max_diff(a, b) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
-def _gpt(rank, world):
+def _gpt(rank, world, mesh_shape):
     data = _data()
     torch.manual_seed(0)
     plain = GPT(CFG)
@@ -102,7 +104,7 @@ def _gpt(rank, world):
     ref = _reference(plain, data, _gpt_blocks())
     torch.manual_seed(0)
     model = GPT(CFG)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh("cpu", mesh_shape)
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh)
@@ -115,12 +117,13 @@ def _gpt(rank, world):
     assert _max_diff(whole, ref) > 1e-3
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_per_head_equals_torch_muon_on_each_head_block(world):
+@pytest.mark.parametrize("mesh_shape", [(1,), (2,), (4,), (2, 2)], ids=["1", "2", "4", "hsdp-2x2"])
+def test_per_head_equals_torch_muon_on_each_head_block(mesh_shape):
     """GPT with GQA (q: 4 heads, k and v: 2), per_head=True: q/k/v found by name, one Muon
     group per head count, every parameter within 1e-6 of one process running
-    torch.optim.Muon on each head block as its own parameter, after 3 steps."""
-    spawn(_gpt, world)
+    torch.optim.Muon on each head block as its own parameter, after 3 steps; at 1, 2, 4
+    ranks and under HSDP (each matrix stepped by one replica, then broadcast)."""
+    spawn(_gpt, math.prod(mesh_shape), mesh_shape)
 
 
 def _tp(rank, world):
