@@ -121,10 +121,15 @@ def _diverging(rank: int, case: str):
     return model
 
 
+def _xy():
+    x = torch.randint(0, CFG.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    return x[:, :-1], x[:, 1:]
+
+
 def _divergence_worker(rank, world, out_dir):
     results = {}
     for case in ("width", "float64", "buffer", "buffer synced", "policy", "muon lr",
-                 "weight decay", "matrix optimizer lr"):
+                 "weight decay", "matrix optimizer lr", "torch adamw betas"):
         try:
             model = _diverging(rank, case)
             if case == "buffer synced":
@@ -134,6 +139,14 @@ def _divergence_worker(rank, world, out_dir):
             wd = 0.0 if case == "weight decay" and rank else 0.1
             if case == "matrix optimizer lr":
                 mf.matrix_optimizer(torch.optim.SGD, model, lr=0.1 * (1 + rank))
+            elif case == "torch adamw betas":  # torch's own: compared at its first step
+                opt = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95 if rank else 0.999))
+                before = [p.detach().clone() for p in model.parameters()]
+                model.loss(*_xy()).backward()
+                try:
+                    opt.step()
+                finally:
+                    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
             else:
                 mf.Muon(mf.muon_param_groups(model, lr=lr, weight_decay=wd))
             results[case] = "no error"
@@ -165,6 +178,8 @@ def test_every_divergent_set_up_is_named_on_every_rank_before_anything_moves(tmp
                         "weight_decay: 0.1 on rank 0; 0.0 on rank 1",
         "matrix optimizer lr": "ranks set up the SGD optimizer differently: param group 0 lr: "
                                "0.1 on rank 0; 0.2 on rank 1",
+        "torch adamw betas": "ranks set up the AdamW optimizer differently: param group 0 betas: "
+                             "(0.9, 0.999) on rank 0; (0.9, 0.95) on rank 1",
     }
     for case, text in expect.items():
         assert text in r0[case], (case, r0[case])

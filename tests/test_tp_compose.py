@@ -183,7 +183,9 @@ def _feature(rank, world, name, out):
         _shard(model, mesh["dp"])
     if name == "matrix_optimizer":
         mats = mf.matrix_optimizer(torch.optim.Muon, model, **MUON)
-        opts = [mats, torch.optim.AdamW(mf.shard_params(model), **ADAMW)]
+        adamw = torch.optim.AdamW(mf.shard_params(model), **ADAMW)
+        mf.check_optimizer(adamw)  # its settings compared now, not at its first step
+        opts = [mats, adamw]
         # each of the 14 Muon matrices whole in exactly one rank's matrix_params
         mats_here = mf.matrix_params(model)
         assert all(p.numel() == sharded_param(p).placement.spec.numel for p in mats_here)

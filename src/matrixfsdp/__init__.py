@@ -12,6 +12,7 @@ from .optim.qk_clip import QKClip, max_logits
 from .planning.planner import make_plan
 from .planning.report import format_report
 from .planning.types import Plan
+from .runtime.checks import check_same_optimizer as check_optimizer
 from .runtime.checks import register_elementwise
 from .runtime.fully_shard import (
     FSDPModule,
@@ -33,8 +34,8 @@ from .state.interop import load_full_checkpoint, save_pretrained
 from .state.state_dict import full_state_dict, get_state_dict, load_full_state_dict, set_state_dict
 from .train.exit import exit_rank
 
-__all__ = ["CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank", "format_report",
-           "FSDPModule",
+__all__ = ["check_optimizer", "CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank",
+           "format_report", "FSDPModule",
            "full_state_dict", "fully_shard", "get_root", "get_state_dict", "init_weights",
            "latest_checkpoint", "load_checkpoint", "load_full_checkpoint", "load_full_state_dict",
            "make_plan", "matrix_optimizer", "matrix_params", "max_logits", "Muon",

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -338,16 +339,33 @@ def optimizer_setup(optimizer: torch.optim.Optimizer, with_params: bool = True) 
     return items
 
 
+_CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers compared across ranks already
+
+
+def _root_of_optimizer(optimizer: torch.optim.Optimizer) -> Any:
+    return next((info.root for g in optimizer.param_groups for p in g["params"]
+                 if (info := sharded_param(p)) is not None), None)
+
+
 def check_same_optimizer(optimizer: torch.optim.Optimizer, with_params: bool = True,
                          root: Any = None) -> None:
     """Raise on every rank if ``optimizer``'s settings differ between the ranks of the
     model its parameters belong to (``root``, found from them if not given): one small
     collective, at construction, never in a step. Nothing to check for an optimizer over
-    no sharded parameter."""
-    if root is None:
-        root = next((info.root for g in optimizer.param_groups for p in g["params"]
-                     if (info := sharded_param(p)) is not None), None)
+    no sharded parameter. ``matrixfsdp.check_optimizer`` is this function."""
+    root = root if root is not None else _root_of_optimizer(optimizer)
     if root is not None:
         check_same_setup(optimizer_setup(optimizer, with_params), root.groups.world,
                          f"the {type(optimizer).__name__} optimizer")
+    _CHECKED.add(optimizer)
+
+
+def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Any) -> None:
+    """An optimizer this library did not build and nobody checked (torch's AdamW over
+    ``model.parameters()`` or ``mf.shard_params``): compared across ranks at its first step,
+    before it moves anything, by the step pre-hook of ``root`` (the root of its first sharded
+    parameter). That one step issues the check's small gather; ``check_optimizer`` after
+    construction moves it out of the step."""
+    if optimizer not in _CHECKED and _root_of_optimizer(optimizer) is root:
+        check_same_optimizer(optimizer, root=root)
 

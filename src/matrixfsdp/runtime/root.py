@@ -21,7 +21,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..planning.types import Plan
 from . import arrival
-from .checks import check_optimizer_params, check_optimizer_step, check_unsharded_trainable
+from .checks import (
+    check_optimizer_first_step,
+    check_optimizer_params,
+    check_optimizer_step,
+    check_unsharded_trainable,
+)
 from .collectives import CommStats, ring_load
 from .debug import GRAD_FLAGS, CollectiveCheck
 from .domain import Domain
@@ -86,6 +91,7 @@ class Root:
             if r is None:
                 return
             check_optimizer_params(optimizer)
+            check_optimizer_first_step(optimizer, r)  # a torch optimizer: its settings, once
             check_optimizer_step(optimizer)
             r.check_grads_reduced()
             r.before_step()  # unsharded copies kept past backward would go stale
