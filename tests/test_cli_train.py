@@ -162,3 +162,22 @@ def test_train_hf_llama_on_two_ranks(tmp_path):
     assert summary["per_head"] and len(summary["max_logits"]) == 6
     assert "per-head Muon: 6 matrices in 2 heads" in out.stderr + out.stdout
     assert summary["loss_end"] < summary["loss_start"]
+
+
+def test_train_tp_matches_the_same_run_without_tp(tmp_path):
+    """``--ranks 4 --tp 2`` (2 dp x 2 tp, torchtitan's plan on the GPT's blocks) reads the
+    same global batch as ``--ranks 2`` and trains to the same losses (fp32 rounding)."""
+    small = ["--steps", "3", "--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64",
+             "--seq", "16", "--batch", "2"]
+    runs = {}
+    for name, flags in (("tp", ["--ranks", "4", "--tp", "2"]), ("dp", ["--ranks", "2"])):
+        out = run_cli("train", *flags, *small, "--out", str(tmp_path / name),
+                      env={"OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[name] = json.loads((tmp_path / name / "summary.json").read_text())
+    assert runs["tp"]["tp"] == 2
+    for a, b in zip(runs["tp"]["losses"] + [runs["tp"]["val_loss_end"]],
+                    runs["dp"]["losses"] + [runs["dp"]["val_loss_end"]]):
+        assert abs(a - b) < 1e-5, (runs["tp"]["losses"], runs["dp"]["losses"])
+    bad = run_cli("train", "--ranks", "4", "--tp", "3", *small, "--out", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "--tp 3 must divide the ranks 4, --heads 2, --mlp 64" in bad.stderr

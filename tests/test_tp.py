@@ -187,3 +187,18 @@ def test_optimizer_built_before_fully_shard_is_refused():
     cannot become a plain shard): an optimizer holding the old one raises at its step on
     every rank instead of silently never stepping it."""
     spawn(_built_before, 4)
+
+
+def _compile_wrapped(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _shard(apply_tp(build_llama(), mesh["tp"]), mesh["dp"])
+    model.layers[0] = torch.compile(model.layers[0], backend="eager")
+    x = torch.randint(0, VOCAB, (PER, SEQ + 1))
+    with pytest.raises(NotImplementedError, match=r"'layers.0' is a torch.compile wrapper .* tensor"):
+        model.loss(x[:, :-1], x[:, 1:])
+
+
+def test_a_compile_wrapper_in_a_tp_model_is_refused():
+    """torch.compile(block) put back into a TP model raises at the first forward, naming
+    the block (torch 2.13 computes such a block's gradients wrongly under TP)."""
+    spawn(_compile_wrapped, 4)

@@ -109,6 +109,15 @@ def _validate_train(tr: argparse.ArgumentParser, args) -> None:
         tr.error(f"--ranks {args.ranks} under torchrun, which runs {os.environ['WORLD_SIZE']} ranks "
                  "(WORLD_SIZE): drop --ranks and set the ranks with torchrun --nproc-per-node")
     args.ranks = args.ranks or DEFAULT_RANKS
+    if args.tp > 1:
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else args.ranks
+        bad = [f"{what} {n}" for what, n in (("ranks", world), ("--heads", args.heads),
+                                             ("--mlp", args.mlp)) if n % args.tp]
+        if bad:
+            tr.error(f"--tp {args.tp} must divide the {', '.join(bad)}")
+        if args.model != "gpt":
+            tr.error("--tp: only --model gpt has a tensor-parallel plan here (transformers models: "
+                     "docs/nd-parallel.md)")
     for needs, flag in ((args.async_save, "--async-save"), (args.keep_last, "--keep-last")):
         if needs and not args.save_every:
             tr.error(f"{flag} needs --save-every N")
@@ -177,6 +186,9 @@ def _add_train_args(sub) -> argparse.ArgumentParser:
     tr.add_argument("--model", choices=("gpt", "hf-llama"), default="gpt",
                     help="gpt: matrixfsdp.train.models.GPT; hf-llama: a randomly initialised "
                          "transformers LlamaForCausalLM of the same sizes (needs transformers)")
+    tr.add_argument("--tp", type=pos, default=1, metavar="N",
+                    help="tensor parallelism over N ranks (torchtitan's plan: Colwise q/k/v/fc, "
+                         "Rowwise o/proj), fully_shard over the ranks / N data-parallel ones")
     tr.add_argument("--layers", type=pos, default=4)
     tr.add_argument("--d-model", type=pos, default=128)
     tr.add_argument("--heads", type=pos, default=4)

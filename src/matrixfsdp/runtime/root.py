@@ -130,8 +130,18 @@ class Root:
     def check_registered(self) -> None:
         """Raise if a parameter no longer views this root's storage: ``model.to_empty``,
         ``.to(device or dtype)``, ``.half()`` after ``fully_shard`` replace the tensors (or
-        their storage), and training would silently go on with the old ones."""
+        their storage), and training would silently go on with the old ones. Under tensor
+        parallelism, also a ``torch.compile(block)`` wrapper inside the model (unit.py
+        refuses ``module.compile()`` for the same reason)."""
         check_unsharded_trainable(self.module, {id(p) for u in self.units for p in u.unsharded})
+        if self.tp is not None:
+            for name, m in self.module.named_modules():
+                if type(m).__name__ == "OptimizedModule":  # torch.compile(module)'s wrapper
+                    raise NotImplementedError(
+                        f"matrixfsdp: '{name}' is a torch.compile wrapper in a model with tensor "
+                        "parallelism: on torch 2.13 a compiled block fed the TP plan's pending "
+                        "collective results computes wrong gradients (1e-4 off one process, "
+                        "measured). Train these blocks eagerly (docs/compile.md)")
         for u in self.units:
             base = u.local.untyped_storage().data_ptr()
             for (mod, attr), i in zip(u.refs, u.ref_param):

@@ -46,6 +46,29 @@ def batch_at(corpus: torch.Tensor, step: int, rank: int, world: int, batch: int,
 
 
 # ---- model --------------------------------------------------------------------------------
+def apply_gpt_tp(model: nn.Module, tp_mesh) -> None:
+    """torchtitan's Llama plan on :class:`~matrixfsdp.train.models.GPT`'s blocks: Colwise
+    q/k/v and MLP fc (gate), Rowwise o and proj (each tp rank computes whole heads and its
+    columns of the MLP); embeddings, norms and head stay whole on every tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    for block in model.layers:
+        attn, mlp = block.attn, block.mlp
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.o": RowwiseParallel(), "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
+        if hasattr(attn, "qkv"):
+            raise ValueError("--tp: a fused qkv projection cannot be split by heads with ColwiseParallel")
+        if getattr(mlp, "gated", False):
+            plan["mlp.gate"] = ColwiseParallel()
+        parallelize_module(block, tp_mesh, plan)
+
+
+def data_rank(mesh) -> tuple[int, int]:
+    """(this rank's data-parallel index, the data-parallel size): tp ranks read the same rows."""
+    if "tp" in (mesh.mesh_dim_names or ()):
+        return mesh["dp"].get_local_rank(), mesh["dp"].size()
+    return mesh.get_local_rank(), mesh.size()
+
+
 def checkpoint_forward(block: nn.Module) -> None:
     """Activation checkpointing the way transformers does it: the block's ``forward`` runs
     inside torch's non-reentrant ``checkpoint``, its MatrixFSDP hooks stay outside, so
@@ -97,6 +120,9 @@ def build_model(args, device: torch.device, mesh) -> tuple[nn.Module, Callable[[
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq, d_model=args.d_model, n_heads=args.heads,
                     n_layers=args.layers, d_mlp=args.mlp)
     model = GPT(cfg).to(device)
+    if "tp" in (mesh.mesh_dim_names or ()):  # --tp: the TP plan first, then fully_shard over dp
+        apply_gpt_tp(model, mesh["tp"])
+        mesh = mesh["dp"]
     for block in model.layers:
         fully_shard(block, mesh=mesh, **shard_kw)
         if args.activation_checkpointing:

@@ -30,7 +30,7 @@ from ..state.files import (
     wait_for_checkpoint,
 )
 from ..state.state_dict import get_state_dict
-from .demo import batch_at, build_model, stdlib_corpus
+from .demo import batch_at, build_model, data_rank, stdlib_corpus
 from .launch import device_for, sync
 from .nonfinite import (
     NonFiniteError,
@@ -66,6 +66,8 @@ class Run:
     corpus: torch.Tensor
     stats: Any
     qk_clip: Any = None  # --qk-clip: matrixfsdp.QKClip
+    dp_rank: int = 0  # which rows of the global batch this rank reads (tp ranks alike)
+    dp_size: int = 1
     trained: dict[int, threading.Event] = field(default_factory=dict)  # HOLD_COMMIT_ENV: set after step i
 
 
@@ -181,7 +183,10 @@ def _setup(args) -> Run:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = device_for(int(os.environ.get("LOCAL_RANK", rank)))
-    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (world,))
+    tp = getattr(args, "tp", 1)
+    mesh = torch.distributed.device_mesh.init_device_mesh(
+        device.type, (world // tp, tp) if tp > 1 else (world,),
+        mesh_dim_names=("dp", "tp") if tp > 1 else None)
     model, loss_fn = build_model(args, device, mesh)
     opt = Muon(muon_param_groups(model, lr=args.lr, adamw_lr=args.adamw_lr,
                                        weight_decay=0.1, adamw_weight_decay=0.01,
@@ -193,7 +198,7 @@ def _setup(args) -> Run:
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warm) * max(0.1, 1 - s / args.steps))
     run = Run(args, rank, world, device, model, loss_fn, opt, sched, plan_of(model),
-              stdlib_corpus(), comm_stats(model), qk_clip)
+              stdlib_corpus(), comm_stats(model), qk_clip, *data_rank(mesh))
     if rank == 0:
         print(plan_report(model))
         if getattr(args, "per_head", False):
@@ -213,7 +218,8 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     loss_sum = torch.zeros((), device=device)
     faults = _faults(run.rank, step) if FAULT_ENV in os.environ else set()
     for k in range(accum):  # K micro-batches, each (loss / K).backward()
-        x = batch_at(run.corpus, step * accum + k, run.rank, run.world, args.batch, args.seq, args.seed)
+        x = batch_at(run.corpus, step * accum + k, run.dp_rank, run.dp_size, args.batch, args.seq,
+                     args.seed)
         loss = run.loss_fn(x.to(device))
         if "nanloss" in faults:
             loss = loss * math.nan
@@ -251,7 +257,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     hist.step_calls = dict(run.stats.calls)
     hist.step_ms.append((t2 - t1) * 1e3)
     hist.losses.append(sum(checked.losses) / (run.world * accum))
-    hist.tok_s.append(run.world * accum * args.batch * args.seq / (t2 - t0))
+    hist.tok_s.append(run.dp_size * accum * args.batch * args.seq / (t2 - t0))
     bar.set_postfix(loss=f"{hist.losses[-1]:.3f}", tok_s=f"{hist.tok_s[-1]:.0f}")
     if args.rss_every and (step + 1) % args.rss_every == 0:
         hist.rss_steps.append(step + 1)
@@ -310,7 +316,7 @@ def train(args) -> None:
         hist.saves.append(pending.result())
         _report_save(bar, hist.saves[-1])
     with torch.no_grad():
-        x = batch_at(run.corpus, 0, run.rank, run.world, args.batch, args.seq, args.seed, "val")
+        x = batch_at(run.corpus, 0, run.dp_rank, run.dp_size, args.batch, args.seq, args.seed, "val")
         val = run.loss_fn(x.to(run.device)).detach().float()
         dist.all_reduce(val)
     where = None if resumed is None else {"path": str(resumed), "step": start,

@@ -31,7 +31,8 @@ class Attention(nn.Module):
         d = cfg.d_model
         self.n_heads = cfg.n_heads
         self.n_kv_heads = cfg.n_kv_heads or cfg.n_heads
-        self.d_kv = d // cfg.n_heads * self.n_kv_heads
+        self.head_dim = d // cfg.n_heads
+        self.d_kv = self.head_dim * self.n_kv_heads
         if cfg.fused_qkv:
             self.qkv = nn.Linear(d, d + 2 * self.d_kv, bias=False)
         else:
@@ -47,13 +48,13 @@ class Attention(nn.Module):
             q, k, v = self.qkv(x).split([D, self.d_kv, self.d_kv], dim=-1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
-        q = q.view(B, T, self.n_heads, -1).transpose(1, 2)
-        k, v = (t.view(B, T, self.n_kv_heads, -1).transpose(1, 2) for t in (k, v))
+        # heads counted from the width (-1): under tensor parallelism a rank holds its own
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if self.qk_clip is not None:  # matrixfsdp.QKClip: this step's largest logits per head
             self.qk_clip.observe(self, q, k)
         gqa = self.n_kv_heads != self.n_heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return self.o(y.transpose(1, 2).reshape(B, T, D))
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):

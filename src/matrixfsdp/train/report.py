@@ -97,7 +97,8 @@ def _summary(run, hist, val_loss: float, step_ms_all: list[float]) -> dict[str, 
     args, losses = run.args, hist.losses
     k = max(1, min(5, len(losses) // 4))
     summary: dict[str, Any] = {
-        "ranks": run.world, "steps": args.steps, "device": run.device.type, "model": args.model,
+        "ranks": run.world, "tp": getattr(args, "tp", 1), "steps": args.steps,
+        "device": run.device.type, "model": args.model,
         "grad_accum": args.grad_accum, "mp": args.mp,
         "activation_checkpointing": args.activation_checkpointing, "clip": args.clip,
         "loss_start": statistics.mean(losses[:k]), "loss_end": statistics.mean(losses[-k:]),
