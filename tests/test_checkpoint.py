@@ -109,11 +109,21 @@ def test_row_shard_write_items_chunks_and_refusals():
     assert "rows 2:5" in repr(rs)
 
 
-def test_model_state_dict_still_refused_and_points_to_get_state_dict(world1):
+def test_model_state_dict_holds_what_get_state_dict_holds(world1):
+    """model.state_dict() holds the RowShards of mf.get_state_dict (names, shapes, offsets,
+    views of the parameters), as FSDP2's holds DTensors; load_state_dict takes them back, and
+    torch.save refuses them (tests/test_torch_state_dict.py: torch's helpers on them)."""
     model, opt, _ = _build(1)
-    for call in (model.state_dict, lambda: model.load_state_dict({})):
-        with pytest.raises(RuntimeError, match=r"full_state_dict.*get_state_dict"):
-            call()
+    ours, torchs = mf.get_state_dict(model)["model"], model.state_dict()
+    assert list(ours) == list(torchs)
+    for n, v in torchs.items():
+        assert isinstance(v, RowShard) and (v.shape, v.offsets) == (ours[n].shape, ours[n].offsets)
+        assert v.local.data_ptr() == ours[n].local.data_ptr()
+    assert not model.load_state_dict(torchs).missing_keys
+    with pytest.raises(TypeError, match="dcp.save"):
+        pickle.dumps(torchs)
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict"):
+        model.load_state_dict({})
 
 
 def test_set_state_dict_refuses_a_misplaced_missing_or_unknown_entry(world1):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -49,15 +51,18 @@ def test_parameters_tied_across_units(world1):
         _shard(model)
 
 
-def test_state_dict_of_a_sharded_model_is_refused(world1):
-    """model.state_dict() would hold local shards under full names (DCP keeps one rank's
-    rows): it must raise and point to full_state_dict, never return them."""
+def test_state_dict_of_a_sharded_model_never_holds_local_tensors(world1):
+    """model.state_dict() (of any submodule too) holds each parameter as a RowShard (this
+    rank's rows with their place in the full tensor), never local shards under full names
+    (DCP would keep one rank's rows): torch.save and tensor math refuse it, naming the way out."""
     model = _shard(GPT(CFG))
     mf.muon_param_groups(model)  # plans
-    for call in (model.state_dict, model.layers[0].state_dict, model.layers[0].mlp.state_dict,
-                 lambda: model.load_state_dict({})):
-        with pytest.raises(RuntimeError, match="full_state_dict"):
-            call()
+    for sd in (model.state_dict(), model.layers[0].state_dict(), model.layers[0].mlp.state_dict()):
+        assert sd and all(isinstance(v, mf.RowShard) for v in sd.values())
+        with pytest.raises(TypeError, match=r"torch\.save.*dcp\.save.*full_state_dict"):
+            torch.save(sd, io.BytesIO())
+    with pytest.raises(NotImplementedError, match=r"'embed\.weight' is one rank's rows.*full_state_dict"):
+        model.state_dict()["embed.weight"] * 2
 
 
 def test_optimizer_built_before_root_fully_shard(world1):

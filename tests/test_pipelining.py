@@ -13,12 +13,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from _dist import spawn
 from pp_models import build_full, build_stage, loss_fn
 from reference import assert_params_close, reference_ns_fp32
 from test_parity import ADAMW, MUON, _groups
 from torch import nn
 from torch.distributed import pipelining as tp_pipelining
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from tp_models import VOCAB
 
@@ -76,15 +84,18 @@ class _Run:
     """One rank's stages of one schedule, sharded over the dp ranks, and their optimizer."""
 
     def __init__(self, mesh, name: str, n_mb: int, *, scale_grads: bool = True,
-                 reshard_after_forward: bool | None = None, stage_cls=None, seed: int = 0):
+                 reshard_after_forward: bool | None = None, stage_cls=None, seed: int = 0,
+                 per_part_optimizers: bool = False, unused: bool = True):
         cls, per_rank, v_shape = SCHEDULES[name]
         pp = mesh["pp"].size()
         self.mesh, self.n_stages = mesh, pp * per_rank
         self.ids = _stage_ids(mesh["pp"].get_local_rank(), pp, per_rank, v_shape)
         self.modules = [build_stage(s, self.n_stages, seed) for s in self.ids]
-        for m in self.modules:  # a parameter no forward uses: never stepped, as in torch
-            m.unused = nn.Linear(4, 4)
-        self.unused = [m.unused.weight.detach().clone() for m in self.modules]
+        for m, s in zip(self.modules, self.ids):  # no forward uses it: never stepped, as in torch
+            if unused:
+                setattr(m, f"unused{s}", nn.Linear(4, 4))
+        self.unused = [getattr(m, f"unused{s}").weight.detach().clone() if unused else None
+                       for m, s in zip(self.modules, self.ids)]
         for m in self.modules:
             for block in m.layers.values():
                 mf.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
@@ -92,7 +103,11 @@ class _Run:
         stage_cls = stage_cls or mf.pipelining.PipelineStage
         stages = [stage_cls(m, s, self.n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
                   for m, s in zip(self.modules, self.ids)]
-        self.opt = mf.Muon([g for m in self.modules for g in _groups(m, MUON, ADAMW, torch.float32)])
+        # one optimizer for every stage on this rank, or one per stage (torchtitan's)
+        self.part_opts = [mf.Muon(_groups(m, MUON, ADAMW, torch.float32)) for m in self.modules] \
+            if per_part_optimizers else []
+        self.opts = self.part_opts or [
+            mf.Muon([g for m in self.modules for g in _groups(m, MUON, ADAMW, torch.float32)])]
         lf = loss_fn if scale_grads else (lambda out, y: loss_fn(out, y) / n_mb)
         self.schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=n_mb,
                             loss_fn=lf, scale_grads=scale_grads)
@@ -107,14 +122,17 @@ class _Run:
             # torchtitan's clipping: every stage's parameters, the norm summed over pp
             mf.clip_grad_norm_([p for m in self.modules for p in m.parameters()], CLIP,
                                pp_mesh=self.mesh["pp"])
-            self.opt.step()
-        self.opt.zero_grad()
+            for opt in self.opts:
+                opt.step()
+        for opt in self.opts:
+            opt.zero_grad()
 
     def check(self, ref: dict[str, torch.Tensor], what: str) -> None:
-        for m, unused in zip(self.modules, self.unused):
+        for m, s, unused in zip(self.modules, self.ids, self.unused):
             full = mf.full_state_dict(m)
-            assert torch.equal(full.pop("unused.weight"), unused), what
-            full.pop("unused.bias")
+            if unused is not None:
+                assert torch.equal(full.pop(f"unused{s}.weight"), unused), what
+                full.pop(f"unused{s}.bias")
             assert_params_close(full, {n: ref[n] for n in full}, what=what)
 
 
@@ -195,3 +213,53 @@ def test_torch_stage_is_refused_before_anything_moves():
     parameters, leaving stages silently untrained): the first stage's first forward raises,
     naming the class to use, before any parameter has moved."""
     spawn(_torch_stage, DP)
+
+
+def _parts_state(run: _Run) -> dict:
+    """torchtitan's checkpoint of pipeline parts: every part's model and optimizer state
+    through torch's helpers, the optimizer state flattened (keys by parameter name)."""
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    state = {}
+    for m, opt in zip(run.modules, run.part_opts):
+        state.update(get_model_state_dict(m))
+        state.update(get_optimizer_state_dict(m, opt, options=flat))
+    return state
+
+
+def _resume(rank, world, ckpt):
+    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
+    data = _data(3)
+    ref = _reference(data)
+    # (no unused parameter here: it has no optimizer state to save, and torch's helpers
+    # create state for every parameter of a fresh optimizer, as under FSDP2)
+    run = _Run(mesh, "Interleaved1F1B", 4, per_part_optimizers=True, unused=False)
+    run.step(data[0])
+    dcp.save(_parts_state(run), checkpoint_id=ckpt)  # each stage its own names
+    run = _Run(mesh, "Interleaved1F1B", 4, seed=5, per_part_optimizers=True, unused=False)
+    state = _parts_state(run)
+    dcp.load(state, checkpoint_id=ckpt)
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    for m, opt in zip(run.modules, run.part_opts):
+        set_model_state_dict(m, state, options=StateDictOptions(strict=False))
+        set_optimizer_state_dict(m, opt, state, options=flat)
+    for x in data[1:]:
+        run.step(x)
+    run.check(ref, "resumed ")
+    # the checkpoint holds the whole model: a plain model loads every name of every stage
+    plain = build_full(seed=7)
+    sd = plain.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt)
+    plain.load_state_dict(sd)
+    one_step = _reference(data[:1])
+    assert_params_close({n: p.detach() for n, p in plain.named_parameters()}, one_step,
+                        what="plain model ")
+
+
+def test_pipeline_checkpoint_through_torch_helpers_resumes_and_loads_into_a_plain_model(tmp_path):
+    """Interleaved1F1B over 4 stages (2 per rank) x 2 dp, one optimizer per stage
+    (torchtitan's OptimizersContainer): torch's get_model_state_dict /
+    get_optimizer_state_dict(flatten_optimizer_state_dict=True) of every stage, dcp.save
+    after step 1; fresh stages built from other values load it through set_*_state_dict
+    and steps 2-3 land on one process's step 3; the same checkpoint loads into the plain
+    full model as one process's step 1."""
+    spawn(_resume, PP * DP, str(tmp_path / "ckpt"))

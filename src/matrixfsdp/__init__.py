@@ -32,6 +32,7 @@ from .state.init import init_weights
 from .state.integrity import CheckpointError, verify_checkpoint
 from .state.interop import load_full_checkpoint, save_pretrained
 from .state.state_dict import full_state_dict, get_state_dict, load_full_state_dict, set_state_dict
+from .state.torch_hooks import install_module_hooks as _hooks  # noqa: F401 (torch's state_dict, FSDP2's way)
 from .train.exit import exit_rank
 
 __all__ = ["check_optimizer", "CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank",

@@ -48,6 +48,10 @@ from .plan_stamp import param_name as _name
 __all__ = ["MUON_DEFAULTS", "STATE_KEYS", "Muon", "adjusted_lr", "check_optimizer_step",
            "muon_param_groups", "zeropower_via_newtonschulz"]
 _plan_digest = plan_digest  # the name tests knew
+# Installed from above (matrixfsdp.state.torch_hooks, at import): each is called with every
+# new Muon, to give its state_dict / load_state_dict torch's behaviour under FSDP2 (state as
+# RowShards; this layer cannot import them).
+STATE_DICT_HOOKS: list = []
 
 # Optimizer state per parameter, by kind: what ``_muon_step`` / ``_adamw_step`` keep
 # (AdamW with ``amsgrad`` also ``max_exp_avg_sq``).
@@ -167,6 +171,9 @@ class Muon(torch.optim.Optimizer):
         self.defaults = {**self._kind_defaults[True],
                          **{f"adamw_{k}": v for k, v in self._kind_defaults[False].items()}}
         check_same_optimizer(self)  # every rank's groups alike, before any step
+        self.register_load_state_dict_pre_hook(_checked_for_load)
+        for install in STATE_DICT_HOOKS:
+            install(self)
 
     def _ns_input(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (tuple(like.shape), dtype, like.device)
@@ -191,11 +198,15 @@ class Muon(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's state dict of this rank's state (parameters by index), each param group
-        also recording the world size and the digest of its parameters' plan (``PLAN_KEYS``)."""
+        also recording the world size and the digest of its parameters' plan (``PLAN_KEYS``).
+        ``ns_dtype`` is saved by name ("float32"; torch's state-dict helpers take no dtype
+        objects), and read back by either."""
         sd = super().state_dict()
         world = world_size(p for g in self.param_groups for p in g["params"])
-        if world is not None:
-            for saved, group in zip(sd["param_groups"], self.param_groups):
+        for saved, group in zip(sd["param_groups"], self.param_groups):
+            if isinstance(saved.get("ns_dtype"), torch.dtype):
+                saved["ns_dtype"] = str(saved["ns_dtype"]).removeprefix("torch.")
+            if world is not None:
                 saved.update(mf_world_size=world, mf_plan=plan_digest(group["params"]))
         return sd
 
@@ -205,10 +216,10 @@ class Muon(torch.optim.Optimizer):
         tensor of this rank's shape (momentum only where this rank holds the matrix). Else
         a ``ValueError`` naming the parameter, this rank and the shapes, before anything is
         loaded. The check reads the state dict only, so every rank decides alike where the
-        world size or plan differs, those whose own tensors happen to fit included."""
-        check_loadable(self, state_dict, STATE_KEYS)
-        groups = [{k: v for k, v in g.items() if k not in PLAN_KEYS} for g in state_dict["param_groups"]]
-        super().load_state_dict({**state_dict, "param_groups": groups})
+        world size or plan differs, those whose own tensors happen to fit included. It runs
+        as a load pre-hook, after the one that turns ``RowShard`` s into this rank's pieces
+        (``state_dict()`` holds them on a sharded model)."""
+        super().load_state_dict(state_dict)
 
     def __setstate__(self, state: dict) -> None:
         """As ``torch.optim.AdamW``: an AdamW ``step`` loaded as a Python number becomes the
@@ -311,6 +322,23 @@ class Muon(torch.optim.Optimizer):
 
 
 register_elementwise(Muon)  # Muon on whole matrices, AdamW on row shards: exact anywhere
+
+
+def _checked_for_load(opt: Muon, state_dict: dict) -> dict:
+    """``Muon.load_state_dict``'s check (``check_loadable``), then the state without the
+    plan stamps (a load pre-hook)."""
+    check_loadable(opt, state_dict, STATE_KEYS)
+    groups = [{k: _dtype(v) if k == "ns_dtype" else v for k, v in g.items() if k not in PLAN_KEYS}
+              for g in state_dict["param_groups"]]
+    return {**state_dict, "param_groups": groups}
+
+
+def _dtype(v: object) -> object:
+    """A saved ``ns_dtype``: a dtype, or its name as ``state_dict`` writes it."""
+    dtype = getattr(torch, v, None) if isinstance(v, str) else v
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"matrixfsdp.Muon.load_state_dict: ns_dtype {v!r} is no torch dtype")
+    return dtype
 
 
 def _step_tensor(value: float, p: torch.Tensor, group: dict) -> torch.Tensor:

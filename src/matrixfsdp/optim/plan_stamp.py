@@ -1,9 +1,11 @@
 """The checks behind ``matrixfsdp.Muon.state_dict`` / ``load_state_dict``.
 
-``state_dict()`` holds this rank's state only, so it loads back only where every rank
-holds the same tensors: the same world size and plan. It records both in each param group
-(``mf_world_size``, ``mf_plan``: a digest of the names, shapes and placements of the
-group's parameters), and ``load_state_dict`` checks them, and every tensor's shape, before
+A state dict of this rank's own tensors (what ``state_dict()`` held before it held
+``RowShard`` s on a sharded model, and what a per-rank file of then holds) loads back only
+where every rank holds the same tensors: the same world size and plan. ``state_dict()``
+records both in each param group (``mf_world_size``, ``mf_plan``: a digest of the names,
+shapes and placements of the group's parameters), and ``load_state_dict`` checks them, and
+every tensor's shape, before
 touching anything: a state saved at another world size or plan is refused on every rank,
 including one whose own state happens to fit.
 """

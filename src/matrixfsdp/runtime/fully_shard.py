@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,19 +53,10 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(_default_device_type(), (dist.get_world_size(),))
 
 
-def _refuse_state_dict(module: nn.Module, *args, **kwargs) -> None:
-    # Kept refusing (rather than returning RowShards, as FSDP2 returns DTensors): callers of
-    # state_dict() (torch.save, save_pretrained, EMA copies, load_state_dict into another
-    # model) expect full tensors they can compute with; each rank holds no such tensor, and
-    # the optimizer needs matrixfsdp.get_state_dict anyway. See docs/checkpoint.md.
-    raise RuntimeError(
-        f"matrixfsdp: state_dict()/load_state_dict() on the sharded {type(module).__name__} would "
-        "hold this rank's local shards under the full parameter names (torch.distributed."
-        "checkpoint would keep one rank's rows, save_pretrained a broken file). Use "
-        "matrixfsdp.full_state_dict(model) / matrixfsdp.load_full_state_dict(model, state) "
-        "(full tensors by name, on every rank), or for torch.distributed.checkpoint "
-        "matrixfsdp.get_state_dict(model, optimizer) / matrixfsdp.set_state_dict (each rank's "
-        "pieces with their place in the full tensors; loads at any world size)")
+# Called with every new Root, installed from above (matrixfsdp.state.torch_hooks, at
+# import): torch's state_dict / load_state_dict behaviour on the sharded modules (RowShards
+# out, this rank's rows in), as FSDP2's DTensor parameters give it.
+ON_NEW_ROOT: list[Callable[[Root], None]] = []
 
 
 def _check_callable(module: nn.Module) -> None:
@@ -88,10 +80,8 @@ def _make_root(unit: Unit) -> Root:
     root = materialize(unit)
     _UNSHARDED_UNITS = [r for r in _UNSHARDED_UNITS if r() is not None and r().root is None]
     root.install_step_hook()
-    for u in root.units:
-        for mod in {id(m): m for m in [u.module, *(m for m, _ in u.refs)]}.values():
-            mod.register_state_dict_pre_hook(_refuse_state_dict)
-            mod.register_load_state_dict_pre_hook(_refuse_state_dict)
+    for install in ON_NEW_ROOT:
+        install(root)
     return root
 
 

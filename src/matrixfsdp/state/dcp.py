@@ -1,4 +1,6 @@
-"""The values ``matrixfsdp.get_state_dict`` hands to ``torch.distributed.checkpoint``.
+"""The values MatrixFSDP's state dicts hand to ``torch.distributed.checkpoint`` and to
+torch's state-dict helpers: ``model.state_dict()``, the optimizers' ``state_dict()``,
+``torch.distributed.checkpoint.state_dict.get_state_dict`` and ``matrixfsdp.get_state_dict``.
 
 A :class:`RowShard` is this rank's piece of a tensor that lives spread over the ranks: a
 local tensor, the full (global) shape and where the piece starts in it. Every MatrixFSDP
@@ -16,25 +18,32 @@ DCP recognises such objects by three methods, the ones ``DTensor`` implements
   its owner, a row shard by the rank that holds it, and the default planner's check that
   the chunks tile the tensor (``_validate_global_plan``) passes. A tensor with no element at
   all is written as one empty chunk at offset 0 by every rank (deduplicated to one) so that
-  its name and shape are in the checkpoint;
+  its name and shape are in the checkpoint; a 0-d tensor (an optimizer's ``step``) by every
+  rank holding it, with equal values (deduplicated to one);
 * ``__create_chunk_list__``: the same chunk on load. DCP then reads, from whatever chunks
   the checkpoint holds (saved at any world size), the pieces that overlap it;
 * ``__get_tensor_shard__``: the local tensor, which DCP reads from on save and copies into
-  on load (in place: the values ``get_state_dict`` returns view the parameters and the
-  optimizer state themselves).
+  on load (in place: the values view the parameters and the optimizer state themselves).
 
-It is a tensor subclass only because DCP's lookups (``find_state_dict_object``) go to
-``__get_tensor_shard__`` for tensors alone; it supports no tensor operation (it is not a
-full tensor on any rank). Use ``.local`` for this rank's piece, ``matrixfsdp.set_state_dict``
-to load it, ``matrixfsdp.full_state_dict`` for full tensors. Pickling it is refused:
-``torch.save`` would store one rank's rows under the full name.
+It is a ``DTensor`` subclass (on the parameter's ``fully_shard`` mesh) because torch's
+state-dict code and DCP find distributed tensors by ``isinstance(value, DTensor)`` and reach
+their data through ``_local_tensor`` (DCP's planners, its default async stager, the
+``full_state_dict`` and ``cpu_offload`` options, torchtitan's checkpointer). No DTensor
+placement says "rows ``a:b`` on this rank", so its placement is :class:`RowsPlacement`,
+which DTensor does not compute with: what torch would place by it is answered here or
+refused. ``redistribute`` to ``Replicate`` (``full_tensor()``, torch's ``full_state_dict``)
+gathers the exact full tensor (:func:`~matrixfsdp.state.gather.gather_rows`); ``.to(...)``,
+``detach`` and ``copy.deepcopy`` keep it a ``RowShard``; every other tensor operation
+raises (it is not a full tensor on any rank), and so does ``to_local()``, which DTensor code
+pairs with placement arithmetic. Use ``.local`` for this rank's piece. Pickling it is
+refused: ``torch.save`` would store one rank's rows under the full name.
 
 For ``dcp.async_save`` a state must first be *staged*: copied, so that training can change
-the live tensors while a background thread writes. torch's default stager copies tensors
-through tensor operations (``new_empty``, storages), which a ``RowShard`` refuses, so
-:class:`RowShardStager` (used by ``matrixfsdp.save_checkpoint(..., async_save=True)``)
-stages it: each ``RowShard`` becomes a ``RowShard`` of a CPU copy of ``.local`` with the same
-shape and offsets, every other tensor a CPU copy, every other value a deep copy.
+the live tensors while a background thread writes. :class:`RowShardStager` (used by
+``matrixfsdp.save_checkpoint(..., async_save=True)``) stages it: each ``RowShard`` becomes a
+``RowShard`` of a CPU copy of ``.local`` with the same shape and offsets, every other tensor
+a CPU copy, every other value a deep copy (torch's default stager works too, through
+``_local_tensor``).
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -51,10 +61,15 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Placement as DTensorPlacement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from ..planning.types import Placement
 from ..runtime.param import sharded_param
 from ..runtime.tp import global_ok
+from .gather import gather_rows
 
 
 def check_global(p: torch.Tensor) -> None:
@@ -71,15 +86,59 @@ def check_global(p: torch.Tensor) -> None:
             "(RowwiseParallel for an embedding, as torchtitan does)")
 
 
-class RowShard(torch.Tensor):
+class RowsPlacement(DTensorPlacement):
+    """A :class:`RowShard`'s DTensor placement: each rank holds a range of rows, which no
+    DTensor placement describes. torch's ``distribute_tensor`` refuses it, naming it (torch's
+    ``StateDictOptions(full_state_dict=True)`` / ``broadcast_from_rank0`` loading optimizer
+    state from full tensors)."""
+
+    def __init__(self, fqn: str = ""):
+        super().__init__()
+        self.fqn = fqn
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RowsPlacement)
+
+    def __hash__(self) -> int:
+        return hash(RowsPlacement)
+
+    def __deepcopy__(self, memo: dict) -> RowsPlacement:
+        return RowsPlacement(self.fqn)
+
+    def __repr__(self) -> str:
+        return (f"matrixfsdp rows of '{self.fqn}' (no DTensor placement: load optimizer state "
+                "from full tensors with matrixfsdp.set_state_dict)")
+
+
+class _Ranks:
+    """The process group a :class:`RowShard` gathers over, held so that copies of the
+    ``RowShard`` (torch's stagers deep-copy its attributes) share it."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> _Ranks:
+        return self
+
+
+_UNSUPPORTED = ("Use .local for this rank's rows, model.load_state_dict / torch's set_state_dict "
+                "or matrixfsdp.set_state_dict to load a state, torch's full_state_dict option "
+                "or matrixfsdp.full_state_dict for full tensors")
+
+
+class RowShard(DTensor):
     """Rows ``[offsets[0], offsets[0] + local.shape[0])`` of a tensor of shape ``self.shape``.
 
     ``local`` has the full shape's trailing dims (``(rows held, *shape[1:])``); a 0-d tensor
-    is held whole by one rank (``local`` 0-d, ``offsets == ()``) and as an empty ``(0,)``
-    elsewhere. ``fqn`` (the parameter name) is for messages only.
+    is held whole (``local`` 0-d, ``offsets == ()``) by the ranks holding it and as an empty
+    ``(0,)`` elsewhere. ``fqn`` (the parameter name) is for messages. ``mesh``: the DTensor
+    mesh (the parameter's ``fully_shard`` mesh; DCP needs it, a test may leave it out);
+    ``group``: the ranks :meth:`redistribute` gathers over (every rank holding a piece);
+    ``refusal``: why this one cannot be gathered, raised instead; ``seq``: (position, count)
+    among the ``RowShard`` s of one optimizer state dict (see
+    :func:`~matrixfsdp.state.gather.gather_rows`).
     """
 
-    local: torch.Tensor
     offsets: tuple[int, ...]
     fqn: str
 
@@ -87,7 +146,9 @@ class RowShard(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...],
-                name: str = "") -> RowShard:
+                name: str = "", *, mesh: DeviceMesh | None = None,
+                group: dist.ProcessGroup | None = None, refusal: str | None = None,
+                seq: tuple[int, int] | None = None) -> RowShard:
         shape, offsets = tuple(shape), tuple(offsets)
         if len(offsets) != len(shape):
             raise ValueError(f"RowShard '{name}': offsets {offsets} for shape {shape}")
@@ -95,19 +156,44 @@ class RowShard(torch.Tensor):
                               or (shape and offsets[0] + local.shape[0] > shape[0])):
             raise ValueError(f"RowShard '{name}': local {tuple(local.shape)} at {offsets} does "
                              f"not fit in {shape}")
-        r = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
-                                                requires_grad=False)
-        r.local, r.offsets, r.fqn = local, offsets, name
+        stride = torch.empty(shape, device="meta").stride()
+        spec = DTensorSpec(mesh, (RowsPlacement(name),) * (mesh.ndim if mesh is not None else 1),
+                           TensorMeta(torch.Size(shape), stride, local.dtype))
+        r = super().__new__(cls, local, spec, requires_grad=False)
+        r._spec, r._local_tensor = spec, local
+        r.offsets, r.fqn, r.refusal, r.seq = offsets, name, refusal, seq
+        r.ranks = group if isinstance(group, _Ranks) or group is None else _Ranks(group)
         return r
 
+    def __init__(self, *args, **kwargs):  # everything is set in __new__
+        pass
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's rows (a view of the live tensor where the state dict made it)."""
+        return self._local_tensor
+
     @classmethod
-    def of(cls, local: torch.Tensor, placement: Placement, rank: int) -> RowShard:
+    def of(cls, local: torch.Tensor, placement: Placement, rank: int, **kwargs: Any) -> RowShard:
         """This rank's ``local`` tensor (a parameter shard or optimizer state of the same
         shape) placed as ``placement`` says."""
         spec = placement.spec
         start = placement.row_ranges[rank][0]
         offsets = (start, *[0] * (len(spec.shape) - 1)) if spec.shape else ()
-        return cls(local.detach(), spec.shape, offsets, spec.name)
+        return cls(local.detach(), spec.shape, offsets, spec.name, **kwargs)
+
+    @classmethod
+    def of_param(cls, local: torch.Tensor, p: torch.Tensor, **kwargs: Any) -> RowShard:
+        """``local`` (shard ``p`` or optimizer state shaped like it) placed as ``p``, on
+        ``p``'s mesh, gathered over its ranks."""
+        check_global(p)
+        info = sharded_param(p)
+        return cls.of(local, info.placement, info.shard_rank, **{**where(p), **kwargs})
+
+    def like(self, local: torch.Tensor) -> RowShard:
+        """The same place in the same tensor, holding ``local`` (a copy, another dtype)."""
+        return RowShard(local, tuple(self.shape), self.offsets, self.fqn, mesh=self._spec.mesh,
+                        group=self.ranks, refusal=self.refusal, seq=self.seq)
 
     # ---- what DCP calls -----------------------------------------------------------------
     def _chunk(self) -> ChunkStorageMetadata | None:
@@ -140,18 +226,58 @@ class RowShard(torch.Tensor):
             return self.local.new_empty(chunk.sizes)
         return self.local
 
-    # ---- everything else ------------------------------------------------------------------
+    # ---- what torch's state-dict helpers call ----------------------------------------------
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements: Any = None,
+                     **kwargs: Any) -> DTensor:
+        """To ``Replicate`` only: the full tensor on every rank (a collective, exact),
+        as a replicated DTensor. ``full_tensor()`` and torch's ``full_state_dict`` call it."""
+        if not placements or not all(isinstance(p, Replicate) for p in placements):
+            raise NotImplementedError(f"matrixfsdp.RowShard '{self.fqn}' redistributes to "
+                                      f"Replicate() only (the full tensor), not {placements}")
+        if self.refusal is not None:
+            raise NotImplementedError(self.refusal)
+        if self.ranks is None or self._spec.mesh is None:
+            raise NotImplementedError(f"matrixfsdp.RowShard '{self.fqn}' was made without its "
+                                      "ranks; it cannot be gathered")
+        full = gather_rows(self.local, tuple(self.shape), self.offsets, self.fqn,
+                           self.ranks.group, self.seq)
+        return DTensor.from_local(full, self._spec.mesh, [Replicate()] * self._spec.mesh.ndim,
+                                  run_check=False)
+
+    def data_ptr(self) -> int:
+        """0: a RowShard owns no storage (its rows are ``.local``'s); torch's wrapper would
+        report the local tensor's storage offset as an address."""
+        return 0
+
+    def to_local(self, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError(
+            f"matrixfsdp.RowShard '{self.fqn}': to_local() is refused: DTensor code pairs it "
+            "with placement arithmetic, which cannot describe the rows each rank holds (torch's "
+            "broadcast_from_rank0 loading optimizer state: use matrixfsdp.set_state_dict; a "
+            "model's own save_pretrained: use matrixfsdp.save_pretrained). This rank's rows are "
+            ".local; the full tensor is full_tensor() (a collective) or "
+            "matrixfsdp.full_state_dict(model)")
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.detach.default:
+        if func in (torch.ops.aten.detach.default, torch.ops.aten._to_copy.default):
             self = args[0]
-            return RowShard(self.local.detach(), tuple(self.shape), self.offsets, self.fqn)
+            return self.like(func(self.local, *args[1:], **(kwargs or {})))
+        if func is torch.ops.aten.new_empty.default and tuple(args[1]) == tuple(args[0].shape):
+            # an uninitialised RowShard of the same place (torch's default async stager
+            # makes one, then sets its _local_tensor to the staged copy)
+            self = args[0]
+            return self.like(self.local.new_empty(self.local.shape, **(kwargs or {})))
         shards = [a for a in args if isinstance(a, RowShard)]
         name = shards[0].fqn if shards else ""
         raise NotImplementedError(
             f"matrixfsdp.RowShard '{name}' is one rank's rows of a sharded tensor, not a full "
-            f"tensor: {func} is not supported. Use .local for this rank's rows, "
-            "matrixfsdp.set_state_dict to load a state, matrixfsdp.full_state_dict for full tensors")
+            f"tensor: {func} is not supported. {_UNSUPPORTED}")
+
+    def __deepcopy__(self, memo: dict) -> RowShard:
+        out = self.like(self.local.clone())
+        memo[id(self)] = out
+        return out
 
     def __reduce_ex__(self, protocol):
         raise TypeError(
@@ -164,6 +290,21 @@ class RowShard(torch.Tensor):
         stop = start + (self.local.shape[0] if self.local.dim() else self.local.numel())
         return (f"RowShard({self.fqn!r}, shape={tuple(self.shape)}, rows {start}:{stop}, "
                 f"{self.dtype}, {self.device})")
+
+
+def where(p: torch.Tensor) -> dict[str, Any]:
+    """The ``mesh``, ``group`` and ``refusal`` of shard ``p``'s :class:`RowShard` s: its
+    ``fully_shard`` mesh and every rank of it; under tensor or expert parallelism a piece
+    also lies on other tp / ep ranks, which :meth:`RowShard.redistribute` does not gather
+    over, so there it refuses."""
+    info = sharded_param(p)
+    refusal = None
+    if info.tp is not None or info.root.tp is not None:
+        refusal = (f"matrixfsdp: '{info.name}' belongs to a model with tensor or expert "
+                   "parallelism, whose pieces lie on tp / ep ranks too; torch's full_state_dict "
+                   "gathers over the data-parallel ranks only. Use "
+                   "matrixfsdp.full_state_dict(model) for full tensors")
+    return dict(mesh=info.unit.domain.mesh, group=info.unit.domain.groups.world, refusal=refusal)
 
 
 # ---- staging for dcp.async_save ---------------------------------------------------------------
@@ -199,7 +340,7 @@ def stage_state(state: Any) -> Any:
             pin = obj.local.device.type != "cpu" and torch.accelerator.is_available()
             if pin:
                 devices.add(obj.local.device)
-            out: Any = RowShard(_cpu_copy(obj.local, pin), tuple(obj.shape), obj.offsets, obj.fqn)
+            out: Any = obj.like(_cpu_copy(obj.local, pin))
         elif isinstance(obj, torch.Tensor):
             out = _cpu_copy(obj, False)
         elif isinstance(obj, dict):

@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 from ..optim.matrix import is_placeholder
-from ..optim.muon import Muon, _step_tensor
+from ..optim.muon import Muon, _dtype, _step_tensor
 from ..optim.plan_stamp import PLAN_KEYS
 from ..planning.types import Placement
 from ..runtime.layout import local_rows
 from ..runtime.param import placement_of, sharded_param
 from .dcp import RowShard, check_global
+from .dcp import where as where_of
 
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
 
@@ -109,18 +110,22 @@ def init_state(opt: torch.optim.Optimizer) -> None:
                 g["lr"] = lr
 
 
-def _saved_value(v: Any, p: torch.Tensor, pl: Placement, rank: int, where: str) -> Any:
-    """One state value as it goes to DCP (module docstring); lists and dicts recursively."""
+def saved_value(v: Any, p: torch.Tensor, pl: Placement, where: str, scalars: bool = False) -> Any:
+    """One state value as it goes to DCP (module docstring); lists and dicts recursively.
+    ``scalars``: a 0-d tensor too becomes a (0-d) ``RowShard``, held by every rank holding
+    rows, so that torch's ``full_state_dict`` gathers it onto the ranks that hold none."""
     if isinstance(v, dict):
-        return {k: _saved_value(x, p, pl, rank, f"{where}.{k}") for k, x in v.items()}
+        return {k: saved_value(x, p, pl, f"{where}.{k}", scalars) for k, x in v.items()}
     if isinstance(v, list):
-        return [_saved_value(x, p, pl, rank, f"{where}.{i}") for i, x in enumerate(v)]
-    if not isinstance(v, torch.Tensor) or v.dim() == 0:
+        return [saved_value(x, p, pl, f"{where}.{i}", scalars) for i, x in enumerate(v)]
+    if not isinstance(v, torch.Tensor) or (v.dim() == 0 and not scalars):
         return v
+    if v.dim() == 0:
+        return RowShard(v.detach(), (), (), pl.spec.name, **where_of(p))
     if v.shape == p.shape:
-        return RowShard.of(v, pl, rank)
+        return RowShard.of_param(v, p)
     if _whole(p, pl):
-        return RowShard(v.detach(), tuple(v.shape), (0,) * v.dim(), pl.spec.name)
+        return RowShard(v.detach(), tuple(v.shape), (0,) * v.dim(), pl.spec.name, **where_of(p))
     raise ValueError(
         f"matrixfsdp.get_state_dict: optimizer state '{where}' of parameter '{pl.spec.name}' has "
         f"shape {tuple(v.shape)}, but this rank holds the row shard {tuple(p.shape)} of "
@@ -148,16 +153,17 @@ def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict
                 if pl.spec.name in state:
                     raise ValueError(f"matrixfsdp.get_state_dict: parameter '{pl.spec.name}' is in "
                                      "two optimizers")
-                state[pl.spec.name] = {k: _saved_value(v, p, pl, sharded_param(p).shard_rank, str(k))
-                                       for k, v in held.items()}
+                state[pl.spec.name] = {k: saved_value(v, p, pl, str(k)) for k, v in held.items()}
             hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")
                      and not (per_rank and isinstance(k, str) and k.startswith("_"))}
             groups.append(hyper if per_rank else {**hyper, "params": names})
     return {"state": state, "param_groups": groups}
 
 
-def local_piece(value: Any, pl: Placement, rank: int, what: str) -> torch.Tensor:
-    """This rank's piece of ``value`` (a RowShard of this placement, or a full tensor)."""
+def local_piece(value: Any, pl: Placement, rank: int, what: str,
+                who: str = "matrixfsdp.set_state_dict") -> torch.Tensor:
+    """This rank's piece of ``value`` (a RowShard of this placement, or a full tensor);
+    ``who`` loads it (for the messages)."""
     spec = pl.spec
     shape = pl.local_shape(rank)
     if isinstance(value, RowShard):
@@ -166,17 +172,18 @@ def local_piece(value: Any, pl: Placement, rank: int, what: str) -> torch.Tensor
         if tuple(value.shape) != spec.shape or tuple(value.local.shape) != tuple(shape) or \
                 (math.prod(shape) and value.offsets != want):
             raise ValueError(
-                f"matrixfsdp.set_state_dict: {what} holds rows {value.offsets[:1]} +"
+                f"{who}: {what} holds rows {value.offsets[:1]} +"
                 f"{tuple(value.local.shape)} of {tuple(value.shape)}, but rank {rank} holds "
                 f"{shape} at row {start} of {spec.shape}: the state was made for another placement. "
-                "Build it with matrixfsdp.get_state_dict on this model, then dcp.load into it")
+                "Take the state dict of this model (model.state_dict(), torch's or matrixfsdp's "
+                "get_state_dict), then dcp.load into it")
         return value.local
     if isinstance(value, torch.Tensor):
         if tuple(value.shape) != spec.shape:
-            raise ValueError(f"matrixfsdp.set_state_dict: {what} has shape {tuple(value.shape)}, "
-                             f"the model {spec.shape}")
+            raise ValueError(f"{who}: {what} has shape {tuple(value.shape)}, the model "
+                             f"{spec.shape}")
         return local_rows(value, pl, rank)
-    raise TypeError(f"matrixfsdp.set_state_dict: {what} is a {type(value).__name__}, not a tensor")
+    raise TypeError(f"{who}: {what} is a {type(value).__name__}, not a tensor")
 
 
 def _copy_into(old: Any, src: torch.Tensor) -> torch.Tensor:
@@ -190,7 +197,7 @@ def _copy_into(old: Any, src: torch.Tensor) -> torch.Tensor:
 
 
 def _loaded_value(v: Any, old: Any, p: torch.Tensor, pl: Placement, rank: int, where: str) -> Any:
-    """One saved value as this rank's state holds it (inverse of ``_saved_value``)."""
+    """One saved value as this rank's state holds it (inverse of :func:`saved_value`)."""
     if isinstance(v, dict):
         old = old if isinstance(old, dict) else {}
         return {k: _loaded_value(x, old.get(k), p, pl, rank, f"{where}.{k}") for k, x in v.items()}
@@ -233,7 +240,7 @@ def _match_groups(opt: torch.optim.Optimizer, saved_groups: list[dict], first: i
         if "use_muon" in group and bool(saved.get("use_muon", group["use_muon"])) != bool(group["use_muon"]):
             raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} has use_muon="
                              f"{saved['use_muon']} in the state, {group['use_muon']} here")
-        updates.append({k: v for k, v in saved.items()
+        updates.append({k: _dtype(v) if k == "ns_dtype" else v for k, v in saved.items()
                         if k not in ("params", "param_names") and k not in PLAN_KEYS})
     return updates
 

@@ -109,8 +109,8 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers | None = None) -> di
     for e in state_entries(model):
         if e.is_param:
             if id(e.tensor) not in shards:
-                shards[id(e.tensor)] = RowShard.of(e.tensor, _placement(e.tensor, e.name),
-                                                     sharded_param(e.tensor).shard_rank)
+                _placement(e.tensor, e.name)
+                shards[id(e.tensor)] = RowShard.of_param(e.tensor, e.tensor)
             state[e.name] = shards[id(e.tensor)]
         elif e.tensor.is_meta:  # a model built on meta: DCP loads into a real tensor
             state[e.name] = torch.empty(e.tensor.shape, dtype=e.tensor.dtype,
