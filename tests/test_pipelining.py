@@ -85,7 +85,7 @@ class _Run:
 
     def __init__(self, mesh, name: str, n_mb: int, *, scale_grads: bool = True,
                  reshard_after_forward: bool | None = None, stage_cls=None, seed: int = 0,
-                 per_part_optimizers: bool = False, unused: bool = True):
+                 per_part_optimizers: bool = False, unused: bool = True, tp_plan=None):
         cls, per_rank, v_shape = SCHEDULES[name]
         pp = mesh["pp"].size()
         self.mesh, self.n_stages = mesh, pp * per_rank
@@ -97,6 +97,8 @@ class _Run:
         self.unused = [getattr(m, f"unused{s}").weight.detach().clone() if unused else None
                        for m, s in zip(self.modules, self.ids)]
         for m in self.modules:
+            if tp_plan is not None:
+                tp_plan(m, mesh["tp"])
             for block in m.layers.values():
                 mf.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
             mf.fully_shard(m, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
@@ -263,3 +265,32 @@ def test_pipeline_checkpoint_through_torch_helpers_resumes_and_loads_into_a_plai
     and steps 2-3 land on one process's step 3; the same checkpoint loads into the plain
     full model as one process's step 1."""
     spawn(_resume, PP * DP, str(tmp_path / "ckpt"))
+
+
+def _tp_blocks(stage: nn.Module, tp_mesh) -> None:
+    """torchtitan's block plan (Colwise q/k/v/w1/w3, Rowwise wo/w2) on a stage's blocks; its
+    embedding, norm and head stay whole on every tp rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    for block in stage.layers.values():
+        parallelize_module(block, tp_mesh, {
+            **{f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")},
+            **{f"feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")},
+            "attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+
+
+def _pp_tp(rank, world):
+    mesh = init_device_mesh("cpu", (PP, DP, 2), mesh_dim_names=("pp", "dp", "tp"))
+    data = _data()
+    ref = _reference(data)
+    for name in ("1F1B", "ZBVZeroBubble"):
+        run = _Run(mesh, name, 4, tp_plan=_tp_blocks)
+        for x in data:
+            run.step(x)
+        run.check(ref, f"{name} pp x dp x tp ")
+
+
+def test_pipeline_with_tensor_parallelism_matches_one_process():
+    """8 ranks, (pp 2, dp 2, tp 2): every stage TP'd with torchtitan's block plan, then
+    sharded over dp; 1F1B and ZBVZeroBubble (split backward) within the parity bound of one
+    process, gradients clipped over the whole model."""
+    spawn(_pp_tp, 8)
