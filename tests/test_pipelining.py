@@ -174,6 +174,7 @@ def _reduced_bytes(run: _Run) -> tuple[int, int]:
 def _bytes_per_step(rank, world):
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
     x = _data(1)[0]
+    ref = _reference([x, x])
     seen = {}
     for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
         for n_mb in (4, 8):
@@ -183,12 +184,13 @@ def _bytes_per_step(rank, world):
                 mf.comm_stats(m).reset()
             run.step(x)
             seen[n_mb] = _reduced_bytes(run)
+            run.check(ref, f"{name} reshard_after_forward=False, {n_mb} micro-batches ")
         assert seen[4] == seen[8] and seen[4][1] > 0, (name, seen)  # once per step
 
 
 def test_one_reduce_per_step_whatever_the_micro_batch_count():
-    """With reshard_after_forward=False (torchtitan's default under PP), a step's gather and
-    reduce bytes are the same at 4 and 8 micro-batches, for a full-backward, an interleaved
+    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
+    process there too), a step's gather and reduce bytes are the same at 4 and 8 micro-batches, for a full-backward, an interleaved
     and a split-backward schedule (torch's own PipelineStage over the same module reduced
     once per micro-batch: twice the bytes at 8, docs/pipelining.md)."""
     spawn(_bytes_per_step, PP * DP)
