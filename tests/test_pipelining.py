@@ -57,11 +57,7 @@ def _data(steps: int = STEPS) -> list[torch.Tensor]:
 
 
 def _reference(data, model=None) -> dict[str, torch.Tensor]:
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""One process, the whole batch: the parameters after the last step."""
+    """One process, the whole batch: the parameters after the last step."""
     model = model or build_full()
     named = list(model.named_parameters())
     muon = torch.optim.Muon([p for n, p in named if _is_muon(n, p)], **MUON)
@@ -85,11 +81,7 @@ def _stage_ids(pp_rank: int, pp: int, per_rank: int, v_shape: bool) -> list[int]
 
 
 class _Run:
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""One rank's stages of one schedule, sharded over the dp ranks, and their optimizer."""
+    """One rank's stages of one schedule, sharded over the dp ranks, and their optimizer."""
 
     def __init__(self, mesh, name: str, n_mb: int, *, scale_grads: bool = True,
                  reshard_after_forward: bool | None = None, stage_cls=None, seed: int = 0,
@@ -162,11 +154,7 @@ def _schedules(rank, world, names):
                                    ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"]],
                          ids=["full-backward", "split-backward"])
 def test_every_schedule_matches_one_process(names):
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""2 stages x 2 dp ranks (4 stages, 2 per rank, for the interleaved and V schedules),
+    """2 stages x 2 dp ranks (4 stages, 2 per rank, for the interleaved and V schedules),
     4 micro-batches, scale_grads on and off, gradients clipped by the whole model's norm
     (``pp_mesh``): every stage's parameters within the fp32-NS parity bound of one process
     after 2 steps."""
@@ -174,11 +162,7 @@ def test_every_schedule_matches_one_process(names):
 
 
 def _reduced_bytes(run: _Run) -> tuple[int, int]:
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""(gather, reduce) bytes of this rank's stages in one step, as the most loaded rank."""
+    """(gather, reduce) bytes of this rank's stages in one step, as the most loaded rank."""
     out = [0, 0]
     for m in run.modules:
         phases = mf.comm_stats(m).phase("critical_bytes")
@@ -209,10 +193,7 @@ def test_one_reduce_per_step_whatever_the_micro_batch_count():
     process there too), a step's gather and reduce bytes are the same at 4 and 8
     micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
     own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8 micro-batches, for a full-backward, an interleaved
-    and a split-backward schedule (torch's own PipelineStage over the same module reduced
-    once per micro-batch: twice the bytes at 8, docs/pipelining.md)."""
+    8, docs/pipelining.md)."""
     spawn(_bytes_per_step, PP * DP)
 
 
@@ -232,11 +213,7 @@ def _torch_stage(rank, world):
 
 
 def test_torch_stage_is_refused_before_anything_moves():
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""torch's own PipelineStage drives data parallelism only for FSDP2 (over this library's
+    """torch's own PipelineStage drives data parallelism only for FSDP2 (over this library's
     module: a reduce per micro-batch, and a split backward that never reaches the
     parameters, leaving stages silently untrained): the first stage's first forward raises,
     naming the class to use, before any parameter has moved."""
@@ -244,11 +221,7 @@ def test_torch_stage_is_refused_before_anything_moves():
 
 
 def _parts_state(run: _Run) -> dict:
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""torchtitan's checkpoint of pipeline parts: every part's model and optimizer state
+    """torchtitan's checkpoint of pipeline parts: every part's model and optimizer state
     through torch's helpers, the optimizer state flattened (keys by parameter name)."""
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
     state = {}
@@ -288,11 +261,7 @@ def _resume(rank, world, ckpt):
 
 
 def test_pipeline_checkpoint_through_torch_helpers_resumes_and_loads_into_a_plain_model(tmp_path):
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""Interleaved1F1B over 4 stages (2 per rank) x 2 dp, one optimizer per stage
+    """Interleaved1F1B over 4 stages (2 per rank) x 2 dp, one optimizer per stage
     (torchtitan's OptimizersContainer): torch's get_model_state_dict /
     get_optimizer_state_dict(flatten_optimizer_state_dict=True) of every stage, dcp.save
     after step 1; fresh stages built from other values load it through set_*_state_dict
@@ -302,11 +271,7 @@ def test_pipeline_checkpoint_through_torch_helpers_resumes_and_loads_into_a_plai
 
 
 def _tp_blocks(stage: nn.Module, tp_mesh) -> None:
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""torchtitan's block plan (Colwise q/k/v/w1/w3, Rowwise wo/w2) on a stage's blocks; its
+    """torchtitan's block plan (Colwise q/k/v/w1/w3, Rowwise wo/w2) on a stage's blocks; its
     embedding, norm and head stay whole on every tp rank."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     for block in stage.layers.values():
@@ -328,11 +293,7 @@ def _pp_tp(rank, world):
 
 
 def test_pipeline_with_tensor_parallelism_matches_one_process():
-    """With reshard_after_forward=False (torchtitan's default under PP; exact against one
-    process there too), a step's gather and reduce bytes are the same at 4 and 8
-    micro-batches, for a full-backward, an interleaved and a split-backward schedule (torch's
-    own PipelineStage over the same module reduced once per micro-batch: twice the bytes at
-    8, docs/pipelining.md)."""8 ranks, (pp 2, dp 2, tp 2): every stage TP'd with torchtitan's block plan, then
+    """8 ranks, (pp 2, dp 2, tp 2): every stage TP'd with torchtitan's block plan, then
     sharded over dp; 1F1B and ZBVZeroBubble (split backward) within the parity bound of one
     process, gradients clipped over the whole model."""
     spawn(_pp_tp, 8)
