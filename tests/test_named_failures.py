@@ -243,3 +243,32 @@ def test_a_save_over_the_file_size_limit_says_so(tmp_path):
                           "(EFBIG); a file-size limit (ulimit -f) or the file system's largest file was "
                           f"reached; nothing was committed, the previous checkpoint {tmp_path / 'step_1'} "
                           "is intact")
+
+
+def _save_hang(rank, world, tmp):
+    """Rank 1 never comes to the checkpoint save that rank 0 starts (a 2 s group)."""
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    store = dist.distributed_c10d._get_default_store()
+    message = "no error"
+    if rank == 0:
+        try:
+            mf.save_checkpoint({"x": torch.zeros(3)}, os.path.join(tmp, "step_1"), process_group=group)
+        except CollectiveTimeout as e:
+            message = str(e)
+        store.set("save-timed-out", "1")
+    else:
+        store.wait(["save-timed-out"], timedelta(seconds=60))
+    with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+def test_a_rank_missing_at_a_checkpoint_save_is_named(tmp_path):
+    """Before DCP's own collectives (whose timeouts name no rank), every rank meets at a
+    watched barrier: rank 0 names rank 1, which never came, and the time it waited; nothing
+    is written."""
+    spawn(_save_hang, 2, str(tmp_path), timeout=120)
+    message = (tmp_path / "rank0.txt").read_text()
+    found = re.fullmatch(r"rank 1 did not arrive at the checkpoint save barrier #\d+ on ranks 0-1 "
+                         r"\(it hangs, .*\); rank 0 waited (\d+\.\d) s for it .*", message)
+    assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
+    assert sorted(os.listdir(tmp_path)) == ["rank0.txt", "rank1.txt"]  # no checkpoint directory

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from ..runtime import arrival
 from ..runtime.collectives import broadcast_object
 from ..runtime.process_groups import twin_group
 from .dcp import RowShardStager
@@ -196,6 +197,16 @@ def wait_for_checkpoint() -> SavedCheckpoint | None:
                            f"failed: {type(e).__name__}: {e}") from e
 
 
+def _arrive(process_group) -> None:
+    """Every rank at the save, or a :class:`~matrixfsdp.runtime.arrival.CollectiveTimeout`
+    naming the ranks that did not come (and the time waited): a watched barrier, before
+    DCP's own collectives, whose timeouts name no rank."""
+    if dist.is_initialized():
+        group = process_group if process_group is not None else dist.group.WORLD
+        work = dist.barrier(group=group, async_op=True)
+        arrival.wait(work, arrival.issued(group, "checkpoint save barrier"))
+
+
 def _save_group(process_group):
     """The gloo twin of ``process_group`` (default: the world): a group of the same ranks,
     created on the first asynchronous save (a collective of those ranks) and kept
@@ -244,6 +255,7 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
     global _in_flight
     t0 = time.perf_counter()
     wait_for_checkpoint()
+    _arrive(process_group)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.partial")
 
