@@ -10,6 +10,7 @@ from .optim.matrix import matrix_optimizer, matrix_params, shard_params
 from .optim.muon import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .optim.qk_clip import QKClip, max_logits
 from .planning.planner import make_plan
+from .planning.predict import PlanPrediction, plan_costs
 from .planning.report import format_report
 from .planning.types import Plan
 from .runtime.checks import check_same_optimizer as check_optimizer
@@ -40,7 +41,8 @@ __all__ = ["check_optimizer", "CheckpointError", "clip_grad_norm_", "comm_stats"
            "full_state_dict", "fully_shard", "get_root", "get_state_dict", "init_weights",
            "latest_checkpoint", "load_checkpoint", "load_full_checkpoint", "load_full_state_dict",
            "make_plan", "matrix_optimizer", "matrix_params", "max_logits", "Muon",
-           "muon_param_groups", "nonfinite_grad_names", "pipelining", "Plan", "plan_of",
+           "muon_param_groups", "nonfinite_grad_names", "pipelining", "Plan", "plan_costs",
+           "plan_of", "PlanPrediction",
            "plan_report", "QKClip", "register_elementwise",
            "register_fsdp_forward_method", "RowShard", "save_checkpoint", "save_pretrained",
            "set_modules_to_backward_prefetch", "set_modules_to_forward_prefetch",

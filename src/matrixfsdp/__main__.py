@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -16,13 +17,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from .bench.harness import main as bench_main
-from .train.cluster import DTYPE_BYTES, parse_bytes, plan_preset, preset_report, preset_table
+from .planning.advice import SUMMARY_HEAD, Setting, format_search, search_json, summary_row
+from .planning.hf_config import config_path, meta_model
+from .planning.links import Links
+from .planning.model_shapes import shapes_of
+from .planning.search import search
+from .planning.steptime import Workload
+from .planning.traffic import Dtypes
+from .train.cluster import DTYPE_BYTES, parse_bytes
 from .train.exit import exit_rank
 from .train.launch import DEFAULT_TIMEOUT_S, launch
 from .train.launch import positive_float as _positive_float
 from .train.loop import checkpoint_root, train
-from .train.models import PRESETS
+from .train.models import GPT, PRESETS
 from .train.outlock import OutInUse, RunLock, lock_out
 from .train.resume import plan_start
 
@@ -31,19 +41,52 @@ DEFAULT_RANKS = 4
 
 
 # ---- plan ---------------------------------------------------------------------------------
-def _plan(args) -> None:
+def _plan_model(name: str):
+    """(label, model on meta, its units) for a preset name or a transformers config.json."""
+    if name in PRESETS:
+        with torch.device("meta"):
+            net = GPT(PRESETS[name])
+        return name, net, list(net.layers)
+    path = config_path(name)
+    if path is None:
+        raise SystemExit(f"--model {name}: neither a preset ({', '.join(sorted(PRESETS))}) nor "
+                         "a transformers config.json on disk (a file, or a directory holding one)")
+    net, units, label = meta_model(path)
+    return label, net, units
 
+
+def _plan(args) -> None:
     for n in args.world_size:
         if args.shard_size is not None and n % args.shard_size:
             raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {n}")
-    gather = DTYPE_BYTES[args.param_dtype] if args.param_dtype else None
-    if len(args.model) * len(args.world_size) > 1:
-        print(preset_table(args.model, args.world_size, args.shard_size, args.device_memory,
-                           gather))
-        return
-    cp = plan_preset(args.model[0], args.world_size[0], args.shard_size, args.device_memory,
-                     gather)
-    print(preset_report(cp, args.device_memory, args.max_rows, gather))
+    links = Links(args.gpus_per_node, args.nvlink_gbs * 1e9, args.ib_gbs * 1e9,
+                  args.latency_us * 1e-6, args.nvlink_hop_us * 1e-6, args.ib_hop_us * 1e-6)
+    setting = Setting(links, Workload(args.seq, args.micro_batch, args.tflops * 1e12,
+                                      args.hbm_gbs * 1e9),
+                      Dtypes(4, DTYPE_BYTES[args.param_dtype], DTYPE_BYTES[args.reduce_dtype]),
+                      args.device_memory)
+    checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[
+        args.activation_checkpointing]
+    done = []
+    for name in args.model:
+        label, net, units = _plan_model(name)
+        shapes = shapes_of(net, units)
+        n_params = sum(p.numel() for p in net.parameters())
+        for world in args.world_size:
+            found = search(shapes, world, args.device_memory, links=links,
+                           workload=setting.workload, dtypes=setting.dtypes,
+                           global_batch=args.global_batch, tp=args.tp, pp=args.pp,
+                           shard=[args.shard_size] if args.shard_size else None,
+                           checkpointing=checkpointing)
+            done.append((label, n_params, shapes.blocks, found))
+    if args.json:
+        out = [search_json(label, n, s, setting) for label, n, _, s in done]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
+    elif len(done) > 1:
+        print("\n".join([*SUMMARY_HEAD, *(summary_row(label, s) for label, _, _, s in done)]))
+    else:
+        label, n, blocks, s = done[0]
+        print(format_search(label, n, blocks, s, setting, args.top, args.max_rows))
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -251,24 +294,60 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = _add_train_args(sub)
     pos = _int_at_least(1)
-    pl = sub.add_parser("plan", help="plan a known model on the meta device: per-rank memory, "
-                        "bytes per step against FSDP2, NS; a recommended HSDP shard size")
+    pl = sub.add_parser("plan", help="advise a layout (replicate x shard x tp x pp) for a model "
+                        "on a cluster: the fitting one with the lowest modelled step time, next "
+                        "to FSDP2 + torch.optim.Muon and DistMuon (docs/plan.md)")
 
     def size(text: str) -> int:
         try:
             return parse_bytes(text)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
-    pl.add_argument("--model", nargs="+", choices=sorted(PRESETS), default=["paper"],
-                    help="several models and/or world sizes: one summary row each")
+    real = _positive_float
+    pl.add_argument("--model", nargs="+", default=["paper"], metavar="NAME|CONFIG",
+                    help=f"a preset ({', '.join(sorted(PRESETS))}) or a transformers config.json "
+                         "on disk (or its directory); several models and/or world sizes: one "
+                         "summary row each")
     pl.add_argument("--world-size", nargs="+", type=pos, default=[8])
     pl.add_argument("--shard-size", type=pos, default=None,
-                    help="HSDP: ranks per shard group (default: the world size, no replicas)")
+                    help="search only this HSDP shard size (default: every divisor)")
+    pl.add_argument("--tp", nargs="+", type=pos, default=None,
+                    help="search only these tensor-parallel sizes (default: up to a node)")
+    pl.add_argument("--pp", nargs="+", type=pos, default=None,
+                    help="search only these pipeline sizes (default: powers of two up to 16)")
     pl.add_argument("--device-memory", type=size, default="80GiB",
-                    help="memory per device, to say whether the largest rank fits (default 80GiB)")
-    pl.add_argument("--param-dtype", choices=("fp32", "bf16"), default=None,
-                    help="dtype of the gathers (MixedPrecisionPolicy param_dtype; default the "
-                         "model's, fp32); storage, reduce and optimizer state stay fp32")
+                    help="memory per device; a layout whose largest rank needs more is never "
+                         "advised while one fits (default 80GiB)")
+    pl.add_argument("--param-dtype", choices=("fp32", "bf16"), default="bf16",
+                    help="dtype of the gathers and gather buffers (MixedPrecisionPolicy "
+                         "param_dtype; default bf16); storage and optimizer state stay fp32")
+    pl.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="dtype of the gradient reduce (MixedPrecisionPolicy reduce_dtype)")
+    pl.add_argument("--seq", type=pos, default=8192, help="tokens per sequence (default 8192)")
+    pl.add_argument("--micro-batch", type=pos, default=1,
+                    help="sequences per micro-batch per data-parallel rank (default 1)")
+    pl.add_argument("--global-batch", type=pos, default=None,
+                    help="sequences per step (default: world size x micro-batch)")
+    pl.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
+                    help="auto: search both")
+    pl.add_argument("--tflops", type=real, default=400.0,
+                    help="bf16 TFLOP/s reached by the matmuls and Newton-Schulz (default 400)")
+    pl.add_argument("--hbm-gbs", type=real, default=3350.0,
+                    help="memory bandwidth for the element-wise optimizer updates, GB/s")
+    pl.add_argument("--gpus-per-node", type=pos, default=8)
+    pl.add_argument("--nvlink-gbs", type=real, default=900.0,
+                    help="NVLink GB/s per GPU and direction (default 900)")
+    pl.add_argument("--ib-gbs", type=real, default=50.0,
+                    help="InfiniBand GB/s per GPU and direction (default 50)")
+    pl.add_argument("--latency-us", type=real, default=14.0,
+                    help="base latency per collective, microseconds (NCCL's LL128 ring: 14)")
+    pl.add_argument("--nvlink-hop-us", type=real, default=1.9,
+                    help="latency per ring step inside a node (NCCL's LL128: 1.9)")
+    pl.add_argument("--ib-hop-us", type=real, default=4.0,
+                    help="latency per ring step across nodes (NCCL's LL128: 4.0)")
+    pl.add_argument("--json", action="store_true",
+                    help="print the advice and every layout searched as JSON")
+    pl.add_argument("--top", type=pos, default=12, help="layouts shown in the table")
     pl.add_argument("--max-rows", type=_int_at_least(1), default=16)
     bp = sub.add_parser("bench", help="benchmark against FSDP2 peers (see --help)", add_help=False)
     args, rest = ap.parse_known_args(argv)

@@ -16,12 +16,13 @@ def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
     NS works on the wide orientation (``a = min(m, n)`` rows, ``b = max(m, n)`` columns).
     Per iteration: ``X X^T`` (2a²b), ``B = bA + cA²`` (2a³), ``aX + B X`` (2a²b).
     """
+    return _ns_flops(tuple(shape), ns_steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ns_flops(shape: tuple[int, ...], ns_steps: int) -> int:
     m, n = shape
-    return _ns_flops(min(m, n), max(m, n), ns_steps)
-
-
-@functools.lru_cache(maxsize=1024)
-def _ns_flops(a: int, b: int, ns_steps: int) -> int:
+    a, b = min(m, n), max(m, n)
     return ns_steps * (4 * a * a * b + 2 * a**3)
 
 
@@ -43,6 +44,8 @@ def assign(costs: list[int], sizes: list[int], world_size: int,
     off the most loaded rank while that lowers the maximum. ``base_load``: cost each rank
     carries already (HSDP: the experts of its shard rank).
     """
+    if not costs:
+        return []
     owner = [0] * len(costs)
     load = list(base_load) if base_load is not None else [0] * world_size
     mem = list(base_bytes)

@@ -148,6 +148,19 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
                 world_size // S)
 
 
+def with_even_params(plan: Plan, specs: Sequence[ParamSpec]) -> Plan:
+    """``plan`` with the even (non-Muon) parameters ``specs`` added in front, placed as
+    :func:`make_plan` places them. Their bytes are the same on every shard rank, so the
+    owners ``make_plan`` would choose for the whole set are ``plan``'s: the layout search
+    plans a pipeline stage's blocks once and adds each stage's root parameters."""
+    if any(s.muon for s in specs):
+        raise ValueError("with_even_params: only even parameters can be added")
+    placements, held = _place_even(specs, plan.shard_size)
+    placements.update(plan.placements)
+    return Plan(plan.world_size, plan.unit_names, placements, plan.ns_steps,
+                list(plan.rank_cost), [b + held[0] for b in plan.rank_bytes], plan.replicas)
+
+
 def unit_members(module: nn.Module, prefix: str, is_unit: Callable[[nn.Module], bool]
                  ) -> list[tuple[nn.Module, str, str]]:
     """(owning module, attribute, FQN) of the parameters of unit ``module`` that no child
