@@ -219,3 +219,84 @@ def test_transformers_qwen2_per_head_with_qk_clip():
     scales weights and biases; equal to one process running torch.optim.Muon per head block
     and the rule on the full score matrix."""
     spawn(_qwen_ours, 2)
+
+
+def _deepseek():
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4,
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        max_position_embeddings=32, use_cache=False, tie_word_embeddings=False)
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():  # sharper attention: logits over tau
+        for layer in model.model.layers:
+            layer.self_attn.q_b_proj.weight.mul_(MLA_SCALE)
+            layer.self_attn.kv_b_proj.weight.mul_(MLA_SCALE)
+    return model
+
+
+MLA_SCALE, MLA_TAU = 12.0, 2.4  # logits 1.8-3.3 at init: 2 of 8 heads over tau
+
+
+def _mla_reference(data):
+    """One process, whole matrices: torch.optim.Muon + AdamW, logits from the full score
+    matrix of transformers' q and k (rope part included), Kimi K2's MLA rule by hand."""
+    from test_per_head import _reference as muon_reference
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    seen = {}
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        s = query @ key.transpose(-1, -2) * kwargs["scaling"]
+        T = s.shape[-1]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+        seen[module] = s.amax(dim=(0, 2, 3)).detach()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_mla_logits", attention)
+    AttentionMaskInterface.register("test_mla_logits", sdpa_mask)
+    model = _deepseek()
+    model.set_attn_implementation("test_mla_logits")
+    nope, rope, v = 8, 4, 8
+
+    def after_step():
+        with torch.no_grad():
+            for attn, s in seen.items():
+                eta = torch.clamp(MLA_TAU / s, max=1.0)[:, None, None]
+                q = attn.q_b_proj.weight.view(4, nope + rope, -1)
+                q[:, :nope] *= eta ** ALPHA
+                q[:, nope:] *= eta
+                kv = attn.kv_b_proj.weight.view(4, nope + v, -1)
+                kv[:, :nope] *= eta ** (1 - ALPHA)
+    return muon_reference(model, data, {}, after_step=after_step,
+                          loss=lambda m, x: m(input_ids=x, labels=x).loss)
+
+
+def _mla_ours(rank, world):
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 64, (4, 16), generator=g) for _ in range(STEPS)]
+    ref = _mla_reference(data)
+    model = _deepseek()
+    mf.shard_model(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
+                                       **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}))
+    clip = mf.QKClip(model, tau=MLA_TAU, alpha=ALPHA, optimizer=opt)
+    over = []
+    for x in data:
+        model(input_ids=x[rank * 2:(rank + 1) * 2], labels=x[rank * 2:(rank + 1) * 2]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        over.append(sum(int((s > MLA_TAU).sum()) for s in clip.last_max.values()))
+    assert 0 < over[0] < 8, over  # some heads clipped at the first step, not all
+    assert_params_close(mf.full_state_dict(model), ref, tol=PARITY_TOL, what="deepseek-v3 MLA ")
+
+
+def test_transformers_deepseek_v3_mla_qk_clip():
+    """transformers DeepseekV3 (multi-head latent attention, q LoRA) at 2 ranks: QKClip
+    scales each clipped head's q no-rope rows by eta^alpha, q rope rows by eta and the kv
+    up-projection's k rows by eta^(1 - alpha), the shared rope key untouched (Kimi K2's
+    rule); equal to one process applying it by hand to the full score matrix's maxima."""
+    spawn(_mla_ours, 2)

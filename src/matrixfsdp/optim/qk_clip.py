@@ -5,7 +5,9 @@ For head h with largest logit ``S_h`` over the step's batch on every data-parall
 ``eta_h = min(1, tau / S_h)``; then ``W_q[h] *= eta_h ** alpha`` and ``W_k[h] *= eta_h **
 (1 - alpha)`` (biases too), so the head's logits scale by ``eta_h`` and its largest is at
 most ``tau``. Under GQA a k head shared by several q heads takes the smallest ``eta`` of
-its q heads (the largest logit over them).
+its q heads (the largest logit over them). Multi-head latent attention (MLA) as Kimi K2
+clips it: each head's q no-rope rows by ``eta ** alpha``, its q rope rows by ``eta``, its
+k rows of the kv up-projection by ``eta ** (1 - alpha)``; the shared rope key stays.
 
 Where the work runs: each attention forward reduces its per-head maxima over the model's
 data-parallel ranks with one all-reduce (MAX) of ``heads`` floats, started in forward and
@@ -68,43 +70,86 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None = None, *,
     return out
 
 
+# What a block of rows is scaled by: "q" blocks by their own q head's eta, "k" blocks by the
+# smallest eta of the q heads sharing that k head; to the power alpha, 1 - alpha, or 1.
+POWERS = {"alpha": lambda a: a, "1-alpha": lambda a: 1.0 - a, "1": lambda a: 1.0}
+
+
+@dataclass
+class _Rows:
+    """Head blocks of one projection: head ``h`` spans rows ``row0 + h * stride`` on; each
+    ``(start, length, eta, power)`` of ``segments`` is a range inside it and its factor."""
+
+    params: list[torch.Tensor]  # weight (and bias)
+    row0: int
+    stride: int
+    heads: int
+    segments: list[tuple[int, int, str, str]]
+
+    def factors(self, eta_q: torch.Tensor, eta_k: torch.Tensor, alpha: float) -> torch.Tensor:
+        out = torch.ones(self.heads, self.stride, device=eta_q.device)
+        for start, length, which, power in self.segments:
+            eta = eta_q if which == "q" else eta_k
+            out[:, start:start + length] = (eta ** POWERS[power](alpha))[:, None]
+        return out.flatten()
+
+
 @dataclass
 class _Layer:
-    """One attention module: where its q and k head blocks lie (``(param, first row)``:
-    a fused qkv weight holds k after q), and this step's pending maxima."""
+    """One attention module: its q heads, the k heads they share, where their rows lie,
+    and this step's pending maxima."""
 
     name: str
     heads: int
     kv_heads: int
-    head_dim: int
-    q: list[tuple[torch.Tensor, int]]
-    k: list[tuple[torch.Tensor, int]]
+    rows: list[_Rows]
     pending: list[tuple[object, torch.Tensor]] = field(default_factory=list)
 
 
-def _pieces(attn: nn.Module, proj: str, row0: int = 0) -> list[tuple[torch.Tensor, int]]:
-    lin = getattr(attn, proj)
-    return [(t, row0) for t in (lin.weight, lin.bias) if t is not None]
+def _params(lin: nn.Linear) -> list[torch.Tensor]:
+    return [t for t in (lin.weight, lin.bias) if t is not None]
+
+
+def _mla(name: str, attn: nn.Module) -> _Layer | None:
+    """Multi-head latent attention (DeepSeek's, transformers' names): Kimi K2's rule for it
+    scales each head's unshared parts, q's no-rope rows by eta^alpha and its rope rows by
+    eta, the kv up-projection's k rows by eta^(1 - alpha); the shared rope key stays."""
+    q = getattr(attn, "q_b_proj", None) or getattr(attn, "q_proj", None)
+    kv = getattr(attn, "kv_b_proj", None)
+    heads = getattr(attn, "num_heads", None)
+    nope, rope, v = (getattr(attn, a, None) for a in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+    if not (isinstance(q, nn.Linear) and isinstance(kv, nn.Linear) and heads and nope and rope and v):
+        return None
+    return _Layer(name, heads, heads, [
+        _Rows(_params(q), 0, nope + rope, heads, [(0, nope, "q", "alpha"), (nope, rope, "q", "1")]),
+        _Rows(_params(kv), 0, nope + v, heads, [(0, nope, "q", "1-alpha")])])
 
 
 def _layer(name: str, attn: nn.Module) -> _Layer | None:
     """The q/k layout of an attention module (transformers', torchtitan's, this library's
-    GPT's names, GQA and a fused qkv included), None if it is not one."""
+    GPT's names, GQA, a fused qkv and MLA included), None if it is not one."""
+    mla = _mla(name, attn)
+    if mla is not None:
+        return mla
     hd = getattr(attn, "head_dim", None)
     for q, k in (("q_proj", "k_proj"), ("wq", "wk"), ("q", "k")):
-        if isinstance(getattr(attn, q, None), nn.Linear) and isinstance(getattr(attn, k, None), nn.Linear):
-            rows_q, rows_k = getattr(attn, q).out_features, getattr(attn, k).out_features
+        lq, lk = getattr(attn, q, None), getattr(attn, k, None)
+        if isinstance(lq, nn.Linear) and isinstance(lk, nn.Linear):
             heads = getattr(attn, "n_heads", None) or getattr(attn, "num_heads", None)
-            hd = hd or (rows_q // heads if heads else None)
+            hd = hd or (lq.out_features // heads if heads else None)
             if not hd:
                 return None
-            return _Layer(name, rows_q // hd, rows_k // hd, hd, _pieces(attn, q), _pieces(attn, k))
+            h, g = lq.out_features // hd, lk.out_features // hd
+            return _Layer(name, h, g, [_Rows(_params(lq), 0, hd, h, [(0, hd, "q", "alpha")]),
+                                       _Rows(_params(lk), 0, hd, g, [(0, hd, "k", "1-alpha")])])
     fused = getattr(attn, "qkv", None)
     heads = getattr(attn, "n_heads", None)
     if isinstance(fused, nn.Linear) and heads:
-        kv = getattr(attn, "n_kv_heads", heads)
-        hd = hd or (fused.out_features // (heads + 2 * kv))
-        return _Layer(name, heads, kv, hd, _pieces(attn, "qkv"), _pieces(attn, "qkv", heads * hd))
+        g = getattr(attn, "n_kv_heads", heads)
+        hd = hd or (fused.out_features // (heads + 2 * g))
+        return _Layer(name, heads, g, [
+            _Rows(_params(fused), 0, hd, heads, [(0, hd, "q", "alpha")]),
+            _Rows(_params(fused), heads * hd, hd, g, [(0, hd, "k", "1-alpha")])])
     return None
 
 
@@ -186,11 +231,10 @@ class QKClip:
             if bool((eta >= 1.0).all()):
                 continue
             eta_k = eta.view(layer.kv_heads, -1).amin(1)  # a shared k head: its q heads' max
-            rows_q = (eta ** self.alpha).repeat_interleave(layer.head_dim)
-            rows_k = (eta_k ** (1.0 - self.alpha)).repeat_interleave(layer.head_dim)
-            for pieces, rows in ((layer.q, rows_q), (layer.k, rows_k)):
-                for p, row0 in pieces:
-                    _scale_rows(p, row0, rows)
+            for rows in layer.rows:
+                factors = rows.factors(eta, eta_k, self.alpha)
+                for p in rows.params:
+                    _scale_rows(p, rows.row0, factors)
 
 
 def _scale_rows(p: torch.Tensor, row0: int, factors: torch.Tensor) -> None:
@@ -206,7 +250,7 @@ def _scale_rows(p: torch.Tensor, row0: int, factors: torch.Tensor) -> None:
     lo, hi = max(start, row0), min(stop, row0 + len(factors))
     if lo >= hi:
         return
-    f = factors[lo - row0:hi - row0].to(p.dtype)
+    f = factors[lo - row0:hi - row0].to(device=p.device, dtype=p.dtype)
     p[lo - start:hi - start].mul_(f.view(-1, *[1] * (p.dim() - 1)))
 
 
