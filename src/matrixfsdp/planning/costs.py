@@ -34,11 +34,9 @@ other unit (the one computing and the one prefetched); activations are not model
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .planner import make_plan
 from .types import Placement, Plan
 
 
@@ -272,45 +270,3 @@ def plan_costs(plan: Plan, gather_itemsize: int | None = None) -> PlanCosts:
                      Spread.of(optim), Spread.of(state), _gather_buffers(plan, gather_itemsize),
                      Spread.of(plan.rank_cost), plan.lower_bound,
                      step_bytes(plan, gather_itemsize), bare)
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)}, reverse=True)
-
-
-def _costs_at(plan: Plan, S: int, gather_itemsize: int | None) -> tuple[Plan, PlanCosts]:
-    """``plan``'s model and world size planned with shard size ``S``, and its costs."""
-    if S != plan.shard_size:
-        plan = make_plan([pl.spec for pl in plan.placements.values()], plan.world_size,
-                         plan.unit_names, plan.ns_steps, S)
-    return plan, plan_costs(plan, gather_itemsize)
-
-
-def recommend_shard_size(plan: Plan, max_ratio: float = 1.10,
-                         gather_itemsize: int | None = None) -> tuple[Plan, PlanCosts] | None:
-    """The HSDP shard size to use for ``plan``'s model and world size: the largest (least
-    memory per rank) whose model state per rank stays within ``max_ratio`` x the mean with
-    every shard rank holding Muon matrices; its plan and costs. The world size itself
-    (no replicas) counts. None when no divisor of the world size qualifies."""
-    items = sum(pl.spec.matrices for pl in plan.placements.values())
-    for S in _divisors(plan.world_size):
-        if S > items:
-            continue  # some shard rank would hold no matrix
-        candidate, costs = _costs_at(plan, S, gather_itemsize)
-        if costs.state.ratio <= max_ratio and costs.bare_shard_ranks == 0:
-            return candidate, costs
-    return None
-
-
-def smallest_fitting_shard_size(plan: Plan, device_memory: float, at_least: int = 1,
-                                gather_itemsize: int | None = None
-                                ) -> tuple[Plan, PlanCosts] | None:
-    """The smallest shard size from ``at_least`` on (the best balanced, since memory per
-    rank falls as the shard grows) whose largest rank's peak fits ``device_memory``."""
-    for S in reversed(_divisors(plan.world_size)):
-        if S >= at_least:
-            candidate, costs = _costs_at(plan, S, gather_itemsize)
-            if costs.peak <= device_memory:
-                return candidate, costs
-    return None

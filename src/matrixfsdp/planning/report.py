@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .costs import PlanCosts, Spread
 from .types import Plan
 
 
@@ -120,69 +119,3 @@ def format_report(plan: Plan, max_rows: int = 32) -> str:
     head = _head(plan, c)
     n_cols = head[2].count(" | ")
     return "\n".join(head + _rows(plan, c, max_rows, n_cols) + _summary(plan))
-
-
-def _spread_row(label: str, s: Spread, unit: float = 0.0) -> str:
-    cell = (lambda v: f"{v / unit:.2f}") if unit else fmt_bytes
-    return f"| {label} | {cell(s.max)} | {cell(s.mean)} | {s.ratio:.3f} |"
-
-
-def _verdict(c: PlanCosts, device_memory: float) -> str:
-    fits = "fits" if c.peak <= device_memory else "**does not fit**"
-    return (f"the largest rank needs {fmt_bytes(c.peak)} (model state "
-            f"{fmt_bytes(c.state.max)} + gather buffers {fmt_bytes(c.buffers)}; activations "
-            f"not counted): {fits} in {fmt_bytes(device_memory)}")
-
-
-def _layout(c: PlanCosts) -> str:
-    return (f"{c.replicas} replicas x {c.shard_size} shard ranks" if c.replicas > 1
-            else f"1-D over {c.world_size} ranks")
-
-
-def format_costs(c: PlanCosts, device_memory: float, dtypes: str) -> str:
-    """Per rank, largest and mean: memory, NS FLOPs; bytes per step against FSDP2's; and
-    whether the largest rank fits ``device_memory`` (``dtypes`` says what moves in what)."""
-    P = c.shard_size
-    floor = f"{P / (P - 1):.4f}" if P > 1 else "1"
-    rep = (f"; replicate dim: {fmt_bytes(c.step.ours_replicate)} vs FSDP2 HSDP's "
-           f"{fmt_bytes(c.step.fsdp2_replicate)} (issued for all units at once: the busiest "
-           f"shard rank's {fmt_bytes(c.step.replicate_busiest)})") if c.replicas > 1 else ""
-    return "\n".join([
-        f"Costs per rank ({_layout(c)}; {dtypes}; optimizer state: Muon momentum on owned "
-        "matrices and experts, AdamW exp_avg + exp_avg_sq on rows):",
-        "", "| per rank | max | mean | max/mean |", "|---|---:|---:|---:|",
-        _spread_row("parameters", c.params), _spread_row("gradients", c.grads),
-        _spread_row("optimizer state", c.optim), _spread_row("model state (sum)", c.state),
-        _spread_row("NS GFLOP per step", c.ns, 1e9), "",
-        f"NS per step: max {c.ns.max / 1e9:.2f} GFLOP against the bound max(largest matrix, "
-        f"total / world) = {c.ns_bound / 1e9:.2f} GFLOP "
-        f"({c.ns.max / c.ns_bound if c.ns_bound else 1.0:.3f}x the bound)",
-        f"Bytes per training step, per direction (forward and backward gathers, gradient "
-        f"reduce{', replicate dim' if c.replicas > 1 else ''}): critical path "
-        f"{fmt_bytes(c.step.ours)} (mean rank {fmt_bytes(c.step.ours_mean)}) against FSDP2's "
-        f"{fmt_bytes(c.step.fsdp2)}: **{c.step.ratio:.3f}x** (the owner layout's floor at "
-        f"{P} shard ranks: P/(P-1) = {floor}){rep}",
-        f"Shard ranks holding no Muon matrix: {c.bare_shard_ranks} of {P}",
-        f"Device memory: {_verdict(c, device_memory)}",
-    ])
-
-
-def format_recommendation(rec: tuple[Plan, PlanCosts] | None,
-                          fit: tuple[Plan, PlanCosts] | None, device_memory: float,
-                          max_ratio: float = 1.10) -> str:
-    """The recommended shard size (from :func:`~matrixfsdp.planning.costs.recommend_shard_size`) and,
-    where it does not fit, the smallest that does."""
-    if rec is None:
-        return (f"Recommended shard size: none keeps model state max/mean <= {max_ratio:.2f} "
-                "with every shard rank holding Muon matrices")
-    c = rec[1]
-    text = (f"Recommended shard size: **{c.shard_size}** ({_layout(c)}): the largest with model "
-            f"state max/mean {c.state.ratio:.3f} <= {max_ratio:.2f} and every shard rank "
-            f"holding Muon matrices; bytes per step {c.step.ratio:.3f}x FSDP2's; "
-            f"{_verdict(c, device_memory)}")
-    if c.peak > device_memory:
-        text += ("\nNo balanced shard size fits; " + (
-            f"the smallest that fits is {fit[1].shard_size} ({_layout(fit[1])}, model state "
-            f"max/mean {fit[1].state.ratio:.3f}, largest rank {fmt_bytes(fit[1].peak)})"
-            if fit else "no shard size fits at this world size"))
-    return text
