@@ -51,9 +51,9 @@ def _is_muon(name: str, p: torch.Tensor) -> bool:
     return name.startswith("layers.") and p.dim() == 2
 
 
-def _data(steps: int = STEPS) -> list[torch.Tensor]:
+def _data(steps: int = STEPS, dp: int = DP) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (DP * PER, SEQ + 1), generator=g) for _ in range(steps)]
+    return [torch.randint(0, VOCAB, (dp * PER, SEQ + 1), generator=g) for _ in range(steps)]
 
 
 def _reference(data, model=None) -> dict[str, torch.Tensor]:
@@ -85,7 +85,8 @@ class _Run:
 
     def __init__(self, mesh, name: str, n_mb: int, *, scale_grads: bool = True,
                  reshard_after_forward: bool | None = None, stage_cls=None, seed: int = 0,
-                 per_part_optimizers: bool = False, unused: bool = True, tp_plan=None):
+                 per_part_optimizers: bool = False, unused: bool = True, tp_plan=None,
+                 dp_dims: tuple[str, ...] = ("dp",)):
         cls, per_rank, v_shape = SCHEDULES[name]
         pp = mesh["pp"].size()
         self.mesh, self.n_stages = mesh, pp * per_rank
@@ -100,8 +101,9 @@ class _Run:
             if tp_plan is not None:
                 tp_plan(m, mesh["tp"])
             for block in m.layers.values():
-                mf.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
-            mf.fully_shard(m, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
+                mf.fully_shard(block, mesh=mesh[dp_dims], reshard_after_forward=reshard_after_forward)
+            mf.fully_shard(m, mesh=mesh[dp_dims], reshard_after_forward=reshard_after_forward)
+        self.dp_mesh = mesh[dp_dims]
         stage_cls = stage_cls or mf.pipelining.PipelineStage
         stages = [stage_cls(m, s, self.n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
                   for m, s in zip(self.modules, self.ids)]
@@ -115,7 +117,8 @@ class _Run:
                             loss_fn=lf, scale_grads=scale_grads)
 
     def step(self, x: torch.Tensor) -> None:
-        dp = self.mesh["dp"].get_local_rank()
+        coord = self.dp_mesh.get_coordinate()  # this rank's rows: its place in the dp dims
+        dp = coord[0] * self.dp_mesh.shape[1] + coord[1] if len(coord) == 2 else coord[0]
         x = x[dp * PER:(dp + 1) * PER]
         args = (x[:, :-1],) if 0 in self.ids else ()
         kwargs = dict(target=x[:, 1:], losses=[]) if self.n_stages - 1 in self.ids else {}
@@ -297,3 +300,19 @@ def test_pipeline_with_tensor_parallelism_matches_one_process():
     sharded over dp; 1F1B and ZBVZeroBubble (split backward) within the parity bound of one
     process, gradients clipped over the whole model."""
     spawn(_pp_tp, 8)
+
+
+def _pp_hsdp(rank, world):
+    mesh = init_device_mesh("cpu", (PP, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    data = _data(dp=4)
+    ref = _reference(data)
+    run = _Run(mesh, "Interleaved1F1B", 4, dp_dims=("dp_replicate", "dp_shard"))
+    for x in data:
+        run.step(x)
+    run.check(ref, "pp x HSDP ")
+
+
+def test_pipeline_with_hsdp_matches_one_process():
+    """8 ranks, (pp 2, dp_replicate 2, dp_shard 2): each stage under HSDP on its 2-D slice,
+    Interleaved1F1B within the parity bound of one process on the whole batch."""
+    spawn(_pp_hsdp, 8)
