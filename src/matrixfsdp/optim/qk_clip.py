@@ -198,9 +198,10 @@ class QKClip:
                 *, causal: bool = True, mask: torch.Tensor | None = None) -> None:
         """From ``attn``'s forward: its q ``(B, H, T, d)`` and k ``(B, G, S, d)`` as the
         softmax sees them (after rotary embedding and any q/k norm). Starts the all-reduce
-        (MAX) of the per-head maxima over the data-parallel ranks. Skipped in eval mode and
-        when activation checkpointing recomputes the forward inside backward."""
-        if not attn.training or torch._C._current_graph_task_id() != -1:
+        (MAX) of the per-head maxima over the data-parallel ranks. Skipped in eval mode,
+        without grad (a validation forward), and when activation checkpointing recomputes the
+        forward inside backward."""
+        if not attn.training or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return
         layer = self.layers[id(attn)]
         m = max_logits(q.detach(), k.detach(), scale, causal=causal, mask=mask)
