@@ -39,10 +39,10 @@ COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
 STEP_MARK = "matrixfsdp_test.optimizer_step"
 
 
-def _groups(model, muon_kw, adamw_kw, ns_dtype):
+def _groups(model, muon_kw, adamw_kw, ns_dtype, **options):
     adamw = {f"adamw_{k}": v for k, v in adamw_kw.items() if k != "lr"}
     return mf.muon_param_groups(model, **muon_kw, ns_dtype=ns_dtype, adamw_lr=adamw_kw["lr"],
-                                **adamw)
+                                **adamw, **options)
 
 
 def _count_collectives(events) -> tuple[int, int]:

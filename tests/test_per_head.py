@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from _dist import spawn
 from reference import is_muon_name, reference_ns_fp32
-from test_parity import ADAMW, MUON
+from test_parity import ADAMW, MUON, _groups
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from tp_models import VOCAB, apply_tp, build_llama
@@ -83,9 +83,7 @@ def _reference(model: nn.Module, data, blocks: dict[str, int], *, after_step=Non
 
 
 def _train(model, data, per_head):
-    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
-                                       **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"},
-                                       per_head=per_head))
+    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32, per_head=per_head))
     for x in data:
         _loss(model, x).backward()
         opt.step()
@@ -97,19 +95,22 @@ def _max_diff(a, b) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
+def _sharded_gpt(mesh_shape):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    return mf.fully_shard(model, mesh=mesh)
+
+
 def _gpt(rank, world, mesh_shape):
     data = _data()
     torch.manual_seed(0)
     plain = GPT(CFG)
     assert head_blocks(plain) == _gpt_blocks()  # found by name and head_dim, GQA included
     ref = _reference(plain, data, _gpt_blocks())
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    mesh = init_device_mesh("cpu", mesh_shape)
-    for block in model.layers:
-        mf.fully_shard(block, mesh=mesh)
-    mf.fully_shard(model, mesh=mesh)
-    ours, opt = _train(model, data, True)
+    ours, opt = _train(_sharded_gpt(mesh_shape), data, True)
     assert [g["num_heads"] for g in opt.param_groups if g["use_muon"]] == [None, 4, 2]
     assert _max_diff(ours, ref) < TOL, _max_diff(ours, ref)
     # the blocks matter: whole-matrix Muon lands elsewhere
@@ -146,12 +147,7 @@ def test_per_head_under_tensor_parallelism():
 
 
 def _bad_heads(rank, world):
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.layers:
-        mf.fully_shard(block, mesh=mesh)
-    mf.fully_shard(model, mesh=mesh)
+    model = _sharded_gpt((world,))
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.q\.weight.*num_heads=3"):
         mf.Muon(mf.muon_param_groups(model, per_head={"layers.0.attn.q.weight": 3}))
     with pytest.raises(ValueError, match=r"per_head names \['embed\.weight'\].*no Muon"):
@@ -170,16 +166,8 @@ def _resharded(rank, world, ckpt):
     ref = _reference(GPT(CFG), data, _gpt_blocks())
 
     def build(mesh_shape):
-        torch.manual_seed(0)
-        model = GPT(CFG)
-        mesh = init_device_mesh("cpu", mesh_shape)
-        for block in model.layers:
-            mf.fully_shard(block, mesh=mesh)
-        mf.fully_shard(model, mesh=mesh)
-        opt = mf.Muon(mf.muon_param_groups(
-            model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
-            **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}, per_head=True))
-        return model, opt
+        model = _sharded_gpt(mesh_shape)
+        return model, mf.Muon(_groups(model, MUON, ADAMW, torch.float32, per_head=True))
 
     def train(model, opt, batches):
         for x in batches:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from _dist import spawn
 from reference import PARITY_TOL, assert_params_close, is_muon_name, reference_ns_fp32
-from test_parity import ADAMW, MUON, STEP_MARK, _count_collectives
+from test_parity import ADAMW, MUON, STEP_MARK, _count_collectives, _groups
 from torch.distributed.device_mesh import init_device_mesh
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -99,8 +99,7 @@ def _ours(rank, world, mesh_shape):
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh)
-    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
-                                       **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}))
+    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
     clip = mf.QKClip(model, tau=TAU, alpha=ALPHA, optimizer=opt)
     per = GLOBAL // world
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -157,11 +156,10 @@ BLOCKS = {f"model.layers.{i}.self_attn.{w}_proj.weight": h for i in range(2)
           for w, h in (("q", 4), ("k", 2), ("v", 2))}
 
 
-def _qwen_reference(data):
-    """One process: torch.optim.Muon on every head block of q/k/v as its own parameter, the
-    rest whole, AdamW elsewhere; logits from the full score matrix (transformers' q and k,
-    after rotary, through an attention function of this test's own), the rule by hand."""
-    from test_per_head import _reference as per_head_reference
+def _full_logits_attention(name: str, model) -> dict:
+    """Switch transformers ``model`` to an attention function of this test's own that
+    records each call's largest logit per q head from the full score matrix (transformers'
+    q and k after rotary, k heads repeated for GQA), then runs SDPA; returns the record."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -175,10 +173,43 @@ def _qwen_reference(data):
         seen[module] = s.amax(dim=(0, 2, 3)).detach()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-    AttentionInterface.register("test_full_logits", attention)
-    AttentionMaskInterface.register("test_full_logits", sdpa_mask)
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
+    return seen
+
+
+def _hf_reference(model, data, blocks, after_step):
+    """One process: torch.optim.Muon (per head block where ``blocks`` says) + AdamW."""
+    from test_per_head import _reference
+    return _reference(model, data, blocks, after_step=after_step,
+                      loss=lambda m, x: m(input_ids=x, labels=x).loss)
+
+
+def _hf_ours(rank, world, model, ref, tau, **options):
+    """``model`` sharded at ``world`` ranks with mf.Muon and QKClip over the same data as
+    the reference; some heads (not all) clipped at the first step; within PARITY_TOL."""
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(0, 64, (4, 16), generator=g) for _ in range(STEPS)]
+    mf.shard_model(model, mesh=init_device_mesh("cpu", (world,)))
+    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32, **options))
+    clip = mf.QKClip(model, tau=tau, alpha=ALPHA, optimizer=opt)
+    over = []
+    for x in data:
+        model(input_ids=x[rank * 2:(rank + 1) * 2], labels=x[rank * 2:(rank + 1) * 2]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        over.append(sum(int((s > tau).sum()) for s in clip.last_max.values()))
+    assert 0 < over[0] < 8, over  # some heads clipped at the first step, not all
+    assert_params_close(mf.full_state_dict(model), ref(data), tol=PARITY_TOL,
+                        what=f"{type(model).__name__} ")
+
+
+def _qwen_reference(data):
+    """torch.optim.Muon on every head block of q/k/v as its own parameter, the rest whole,
+    AdamW elsewhere; the rule by hand on the full score matrix's maxima."""
     model = _qwen()
-    model.set_attn_implementation("test_full_logits")
+    seen = _full_logits_attention("test_full_logits", model)
 
     def after_step():
         with torch.no_grad():
@@ -189,28 +220,11 @@ def _qwen_reference(data):
                 for proj, f in ((attn.q_proj, fq), (attn.k_proj, fk)):
                     proj.weight.mul_(f[:, None])
                     proj.bias.mul_(f)
-    return per_head_reference(model, data, BLOCKS, after_step=after_step,
-                              loss=lambda m, x: m(input_ids=x, labels=x).loss)
+    return _hf_reference(model, data, BLOCKS, after_step)
 
 
 def _qwen_ours(rank, world):
-    g = torch.Generator().manual_seed(5)
-    data = [torch.randint(0, 64, (4, 16), generator=g) for _ in range(STEPS)]
-    ref = _qwen_reference(data)
-    model = _qwen()
-    mf.shard_model(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
-                                       **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"},
-                                       per_head=True))
-    clip = mf.QKClip(model, tau=QWEN_TAU, alpha=ALPHA, optimizer=opt)
-    over = []
-    for x in data:
-        model(input_ids=x[rank * 2:(rank + 1) * 2], labels=x[rank * 2:(rank + 1) * 2]).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        over.append(sum(int((s > QWEN_TAU).sum()) for s in clip.last_max.values()))
-    assert 0 < over[0] < 8, over  # some heads clipped at the first step, not all
-    assert_params_close(mf.full_state_dict(model), ref, tol=PARITY_TOL, what="qwen2 ")
+    _hf_ours(rank, world, _qwen(), _qwen_reference, QWEN_TAU, per_head=True)
 
 
 def test_transformers_qwen2_per_head_with_qk_clip():
@@ -241,25 +255,10 @@ MLA_SCALE, MLA_TAU = 12.0, 2.4  # logits 1.8-3.3 at init: 2 of 8 heads over tau
 
 
 def _mla_reference(data):
-    """One process, whole matrices: torch.optim.Muon + AdamW, logits from the full score
-    matrix of transformers' q and k (rope part included), Kimi K2's MLA rule by hand."""
-    from test_per_head import _reference as muon_reference
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    seen = {}
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        s = query @ key.transpose(-1, -2) * kwargs["scaling"]
-        T = s.shape[-1]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
-        seen[module] = s.amax(dim=(0, 2, 3)).detach()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-
-    AttentionInterface.register("test_mla_logits", attention)
-    AttentionMaskInterface.register("test_mla_logits", sdpa_mask)
+    """Whole matrices: torch.optim.Muon + AdamW; Kimi K2's MLA rule by hand on the full
+    score matrix's maxima (rope part included)."""
     model = _deepseek()
-    model.set_attn_implementation("test_mla_logits")
+    seen = _full_logits_attention("test_mla_logits", model)
     nope, rope, v = 8, 4, 8
 
     def after_step():
@@ -271,27 +270,11 @@ def _mla_reference(data):
                 q[:, nope:] *= eta
                 kv = attn.kv_b_proj.weight.view(4, nope + v, -1)
                 kv[:, :nope] *= eta ** (1 - ALPHA)
-    return muon_reference(model, data, {}, after_step=after_step,
-                          loss=lambda m, x: m(input_ids=x, labels=x).loss)
+    return _hf_reference(model, data, {}, after_step)
 
 
 def _mla_ours(rank, world):
-    g = torch.Generator().manual_seed(5)
-    data = [torch.randint(0, 64, (4, 16), generator=g) for _ in range(STEPS)]
-    ref = _mla_reference(data)
-    model = _deepseek()
-    mf.shard_model(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
-                                       **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}))
-    clip = mf.QKClip(model, tau=MLA_TAU, alpha=ALPHA, optimizer=opt)
-    over = []
-    for x in data:
-        model(input_ids=x[rank * 2:(rank + 1) * 2], labels=x[rank * 2:(rank + 1) * 2]).loss.backward()
-        opt.step()
-        opt.zero_grad()
-        over.append(sum(int((s > MLA_TAU).sum()) for s in clip.last_max.values()))
-    assert 0 < over[0] < 8, over  # some heads clipped at the first step, not all
-    assert_params_close(mf.full_state_dict(model), ref, tol=PARITY_TOL, what="deepseek-v3 MLA ")
+    _hf_ours(rank, world, _deepseek(), _mla_reference, MLA_TAU)
 
 
 def test_transformers_deepseek_v3_mla_qk_clip():
