@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from _dist import spawn
 from reference import PARITY_TOL, batches, build_model, is_muon_name, linear_decay, reference_ns_fp32
-from test_checkpoint import ADAMW, GLOBAL, MUON, SEQ, _build, _train
+from test_checkpoint import ADAMW, GLOBAL, MUON, SEQ, _build, _reference, _train
 from test_parity import ODD
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -248,32 +248,6 @@ def ran(tmp_path_factory):
 
 
 # ---- one process: torch.optim.Muon + AdamW, and AdamW alone ----------------------------------------
-def _reference(snapshot_after):
-    """torch.optim.Muon (fp32 NS) + AdamW on one process: the parameters, and each
-    parameter's state by name, after each step count in ``snapshot_after``."""
-    model = build_model("gpt", GPTConfig(**ODD))
-    named = list(model.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if is_muon_name(n, p)], **MUON)
-    adamw = torch.optim.AdamW([p for n, p in named if not is_muon_name(n, p)], **ADAMW)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, linear_decay) for o in (muon, adamw)]
-    snaps = {}
-    with reference_ns_fp32():
-        for i, x in enumerate(batches(STEPS + 1, 1, GLOBAL, SEQ)[:max(snapshot_after)]):
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            for o in (muon, adamw):
-                o.step()
-                o.zero_grad()
-            for s in scheds:
-                s.step()
-            if i + 1 in snapshot_after:
-                snaps[i + 1] = dict(
-                    model={n: p.detach().clone() for n, p in named},
-                    state={n: {k: v.clone() for k, v in o.state[p].items()} for n, p in named
-                           for o in (muon, adamw) if p in o.state},
-                    lr=[muon.param_groups[0]["lr"], adamw.param_groups[0]["lr"]])
-    return snaps
-
-
 def _adamw_reference(steps):
     model = build_model("gpt", GPTConfig(**ODD))
     opt = torch.optim.AdamW(model.parameters(), foreach=False, **TITAN_ADAMW)
