@@ -366,6 +366,11 @@ def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Any) -> N
     before it moves anything, by the step pre-hook of ``root`` (the root of its first sharded
     parameter). That one step issues the check's small gather; ``check_optimizer`` after
     construction moves it out of the step."""
-    if optimizer not in _CHECKED and _root_of_optimizer(optimizer) is root:
+    if optimizer in _CHECKED:
+        return
+    found = _root_of_optimizer(optimizer)
+    if found is None:
+        _CHECKED.add(optimizer)  # over no sharded parameter: nothing to compare, ever
+    elif found is root:
         check_same_optimizer(optimizer, root=root)
 

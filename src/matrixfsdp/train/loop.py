@@ -252,7 +252,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     if norm is not None:
         hist.norms.append(norm.item())
     if run.qk_clip is not None and run.qk_clip.last_max:
-        hist.max_logits.append(max(s.max().item() for s in run.qk_clip.last_max.values()))
+        hist.max_logits.append(torch.cat(list(run.qk_clip.last_max.values())).max().item())
     hist.step_bytes.append(sum(run.stats.payload_bytes.values()))
     hist.step_calls = dict(run.stats.calls)
     hist.step_ms.append((t2 - t1) * 1e3)
