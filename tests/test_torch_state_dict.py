@@ -370,3 +370,35 @@ def test_init_step_of_torch_helpers_is_exact(world1):
     for n, st in ref["state"].items():
         assert ours["state"][n].keys() == st.keys(), n
         assert all(torch.equal(ours["state"][n][k], v) for k, v in st.items()), n
+
+
+class _OneMatrix(torch.nn.Module):
+    """A block with one Muon matrix: at 2 ranks one rank owns every matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8, bias=False)])
+
+    def forward(self, x):
+        return self.layers[0](self.emb(x))
+
+
+def _one_owner(rank, world):
+    torch.manual_seed(0)
+    model = _OneMatrix()
+    mesh = init_device_mesh("cpu", (world,))
+    mf.fully_shard(model.layers[0], mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    kinds = {type(v["exp_avg"]) for v in opt.state_dict()["state"].values()}
+    assert kinds == {RowShard}, (rank, kinds)
+
+
+def test_optimizer_state_is_row_shards_on_every_rank_when_one_rank_owns_every_matrix():
+    """(before: the rank owning the one matrix took torch's AdamW over model.parameters() for
+    an optimizer on mf.matrix_params and gave its local rows as plain tensors under the full
+    names, while its peer gave RowShards)"""
+    spawn(_one_owner, 2)

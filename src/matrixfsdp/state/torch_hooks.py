@@ -163,13 +163,14 @@ def install_optimizer_hooks(opt: torch.optim.Optimizer) -> None:
 
 
 def _per_rank(opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> bool:
-    """Built on ``matrix_params``: a placeholder, or Muon matrices that are all this rank's
-    (an optimizer over the model's parameters holds the others' empty too)."""
+    """Built on ``matrix_params``: a placeholder, or only Muon matrices, all this rank's (an
+    optimizer over the model's parameters holds row shards too, and the others' matrices
+    empty; a rank that owns every matrix must not decide otherwise than its peers)."""
     if any(is_placeholder(p) for p in params):
         return True
     mats = [p for p in params if getattr(placement_of(p), "owner", None) is not None]
-    return not isinstance(opt, Muon) and bool(mats) and all(p.numel() for p in mats) and \
-        sharded_param(mats[0]).unit.domain.size > 1
+    return not isinstance(opt, Muon) and bool(mats) and len(mats) == len(params) and \
+        all(p.numel() for p in mats) and sharded_param(mats[0]).unit.domain.size > 1
 
 
 def _numbered(opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, dict]]:
