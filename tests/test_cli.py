@@ -148,6 +148,7 @@ def test_timeout_reaches_the_process_group_in_both_launch_paths(monkeypatch):
     monkeypatch.setattr(ranks.dist, "destroy_process_group", lambda: None)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     monkeypatch.setattr(ranks, "die_with_parent", lambda parent: None)  # the ranks run in this process
+    monkeypatch.setattr(ranks.FromLauncher, "adopt", lambda self: None)
 
     class Finished(Exception):
         pass

@@ -50,8 +50,19 @@ def _session(sid: int) -> dict[int, str]:
     return found
 
 
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def _ranks(sid: int) -> list[int]:
-    return sorted(pid for pid, cmd in _session(sid).items() if "spawn_main" in cmd)
+    """The rank processes of launcher ``sid``: the children of its fork server."""
+    procs = _session(sid)
+    servers = {pid for pid, cmd in procs.items() if "forkserver" in cmd and _ppid(pid) == sid}
+    return sorted(pid for pid in procs if _ppid(pid) in servers)
 
 
 def _ignore_sigint() -> None:

@@ -20,7 +20,7 @@ import time
 
 import pytest
 from _cli import run_cli
-from test_cli_launch import _alive
+from test_cli_launch import _alive, _ranks
 
 from matrixfsdp.state.files import is_complete
 from matrixfsdp.state.integrity import verify_checkpoint
@@ -48,22 +48,6 @@ def _kill(*procs: subprocess.Popen) -> None:
             os.killpg(p.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def _ranks(sid: int) -> list[int]:
-    """The live rank processes of session ``sid`` (a launcher started in a session of its own)."""
-    found = []
-    for d in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{d}/cmdline") as f:
-                cmd = f.read()
-        except (OSError, IndexError):
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z" and "spawn_main" in cmd:
-            found.append(int(d))
-    return sorted(found)
 
 
 def _refusal(err: str, out, holder_pid: int) -> str:

@@ -1,6 +1,6 @@
 """``matrixfsdp bench``: MatrixFSDP against FSDP2 + peer Muon optimizers, side by side.
 
-One invocation launches ``world_size`` local ranks (``torch.multiprocessing`` spawn,
+One invocation launches ``world_size`` local ranks (forked from a preloaded server,
 ``file://`` rendezvous; gloo on CPU, NCCL with one GPU per rank when CUDA is available)
 and runs every selected system, one after the other inside the same ranks, on the same
 model (same seed), the same per-rank token batches, the same world size and the same
@@ -147,9 +147,9 @@ import time
 from dataclasses import asdict
 
 import torch
-import torch.multiprocessing as mp
 
 from ..train.launch import positive_float
+from ..train.rank_process import ranks_started
 from .config import (
     EXACT_BOUND,
     HSDP_SYSTEMS,
@@ -163,6 +163,12 @@ from .link import main as link_main
 from .report import write_results
 from .run import rank_main
 from .tp import main as tp_main
+
+
+def _rank(rank: int, from_launcher, cfg: BenchConfig, init_file: str, result_file: str) -> None:
+    """One bench rank, forked from the preloaded server (:mod:`..train.rank_process`)."""
+    from_launcher.adopt()
+    rank_main(rank, cfg, init_file, result_file)
 
 
 def parse_args(argv: list[str] | None) -> BenchConfig:
@@ -243,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="matrixfsdp_bench_") as tmp:
         result_file = os.path.join(tmp, "systems.json")
         try:
-            mp.start_processes(rank_main, args=(cfg, os.path.join(tmp, "init"), result_file),
-                               nprocs=cfg.world_size, join=True, start_method="spawn")
+            with ranks_started(_rank, (cfg, os.path.join(tmp, "init"), result_file),
+                               cfg.world_size) as ranks:
+                while not ranks.join():
+                    pass
         except Exception as e:  # a rank died outside the per-system error handling
             print(f"matrixfsdp bench: a rank failed: {e}", file=sys.stderr)
             return 1

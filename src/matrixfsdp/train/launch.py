@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ..state.integrity import CheckpointError
 from .exit import exit_rank
 from .nonfinite import NonFiniteError
+from .rank_process import FromLauncher, ranks_started
 
 DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of `train`, spawned and under torchrun alike
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to end before SIGKILL
@@ -167,11 +168,12 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _spawned(rank: int, fn, world_size: int, init_file: str, args, timeout_s: float,
-             launcher: int, held=None) -> None:
-    """One local rank. ``held``: kept for the process's life (the ``--out`` lock, whose file
-    descriptor the rank inherits: :mod:`matrixfsdp.train.outlock`)."""
-    die_with_parent(launcher)
+def _spawned(rank: int, from_launcher: FromLauncher, fn, world_size: int, init_file: str, args,
+             timeout_s: float, held=None) -> None:
+    """One local rank, forked from the preloaded server (:mod:`.rank_process`), which dies
+    with its launcher. ``held``: kept for the process's life (the ``--out`` lock, whose
+    file descriptor the rank inherits: :mod:`matrixfsdp.train.outlock`)."""
+    from_launcher.adopt()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -250,7 +252,8 @@ def launch(fn, args, world_size: int, timeout_s: float | None = None, held=None)
     ``args.timeout``, else :data:`DEFAULT_TIMEOUT_S`) is the process group's timeout in both
     cases: a collective waiting longer for a peer fails instead of hanging. A rank that
     raises ends the run at once, named first (:func:`run_rank`). Every rank dies with the
-    process that started it (:func:`die_with_parent`): this launcher, or torchrun's agent.
+    process that started it: this launcher (:mod:`.rank_process`), or torchrun's agent
+    (:func:`die_with_parent`).
     ``held`` goes to every local rank, which keeps it as long as it lives (the ``--out``
     lock of ``train``, so that the lock lasts as long as the last process of the run)."""
     if timeout_s is None:
@@ -271,9 +274,8 @@ def launch(fn, args, world_size: int, timeout_s: float | None = None, held=None)
         os.mkdir(reports)
         os.environ[REPORT_DIR_ENV] = reports  # inherited by the spawned ranks
         try:
-            ctx = torch.multiprocessing.start_processes(
-                _spawned, nprocs=world_size, join=False, start_method="spawn",
-                args=(fn, world_size, os.path.join(tmp, "init"), args, timeout_s, os.getpid(), held))
-            _join_ranks(ctx, f"matrixfsdp {getattr(args, 'cmd', None) or 'launch'}", reports)
+            with ranks_started(_spawned, (fn, world_size, os.path.join(tmp, "init"), args,
+                                          timeout_s, held), world_size) as ctx:
+                _join_ranks(ctx, f"matrixfsdp {getattr(args, 'cmd', None) or 'launch'}", reports)
         finally:
             os.environ.pop(REPORT_DIR_ENV, None)
