@@ -20,6 +20,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _cli import run_cli
 from _dist import spawn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -272,3 +273,47 @@ def test_a_rank_missing_at_a_checkpoint_save_is_named(tmp_path):
                          r"\(it hangs, .*\); rank 0 waited (\d+\.\d) s for it .*", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert sorted(os.listdir(tmp_path)) == ["rank0.txt", "rank1.txt"]  # no checkpoint directory
+
+
+def _write_hang(rank, world, tmp, async_save):
+    """Rank 1's storage hangs inside DCP's save (its write never returns until rank 0 has
+    given up); rank 0, done writing, waits in DCP's gather of the results (a 2 s group)."""
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        write = dcp.FileSystemWriter.write_data
+
+        def hung(self, plan, planner):
+            store.wait(["save-timed-out"], timedelta(seconds=60))
+            return write(self, plan, planner)
+        dcp.FileSystemWriter.write_data = hung
+    message = "no error"
+    try:
+        saved = mf.save_checkpoint({"x": torch.full((3,), float(rank))}, os.path.join(tmp, "step_1"),
+                                   process_group=group, async_save=async_save)
+        if async_save:
+            saved.result()
+    except CheckpointError as e:
+        message = str(e)
+    finally:
+        if rank == 0:
+            store.set("save-timed-out", "1")
+        else:
+            dcp.FileSystemWriter.write_data = write
+    with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_rank_whose_storage_hangs_inside_dcp_is_named(tmp_path, async_save):
+    """DCP's own gather, waiting for a rank whose write hangs, times out naming nobody; the
+    save names the rank whose write had not finished and the time waited, and commits nothing."""
+    spawn(_write_hang, 2, str(tmp_path), async_save, timeout=120)
+    message = (tmp_path / "rank0.txt").read_text()
+    found = re.fullmatch(
+        rf"matrixfsdp\.save_checkpoint: writing {re.escape(str(tmp_path / 'step_1'))} timed out: rank 1 "
+        r"did not finish writing its part of the checkpoint \(its storage hangs, or is slower than the "
+        r"process group's timeout of 2 s\); rank 0 waited (\d+\.\d) s for it after finishing its own; "
+        r"nothing was committed, no earlier checkpoint exists", message)
+    assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
+    assert not (tmp_path / "step_1").exists()

@@ -168,3 +168,49 @@ def explain(watch: Watch) -> str:
     if arrived:
         parts.append(f"{_ranks(arrived)} arrived and waited too")
     return "; ".join(parts)
+
+
+class Stage:
+    """A stretch of local work that runs between collectives someone else issues (each
+    rank's write of its files inside DCP's save, between DCP's planning and its gather of
+    the results), posted when it starts and when it ends on a watched gloo group. A peer
+    whose next collective times out then names the ranks still inside the stage
+    (:meth:`explain`), where the backend's error names none."""
+
+    def __init__(self, group: dist.ProcessGroup, kind: str):
+        g = _groups.get(group)
+        if g is None:
+            g = _groups[group] = _Group(group)
+        self.group, self.kind, self.left = g, kind, None
+        if g.watched:
+            g.count += 1  # every rank enters its stages in the same order as its collectives
+        self.index = g.count
+
+    def __enter__(self) -> Stage:
+        self._post(busy=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.left = time.monotonic()
+        self._post(busy=False)
+
+    def _post(self, busy: bool) -> None:
+        if self.group.watched:
+            self.group.post({"index": self.index, "kind": self.kind, "since": time.time(),
+                             "waiting": False, "busy": busy})
+
+    def explain(self) -> str | None:
+        """After this rank left the stage and a later collective timed out: the ranks still
+        inside it and the time this rank waited since leaving it; None if no rank is."""
+        g = self.group
+        if not g.watched or self.left is None:
+            return None
+        inside = [r for r in g.ranks if r != g.me and (seen := g.read(r)) is not None
+                  and seen.get("index") == self.index and seen.get("busy")]
+        if not inside:
+            return None
+        limit = f"the process group's timeout of {g.timeout:g} s" if g.timeout else "the timeout"
+        they = "their" if len(inside) > 1 else "its"
+        return (f"{_ranks(inside)} did not finish {self.kind} ({they} storage hangs, or is "
+                f"slower than {limit}); rank {g.me} waited {time.monotonic() - self.left:.1f} s "
+                "for it after finishing its own")

@@ -267,8 +267,9 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
             raise write_failure(e, tmp, latest_checkpoint(path.parent, warn=False)) from e
     _on_rank0(make_dir, process_group, f"creating {tmp}")
     if not async_save:
-        _write(lambda: dcp.save(state, checkpoint_id=str(tmp), process_group=process_group),
-               tmp, path, process_group)
+        writer = _Writer(tmp, process_group)
+        _write(lambda: dcp.save(state, storage_writer=writer, process_group=process_group),
+               tmp, path, process_group, writer)
         if before_commit is not None:
             before_commit()
         nbytes = _commit(tmp, path, process_group, t0, keep_last)
@@ -287,13 +288,13 @@ def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
     group = _save_group(process_group) if dist.is_initialized() else None
     # per_thread_copy_ahead=0: the staged tensors are on CPU already, and DCP's writer then
     # reads them directly instead of through an accelerator stream of the background thread.
-    written = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(tmp), per_thread_copy_ahead=0),
-                             process_group=group, async_stager=RowShardStager(),
-                             no_dist=not dist.is_initialized())
+    writer = _Writer(tmp, group, per_thread_copy_ahead=0)
+    written = dcp.async_save(state, storage_writer=writer, process_group=group,
+                             async_stager=RowShardStager(), no_dist=not dist.is_initialized())
     blocking = time.perf_counter() - t0
 
     def finish() -> SavedCheckpoint:
-        _write(written.result, tmp, path, group)
+        _write(written.result, tmp, path, group, writer)
         if before_commit is not None:
             before_commit()
         nbytes = _commit(tmp, path, group, t0, keep_last)
@@ -305,9 +306,27 @@ def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
     return pending
 
 
-def _write(write: Callable[[], Any], tmp: Path, path: Path, group) -> None:
+class _Writer(dcp.FileSystemWriter):
+    """DCP's file writer, this rank's write posted as an arrival stage on the save's group
+    (:class:`~matrixfsdp.runtime.arrival.Stage`): when a rank's storage hangs, the peers
+    whose DCP collective then times out name it (DCP's own error names no rank)."""
+
+    def __init__(self, path: Path, group, **kwargs):
+        super().__init__(str(path), **kwargs)
+        self.group, self.stage = group, None
+
+    def write_data(self, plan, planner):
+        if not dist.is_initialized():
+            return super().write_data(plan, planner)
+        group = self.group if self.group is not None else dist.group.WORLD
+        with arrival.Stage(group, "writing its part of the checkpoint") as self.stage:
+            return super().write_data(plan, planner)
+
+
+def _write(write: Callable[[], Any], tmp: Path, path: Path, group, writer: _Writer) -> None:
     """Run DCP's write; a failure on any rank (DCP raises it on every rank) becomes one
-    :class:`CheckpointError` line on every rank, the partial directory removed by rank 0."""
+    :class:`CheckpointError` line on every rank, the partial directory removed by rank 0;
+    a timeout names the ranks whose write had not finished."""
     try:
         write()
     except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -316,7 +335,8 @@ def _write(write: Callable[[], Any], tmp: Path, path: Path, group) -> None:
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise write_failure(e, path, latest_checkpoint(path.parent, warn=False)) from e
+        stuck = writer.stage.explain() if writer.stage is not None and "timed out" in str(e).lower() else None
+        raise write_failure(e, path, latest_checkpoint(path.parent, warn=False), stuck) from e
 
 
 # ---- finding checkpoints -------------------------------------------------------------------

@@ -152,11 +152,15 @@ def file_size_limit() -> int | None:
     return None if soft == resource.RLIM_INFINITY else soft
 
 
-def write_failure(exc: BaseException, path: Path, previous: Path | None) -> CheckpointError:
+def write_failure(exc: BaseException, path: Path, previous: Path | None,
+                  stuck: str | None = None) -> CheckpointError:
     """The one-line error of a save that failed writing ``path``: the disk error first (a
-    full disk says so), and that ``previous`` (the newest complete checkpoint) is intact."""
+    full disk says so), or ``stuck`` (the ranks whose write had not finished when this
+    rank's wait timed out), and that ``previous`` (the newest complete checkpoint) is intact."""
     os_err = disk_error(exc)
-    if os_err is not None and os_err.errno == errno.ENOSPC:
+    if stuck is not None:
+        what = f"writing {path} timed out: {stuck}"
+    elif os_err is not None and os_err.errno == errno.ENOSPC:
         what = f"no space left on the device writing {path}"
     elif os_err is not None:
         # an OSError from a write has no file name (None), one from open() has it
