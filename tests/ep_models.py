@@ -1,110 +1,18 @@
-"""A small MoE with torchtitan's GroupedExperts shapes, and expert parallelism for it
-(tests only).
-
-Experts hold ``w1 (E, H, D)``, ``w2 (E, D, H)``, ``w3 (E, H, D)``; :func:`apply_ep` makes them
-DTensors ``Shard(0)`` over the ``ep`` mesh (torchtitan's ``ExpertParallel._partition_fn``),
-and the forward computes on ``.to_local()`` (as GroupedExperts does). Routing is dense
-("soft" MoE: every token to every expert, weighted by the router's probabilities), so the
-dispatch over ep is an all-gather of the tokens and a reduce-scatter of the outputs, with
-autograd (torch's functional collectives): the layout of the experts, which is what the
-runtime handles, is exactly torchtitan's; only the token dispatch is simpler.
-"""
+"""The tests' small MoE (torchtitan's GroupedExperts shapes) and expert parallelism for it:
+the bench's (:mod:`matrixfsdp.bench.ep_model`: experts ``Shard(0)`` DTensors over ``ep``,
+computed on ``.to_local()``, dense "soft" routing with an all-gather / reduce-scatter token
+dispatch over ep), at a tiny size."""
 
 from __future__ import annotations
 
-import torch
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from matrixfsdp.bench.ep_model import MoEConfig, MoEModel, apply_ep
+from matrixfsdp.bench.ep_model import build_moe as _build_moe
 
-D, H, EXPERTS, VOCAB, LAYERS = 16, 24, 4, 64, 2
+TINY = MoEConfig(d_model=16, hidden=24, experts=4, vocab=64, layers=2)
+VOCAB = TINY.vocab
 
-
-class GroupedExperts(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1 = nn.Parameter(torch.randn(EXPERTS, H, D) * D ** -0.5)
-        self.w2 = nn.Parameter(torch.randn(EXPERTS, D, H) * H ** -0.5)
-        self.w3 = nn.Parameter(torch.randn(EXPERTS, H, D) * D ** -0.5)
-        self.ep_group = None  # set by apply_ep
-
-    def forward(self, x, probs):
-        """``x`` (T, D) tokens, ``probs`` (T, E_local): the sum over this rank's experts."""
-        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        h = F.silu(torch.einsum("td,ehd->eth", x, w1)) * torch.einsum("td,ehd->eth", x, w3)
-        out = torch.einsum("eth,edh->etd", h, w2)
-        return torch.einsum("etd,te->td", out, probs)
+__all__ = ["TINY", "VOCAB", "MoEModel", "apply_ep", "build_moe"]
 
 
-class MoE(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(D, EXPERTS, bias=False)
-        self.experts = GroupedExperts()
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        x = x.reshape(b * t, D)
-        probs = self.router(x).softmax(-1)
-        g = self.experts.ep_group
-        if g is None:
-            return self.experts(x, probs).view(b, t, D)
-        ep, k = torch.distributed.get_world_size(g), torch.distributed.get_rank(g)
-        local = EXPERTS // ep
-        xs = _waited(funcol.all_gather_tensor_autograd(x, 0, g))  # every ep rank's tokens
-        ps = _waited(funcol.all_gather_tensor_autograd(probs, 0, g))[:, k * local:(k + 1) * local]
-        out = self.experts(xs, ps)  # this rank's experts on all of them
-        mine = _waited(funcol.reduce_scatter_tensor_autograd(out, "sum", 0, g))  # over experts
-        return mine.view(b, t, D)
-
-
-def _waited(t: torch.Tensor) -> torch.Tensor:
-    """A functional collective's result, waited for (einsum reads it through views)."""
-    return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.RMSNorm(D)
-        self.attn = nn.Linear(D, D, bias=False)  # a dense matrix per block
-        self.moe = MoE()
-
-    def forward(self, x):
-        x = x + self.attn(self.norm(x))
-        return x + self.moe(self.norm(x))
-
-
-class MoEModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, idx):
-        x = self.embed(idx)
-        for block in self.layers:
-            x = block(x)
-        return self.head(x)
-
-    def loss(self, idx, targets):
-        logits = self(idx)
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-
-def build_moe(seed: int = 0) -> MoEModel:
-    torch.manual_seed(seed)
-    return MoEModel()
-
-
-def apply_ep(model: MoEModel, ep_mesh) -> MoEModel:
-    """Every block's experts: DTensors ``Shard(0)`` over ``ep_mesh`` (this rank keeps
-    ``EXPERTS / ep`` of them), as torchtitan's ExpertParallel partitions GroupedExperts."""
-    for block in model.layers:
-        experts = block.moe.experts
-        for name, p in list(experts.named_parameters(recurse=False)):
-            experts.register_parameter(name, nn.Parameter(distribute_tensor(p.data, ep_mesh, [Shard(0)])))
-        experts.ep_group = ep_mesh.get_group()
-    return model
+def build_moe(seed: int = 0, config: MoEConfig = TINY) -> MoEModel:
+    return _build_moe(seed, config)

@@ -81,6 +81,10 @@ def _ep_2x2(rank, world, ckpt):
     data = _data(4)
     ref, ref_norms = _reference(data)
     model = _shard_ep(apply_ep(build_moe(), mesh["ep"]), mesh, dense)
+    # set_gradient_divide_factor before the block's fully_shard planned the experts as a
+    # root of their own first: under the model's root they are a block again, resharded
+    # after forward (FSDP2's default), as every block
+    assert [u.reshard_after_forward for u in mf.get_root(model).units] == [False] + [True] * 4
     opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
     norms = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:

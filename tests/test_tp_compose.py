@@ -23,7 +23,11 @@ process running torch.optim.Muon (fp32 NS) + AdamW on the whole batch, to PARITY
   ``lm_head`` rule, resolved by transformers as ``from_pretrained(tp_plan="auto")`` does,
   applied by its ``apply_tensor_parallelism``: DTensor parameters, Shard(0) / Shard(1)).
 
-Not here: ``torch.compile`` per block (each compile costs seconds per rank on CPU), and
+And refused: ``torch.compile(model)`` around the whole TP root (or a compiled function
+calling it), at the first forward on every rank, before anything is gathered; without TP
+the same call compiles and gives one process's logits.
+
+Not here: training with ``torch.compile`` per block (refused under TP: tests/test_tp.py), and
 ``from_pretrained(tp_plan="auto")``, which builds a mesh of its own over the whole world
 (tp_size=2 on 4 ranks raises "The parallel mesh requires 2 processes"), so it cannot leave
 the dp dim to fully_shard.
@@ -302,3 +306,37 @@ def test_transformers_llama_with_its_tp_plan_matches_one_process(tmp_path):
     ours = torch.load(out)
     assert ours["counts"][0] == 0 and ours["counts"][1] > 0, ours["counts"]
     assert_params_close(ours["params"], _reference("hf"), what="transformers Llama: ")
+
+
+# ---- torch.compile around the whole root ---------------------------------------------------
+def _compiled_root(rank, world):
+    x = _data()[0][rank // 2 * PER:(rank // 2 + 1) * PER]  # this dp rank's rows
+    # with TP: refused at the first forward, on every rank, before anything moves; the model
+    # itself is untouched and trains eagerly afterwards
+    mesh = _mesh()
+    model = _shard(apply_tp(build_llama(), mesh["tp"]), mesh["dp"])
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(NotImplementedError,
+                       match=r"torch.compile around FSDPLlama, the root of a model with tensor "
+                             r"parallelism: .* wrong gradients .* Train TP models eagerly"):
+        compiled(x[:, :-1])
+    assert not mf.comm_stats(model).summary(), "a collective ran before the refusal"
+    _loss(model, x).backward()
+    assert mf.comm_stats(model).summary()
+    # a compiled function calling the TP model: refused the same way
+    with pytest.raises(NotImplementedError, match=r"torch.compile around FSDPLlama"):
+        torch.compile(lambda t: model(t), backend="eager")(x[:, :-1])
+    # without TP, torch.compile(model) works as before: the root falls back to eager at its
+    # hooks and its blocks are compiled; the logits are one process's
+    dp4 = init_device_mesh("cpu", (4,))
+    plain = _shard(build_llama(), dp4)
+    logits = torch.compile(plain, backend="eager")(x[:, :-1])
+    torch.testing.assert_close(logits, build_llama()(x[:, :-1]), rtol=1e-6, atol=1e-6)
+    logits.float().sum().backward()  # backward through the compiled blocks: reduces run
+
+
+def test_torch_compile_around_a_tp_root_is_refused():
+    """``torch.compile(model)`` of a TP model (or a compiled function calling it) raises
+    NotImplementedError at its first forward on every rank, naming the root, with nothing
+    gathered; the same model without TP compiles and computes one process's logits."""
+    spawn(_compiled_root, 4)

@@ -123,7 +123,8 @@ HSDP (``--replicas R``)
 
 ``matrixfsdp bench --link ...`` runs the link-speed sweep of ``bench/link.py`` instead, and
 ``matrixfsdp bench --tp ...`` the tensor-parallel byte count of ``bench/tp.py`` (MatrixFSDP
-dp x tp against FSDP2 + TP, docs/nd-parallel.md).
+dp x tp against FSDP2 + TP, docs/nd-parallel.md), and ``matrixfsdp bench --ep ...`` the
+expert-parallel one of ``bench/ep.py`` (against FSDP2 + EP).
 
 Outputs in ``--out``: ``results.json`` (everything), ``results.md`` (the tables, also
 printed), ``phases.png`` (stacked forward/backward/step medians; skipped with a warning
@@ -159,6 +160,7 @@ from .config import (
     SYSTEMS,
     BenchConfig,
 )
+from .ep import main as ep_main
 from .link import main as link_main
 from .report import write_results
 from .run import rank_main
@@ -235,11 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; write ``results.json``, ``results.md``, ``phases.png`` into
     ``--out`` and print the table. Returns 0, or 1 if a rank crashed outside a system.
     With ``--link``: the step-time-against-link-speed sweep of :mod:`.link` instead; with
-    ``--tp``: tensor parallelism's bytes against FSDP2 + TP (:mod:`.tp`)."""
+    ``--tp``: tensor parallelism's bytes against FSDP2 + TP (:mod:`.tp`); with ``--ep``:
+    expert parallelism's against FSDP2 + EP (:mod:`.ep`)."""
     if any(a == "--link" or a.startswith("--link=") for a in (argv or [])):
         return link_main(argv)
     if "--tp" in (argv or []):
         return tp_main(argv)
+    if "--ep" in (argv or []):
+        return ep_main(argv)
     cfg = parse_args(argv)
     os.makedirs(cfg.out, exist_ok=True)
     if cfg.device_type == "cpu":

@@ -13,25 +13,25 @@ ranks, in the same run and on the same data:
 
 Each system trains ``--warmup`` steps (lazy initialisation), then one measured step
 (forward, backward, ``optimizer.step()``) during which every call a rank makes to
-``torch.distributed``'s collectives is recorded (:func:`recording`: the functions are
-wrapped, as ``bench/link.py``'s ``torch_link`` and ``tests/test_scale.py`` do; FSDP2 and the
-runtime look them up at call time), with its process group. Each call is charged by NCCL's
-algorithms, the model of :mod:`matrixfsdp.runtime.collectives` (and of the main bench's
-critical-path table): ring all-gather / reduce-scatter ``(P-1)/P`` of the buffer per rank,
-ring all-reduce twice that, pipelined broadcast / reduce the buffer once (the root only
-sends or only receives), all-to-all what a rank sends to and receives from the others.
+``torch.distributed``'s collectives is recorded (:func:`.record.recording`: the functions
+are wrapped, as ``bench/link.py``'s ``torch_link`` and ``tests/test_scale.py`` do; FSDP2 and
+the runtime look them up at call time), with its process group. Each call is charged by
+NCCL's algorithms, the model of :mod:`matrixfsdp.runtime.collectives` (and of the main
+bench's critical-path table): ring all-gather / reduce-scatter ``(P-1)/P`` of the buffer per
+rank, ring all-reduce twice that, pipelined broadcast / reduce the buffer once (the root
+only sends or only receives), all-to-all what a rank sends to and receives from the others.
 
 **Critical path.** A collective ends when its most loaded rank is done: each call costs
-``max over its group's ranks of max(sent, received)`` (calls matched across ranks by
-process group and order; a mismatch raises). Calls that run at once on different groups
-make one **unit pass**, a unit's gather or its reduce, which ends when its most loaded rank
-has moved its bytes: FSDP2's all-gather of a unit runs on every data-parallel group at
-once; MatrixFSDP's gather of a unit is an all-to-all in each tp row plus the broadcasts and
-the all-gather in each data-parallel group (the calls are tagged with their unit by
-:func:`tagging`). A pass costs the maximum over ranks of the summed costs of the calls the
-rank takes part in; the step's critical bytes are the sum over passes, per kind
-(``gather``, ``reduce``; ``other``: MatrixFSDP's one-byte-per-parameter gradient flags)
-and in total. For FSDP2 this is exactly "per collective, its most loaded rank, summed".
+``max over its group's ranks of max(sent, received)`` (calls matched across ranks by process
+group and order; a mismatch raises). Calls that run at once on different groups make one
+**unit pass**, a unit's gather or its reduce, which ends when its most loaded rank has moved
+its bytes: FSDP2's all-gather of a unit runs on every data-parallel group at once;
+MatrixFSDP's gather of a unit is an all-to-all in each tp row plus the broadcasts and the
+all-gather in each data-parallel group (the calls are tagged with their unit by
+:func:`.record.tagging`). A pass costs the maximum over ranks of the summed costs of the
+calls the rank takes part in; the step's critical bytes are the sum over passes, per kind
+(``gather``, ``reduce``; ``other``: MatrixFSDP's one-byte-per-parameter gradient flags) and
+in total. For FSDP2 this is exactly "per collective, its most loaded rank, summed".
 
 DTensor's own collectives (the TP plan's all-reduces and all-gathers of activations, and
 their gradients) go through ``torch.ops._c10d_functional``, not through the wrapped
@@ -72,13 +72,11 @@ Outputs in ``--out`` (default ``runs/bench_tp``): ``tp.json`` (everything) and `
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -89,124 +87,12 @@ from torch import nn
 
 import matrixfsdp as mf
 
-from ..runtime.collectives import all_gather_object, pipeline_load, ring_load
-from ..runtime.storage import UnitStorage
+from ..runtime.collectives import all_gather_object
 from ..train.launch import launch
 from .measure import machine_info
+from .record import record_step
 from .tp_model import SYSTEMS, Llama, LlamaConfig, TPBenchConfig, apply_tp
 from .tp_report import render, summarise
-
-STEP_PHASES = ("forward", "backward", "step")  # when a call was issued
-
-# ---- recording torch.distributed's collectives ----------------------------------------------
-_RECORDED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
-             "reduce_scatter_tensor", "all_reduce", "broadcast", "reduce", "all_to_all_single",
-             "all_gather", "all_to_all", "reduce_scatter", "gather", "scatter")
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _tensors(args, kwargs) -> list[torch.Tensor]:
-    out = []
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out += [t for t in a if isinstance(t, torch.Tensor)]
-    return out
-
-
-def _arg(args, kwargs, i: int, name: str):
-    return kwargs[name] if name in kwargs else (args[i] if len(args) > i else None)
-
-
-def charge(name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """One call of ``torch.distributed.<name>`` on this rank: its group (ranks and name,
-    which identify it on every member), buffer bytes and this rank's (sent, received) bytes
-    under NCCL's algorithms."""
-    group = kwargs.get("group") or dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group)
-    P, me = len(ranks), dist.get_rank(group)
-    tensors = _tensors(args, kwargs)
-    n = max((_nbytes(t) for t in tensors), default=0)  # all-gather output, reduce-scatter input
-    if name == "all_to_all_single":
-        out, inp = _arg(args, kwargs, 0, "output"), _arg(args, kwargs, 1, "input")
-        es = inp.element_size()
-        outs = _arg(args, kwargs, 2, "output_split_sizes") or [out.numel() // P] * P
-        ins = _arg(args, kwargs, 3, "input_split_sizes") or [inp.numel() // P] * P
-        sent, received = (sum(ins) - ins[me]) * es, (sum(outs) - outs[me]) * es
-    elif name in ("broadcast", "reduce"):
-        root = kwargs.get("group_src", kwargs.get("group_dst"))
-        if root is None:
-            src = _arg(args, kwargs, 1, "src" if name == "broadcast" else "dst")
-            root = dist.get_group_rank(group, src)
-        load = pipeline_load(n, P, me, root, name == "reduce")
-        sent, received = load.sent, load.received
-    else:  # ring collectives (and the rarely used list forms, charged alike)
-        load = ring_load(n, P, 2 if name == "all_reduce" else 1)
-        sent, received = load.sent, load.received
-    return {"op": name, "group": group.group_name, "ranks": ranks, "bytes": n,
-            "sent": sent, "received": received}
-
-
-@contextmanager
-def recording(calls: list[dict], state: dict[str, Any]):
-    """Wrap torch.distributed's collectives on this rank: each call appends
-    :func:`charge`'s record, with the phase (``state["phase"]``: forward, backward, step) it
-    was issued in and the unit pass (``state["tag"]``) it belongs to, if known."""
-    saved = {name: getattr(dist, name) for name in _RECORDED if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        def recorded(*args, **kwargs):
-            calls.append({**charge(name, args, kwargs), "phase": state["phase"],
-                          "tag": state["tag"]})
-            return fn(*args, **kwargs)
-        return recorded
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
-@contextmanager
-def tagging(model: nn.Module, state: dict[str, Any]):
-    """MatrixFSDP: tag every collective with the unit pass it serves, ``[unit, "gather" |
-    "reduce", n]`` (the unit's n-th gather of the step; its reduce's last hop, the
-    all-to-all of :meth:`UnitStorage.start_split_reduce`, issued later, belongs to its
-    reduce), by wrapping the storage's three entry points (all issue their collectives
-    before returning). FSDP2 needs none: each of its collectives is one unit pass."""
-    names = {id(u.storage): u.name for u in mf.get_root(model).units}
-    seen: dict[tuple[str, str], int] = {}
-    saved = {m: getattr(UnitStorage, m) for m in ("start_unshard", "start_reduce",
-                                                   "start_split_reduce")}
-
-    def wrap(method, kind):
-        def tagged(self, *args, **kwargs):
-            key = (names.get(id(self), "?"), kind)
-            if method == "start_split_reduce":
-                n = seen.get(key, 1) - 1  # the hop of the last reduce of this unit
-            else:
-                n = seen.get(key, 0)
-                seen[key] = n + 1
-            before, state["tag"] = state["tag"], [*key, n]
-            try:
-                return saved[method](self, *args, **kwargs)
-            finally:
-                state["tag"] = before
-        return tagged
-    for method, kind in (("start_unshard", "gather"), ("start_reduce", "reduce"),
-                         ("start_split_reduce", "reduce")):
-        setattr(UnitStorage, method, wrap(method, kind))
-    try:
-        yield
-    finally:
-        for method, fn in saved.items():
-            setattr(UnitStorage, method, fn)
 
 
 # ---- one rank -------------------------------------------------------------------------------
@@ -225,17 +111,6 @@ def _build(system: str, cfg: TPBenchConfig, mesh) -> tuple[nn.Module, torch.opti
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     return model, torch.optim.AdamW(model.parameters(), lr=3e-3)
-
-
-def _step(model, opt, x: torch.Tensor, state: dict[str, Any]) -> None:
-    state["phase"] = "forward"
-    loss = model.loss(x[:, :-1], x[:, 1:])
-    state["phase"] = "backward"
-    loss.backward()
-    state["phase"] = "step"
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    state["phase"] = "after"
 
 
 def _units(model: nn.Module) -> list[dict[str, Any]]:
@@ -287,21 +162,8 @@ def _measure_system(system: str, cfg: TPBenchConfig, mesh, data: list[torch.Tens
     """One system on this rank: warm-up steps, then the recorded step."""
     dist.barrier()
     model, opt = _build(system, cfg, mesh)
-    state: dict[str, Any] = {"phase": "warmup", "tag": None}
-    for x in data[:-1]:
-        _step(model, opt, x, state)
-    calls: list[dict] = []
-    stats = mf.comm_stats(model) if system == "matrixfsdp" else None
-    if stats is not None:
-        stats.reset()
-    dist.barrier()
-    t0 = time.perf_counter()
-    with recording(calls, state), \
-            (tagging(model, state) if system == "matrixfsdp" else contextlib.nullcontext()):
-        _step(model, opt, data[-1], state)
-    r: dict[str, Any] = {"calls": calls, "step_wall_ms": (time.perf_counter() - t0) * 1e3}
-    if stats is not None:
-        r["comm_stats"] = stats.summary()
+    r = record_step(model, opt, data, system == "matrixfsdp")
+    if system == "matrixfsdp":
         r["units"] = _units(model)
         r["placements"] = _placements(model)
     return r

@@ -24,11 +24,12 @@ def _op_kind(op: str) -> str:
 def unit_passes(per_rank_calls: list[list[dict]]) -> dict[str, Any]:
     """The step's collectives, each charged to its group's most loaded rank (calls matched
     per group, in order), grouped into unit passes (a unit's gather or reduce: a tagged
-    call's tag; untagged, the k-th calls of the same op on every group, as each of FSDP2's
-    collectives runs on every data-parallel group at once). A pass ends
-    when its most loaded rank is done: its cost is the maximum over ranks of the costs of
+    call's tag; untagged, the k-th calls of the same op on every group of one size, as each
+    of FSDP2's collectives runs on every data-parallel group at once). A pass ends when its
+    most loaded rank is done: its cost is the maximum over ranks of the costs of
     the calls that rank takes part in. Returns the passes (``kind``, ``cost``, ``tp_hop``:
-    the same maximum over the all-to-alls alone) and per rank its bytes per kind."""
+    the same maximum over the all-to-alls alone; ``group_size`` of its first group, ``unit``
+    from its tag, ``phase`` its first call's) and per rank its bytes per kind."""
     queues: dict[tuple, dict[int, list[dict]]] = {}
     for r, calls in enumerate(per_rank_calls):
         for c in calls:
@@ -46,12 +47,16 @@ def unit_passes(per_rank_calls: list[list[dict]]) -> dict[str, Any]:
                                    f"{[(c['op'], c['tag']) for c in same]}")
             cost = max(max(c["sent"], c["received"]) for c in same)
             tag = first["tag"]
-            # untagged: the k-th call of every group of the same kind runs at once (FSDP2's
-            # all-gather of one unit on each data-parallel group): one pass
-            key = json.dumps(tag) if tag is not None else f"{first['op']}#{k}"
+            # untagged: the k-th call of every group of the same kind and size runs at once
+            # (FSDP2's all-gather of one unit on each data-parallel group, or of one
+            # experts' unit on each ep rank's group): one pass
+            key = (json.dumps(tag) if tag is not None
+                   else f"{first['op']}@{len(ranks)}#{k}")
             kind = tag[1] if tag is not None else _op_kind(first["op"])
             p = passes.setdefault(key, {"kind": kind, "rank_bytes": {}, "rank_hop": {},
-                                        "ops": {}})
+                                        "ops": {}, "group_size": len(ranks),
+                                        "phase": first["phase"],
+                                        "unit": tag[0] if tag is not None else None})
             hop = cost if first["op"] == "all_to_all_single" else 0
             p["ops"][first["op"]] = p["ops"].get(first["op"], 0) + 1
             for r in ranks:
@@ -60,12 +65,13 @@ def unit_passes(per_rank_calls: list[list[dict]]) -> dict[str, Any]:
                 per_rank[r][kind] += cost
                 per_rank[r]["calls"] += 1
     out = {k: {"kind": p["kind"], "cost": max(p["rank_bytes"].values()),
-               "tp_hop": max(p["rank_hop"].values()), "ops": p["ops"]}
+               "tp_hop": max(p["rank_hop"].values()), "ops": p["ops"],
+               "group_size": p["group_size"], "unit": p["unit"], "phase": p["phase"]}
            for k, p in passes.items()}
     return {"passes": out, "per_rank": per_rank}
 
 
-def _stats_by_kind(summary: dict[str, dict[str, int]]) -> dict[str, int]:
+def stats_by_kind(summary: dict[str, dict[str, int]]) -> dict[str, int]:
     """MatrixFSDP's own counters (one rank's ``comm_stats``) as gather / reduce / other
     critical bytes."""
     out = {"gather": 0, "reduce": 0, "other": 0}
@@ -183,7 +189,7 @@ def summarise(records: list[dict[str, Any]], cfg: TPBenchConfig, dp: int, tp: in
             "per_rank_bytes": [p["gather"] + p["reduce"] + p["other"] for p in per_rank],
             "calls_rank0": ops, "step_calls": sum(1 for c in calls0 if c["phase"] == "step"),
             "step_wall_ms": max(r[system]["step_wall_ms"] for r in records)}
-    own = [_stats_by_kind(r["matrixfsdp"]["comm_stats"]) for r in records]
+    own = [stats_by_kind(r["matrixfsdp"]["comm_stats"]) for r in records]
     res["systems"]["matrixfsdp"]["comm_stats_agrees"] = all(
         o[k] == p[k] for o, p in zip(own, analysed["matrixfsdp"]["per_rank"])
         for k in ("gather", "reduce", "other"))

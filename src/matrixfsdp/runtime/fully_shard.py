@@ -80,6 +80,7 @@ def _make_root(unit: Unit) -> Root:
     root = materialize(unit)
     _UNSHARDED_UNITS = [r for r in _UNSHARDED_UNITS if r() is not None and r().root is None]
     root.install_step_hook()
+    root.install_compile_check()
     for install in ON_NEW_ROOT:
         install(root)
     return root
@@ -307,7 +308,7 @@ class FSDPModule:
         """Free the unsharded parameters after forward (gather again in backward)."""
         _check_bool("reshard_after_forward", reshard_after_forward)
         for u in _units(self, recurse):
-            u.reshard_after_forward = reshard_after_forward
+            u.reshard_after_forward, u.reshard_default = reshard_after_forward, False
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:

@@ -241,9 +241,10 @@ def materialize(root_unit: Unit) -> Root:
     tp_mesh = _tp_mesh(units, collected.specs, mesh)
     if not sliced_from_named_world(mesh):
         _warn_partial_mesh(mesh.size() * (tp_mesh.size() if tp_mesh is not None else 1))
-    root_unit.reshard_after_forward = bool(root_unit.reshard_after_forward)
-    for u in units[1:]:
-        u.reshard_after_forward = True if u.reshard_after_forward is None else u.reshard_after_forward
+    for u in units:  # the default, resolved anew: a unit that was a root before (a method of
+        # FSDPModule called before the outer fully_shard plans it) is a block now
+        if u.reshard_default:
+            u.reshard_after_forward = u is not root_unit
     stats = CommStats()
     domains = _domains(units, collected.specs, stats)
     root = Root(root_unit.module, units, domains, _merged(domains, collected.specs), stats,

@@ -176,3 +176,31 @@ class TPGroups:
         gather = twin_group(mesh.get_group(), timeout=limit, local=True)
         self.gather = Comm(gather, stats, "tp_")
         self.grads = Comm(twin_group(gather, timeout=limit, local=True), stats, "tp_grad_")
+
+
+# ---- torch.compile around the root --------------------------------------------------------
+def refuse_compile_under_tp(module: nn.Module, args) -> None:
+    """Forward pre-hook on the root of a model with tensor parallelism (the first of its
+    hooks), refusing ``torch.compile(model)`` (or a compiled function that calls the
+    model): Dynamo then compiles the blocks' forwards, which on torch 2.13 compute wrong
+    gradients when fed the TP plan's pending collective results (the case ``unit.py``
+    refuses for ``module.compile()`` on a block).
+
+    Unlike the units' hooks it is not ``torch.compiler.disable``d, so Dynamo traces it, and
+    there ``is_compiling()`` is True; the raise is left to :func:`_refuse_compiled_root`,
+    which is disabled: Dynamo breaks the graph at the call and runs it eagerly, so the error
+    reaches the caller (a ``raise`` traced by Dynamo itself is dropped with the frame it
+    falls back from, which then runs eagerly with ``is_compiling()`` False: measured).
+    Eager forwards pay one ``is_compiling()`` call."""
+    if torch.compiler.is_compiling():
+        _refuse_compiled_root(module)
+
+
+@torch.compiler.disable
+def _refuse_compiled_root(module: nn.Module) -> None:
+    raise NotImplementedError(
+        f"matrixfsdp: torch.compile around {type(module).__name__}, the root of a model with "
+        "tensor parallelism: Dynamo would compile its blocks' forwards, and on torch 2.13 a "
+        "compiled block fed the TP plan's pending collective results computes wrong "
+        "gradients (1e-4 off one process, measured; under FSDP2 + TP it crashes). Train "
+        "TP models eagerly, without torch.compile (docs/compile.md)")

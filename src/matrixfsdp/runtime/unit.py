@@ -99,6 +99,9 @@ class Unit:
         self.sync_module_states = sync_module_states
         self.mesh = mesh
         self.reshard_after_forward = reshard_after_forward
+        # None (the default) resolves at every planning: True for a block, False for the
+        # root; a unit planned as a root of its own first is a block of the outer root
+        self.reshard_default = reshard_after_forward is None
         self.muon_filter, self.mp_policy = muon_filter, mp_policy
         self.debug, self.overlap = debug, overlap
         self.root: Any = None  # the model's Root (root.py, which sits above this file)

@@ -1,0 +1,169 @@
+"""Recording one training step's collectives, per rank, for the byte benches
+(:mod:`.tp`, :mod:`.ep`): torch.distributed's collective functions are wrapped for the
+measured step (FSDP2 and the runtime look them up at call time, as ``bench/link.py``'s
+``torch_link`` and ``tests/test_scale.py`` rely on), each call charged by NCCL's algorithms
+(:func:`charge`), and MatrixFSDP's calls tagged with the unit pass they serve
+(:func:`tagging`). The analysis of the records is :mod:`.tp_report`'s."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import matrixfsdp as mf
+
+from ..runtime.collectives import pipeline_load, ring_load
+from ..runtime.storage import UnitStorage
+
+STEP_PHASES = ("forward", "backward", "step")  # when a call was issued
+
+# ---- recording torch.distributed's collectives ----------------------------------------------
+_RECORDED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+             "reduce_scatter_tensor", "all_reduce", "broadcast", "reduce", "all_to_all_single",
+             "all_gather", "all_to_all", "reduce_scatter", "gather", "scatter")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(args, kwargs) -> list[torch.Tensor]:
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += [t for t in a if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _arg(args, kwargs, i: int, name: str):
+    return kwargs[name] if name in kwargs else (args[i] if len(args) > i else None)
+
+
+def charge(name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """One call of ``torch.distributed.<name>`` on this rank: its group (ranks and name,
+    which identify it on every member), buffer bytes and this rank's (sent, received) bytes
+    under NCCL's algorithms."""
+    group = kwargs.get("group") or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    P, me = len(ranks), dist.get_rank(group)
+    tensors = _tensors(args, kwargs)
+    n = max((_nbytes(t) for t in tensors), default=0)  # all-gather output, reduce-scatter input
+    if name == "all_to_all_single":
+        out, inp = _arg(args, kwargs, 0, "output"), _arg(args, kwargs, 1, "input")
+        es = inp.element_size()
+        outs = _arg(args, kwargs, 2, "output_split_sizes") or [out.numel() // P] * P
+        ins = _arg(args, kwargs, 3, "input_split_sizes") or [inp.numel() // P] * P
+        sent, received = (sum(ins) - ins[me]) * es, (sum(outs) - outs[me]) * es
+    elif name in ("broadcast", "reduce"):
+        root = kwargs.get("group_src", kwargs.get("group_dst"))
+        if root is None:
+            src = _arg(args, kwargs, 1, "src" if name == "broadcast" else "dst")
+            root = dist.get_group_rank(group, src)
+        load = pipeline_load(n, P, me, root, name == "reduce")
+        sent, received = load.sent, load.received
+    else:  # ring collectives (and the rarely used list forms, charged alike)
+        load = ring_load(n, P, 2 if name == "all_reduce" else 1)
+        sent, received = load.sent, load.received
+    return {"op": name, "group": group.group_name, "ranks": ranks, "bytes": n,
+            "sent": sent, "received": received}
+
+
+@contextmanager
+def recording(calls: list[dict], state: dict[str, Any]):
+    """Wrap torch.distributed's collectives on this rank: each call appends
+    :func:`charge`'s record, with the phase (``state["phase"]``: forward, backward, step) it
+    was issued in and the unit pass (``state["tag"]``) it belongs to, if known."""
+    saved = {name: getattr(dist, name) for name in _RECORDED if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def recorded(*args, **kwargs):
+            calls.append({**charge(name, args, kwargs), "phase": state["phase"],
+                          "tag": state["tag"]})
+            return fn(*args, **kwargs)
+        return recorded
+    for name, fn in saved.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+@contextmanager
+def tagging(model: nn.Module, state: dict[str, Any]):
+    """MatrixFSDP: tag every collective with the unit pass it serves, ``[unit, "gather" |
+    "reduce", n]`` (the unit's n-th gather of the step; its reduce's last hop, the
+    all-to-all of :meth:`UnitStorage.start_split_reduce`, issued later, belongs to its
+    reduce), by wrapping the storage's three entry points (all issue their collectives
+    before returning). FSDP2 needs none: each of its collectives is one unit pass."""
+    names = {id(u.storage): u.name for u in mf.get_root(model).units}
+    seen: dict[tuple[str, str], int] = {}
+    saved = {m: getattr(UnitStorage, m) for m in ("start_unshard", "start_reduce",
+                                                   "start_split_reduce")}
+
+    def wrap(method, kind):
+        def tagged(self, *args, **kwargs):
+            key = (names.get(id(self), "?"), kind)
+            if method == "start_split_reduce":
+                n = seen.get(key, 1) - 1  # the hop of the last reduce of this unit
+            else:
+                n = seen.get(key, 0)
+                seen[key] = n + 1
+            before, state["tag"] = state["tag"], [*key, n]
+            try:
+                return saved[method](self, *args, **kwargs)
+            finally:
+                state["tag"] = before
+        return tagged
+    for method, kind in (("start_unshard", "gather"), ("start_reduce", "reduce"),
+                         ("start_split_reduce", "reduce")):
+        setattr(UnitStorage, method, wrap(method, kind))
+    try:
+        yield
+    finally:
+        for method, fn in saved.items():
+            setattr(UnitStorage, method, fn)
+
+
+def train_step(model, opt, x: torch.Tensor, state: dict[str, Any]) -> None:
+    state["phase"] = "forward"
+    loss = model.loss(x[:, :-1], x[:, 1:])
+    state["phase"] = "backward"
+    loss.backward()
+    state["phase"] = "step"
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    state["phase"] = "after"
+
+
+
+def record_step(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.Tensor],
+                ours: bool) -> dict[str, Any]:
+    """Train on ``data[:-1]`` (warm-up: lazy initialisation), then record the step on
+    ``data[-1]``: its calls (:func:`charge`'s records with phase and tag), its wall time and,
+    for MatrixFSDP (``ours``), the runtime's own counters over that step."""
+    state: dict[str, Any] = {"phase": "warmup", "tag": None}
+    for x in data[:-1]:
+        train_step(model, opt, x, state)
+    calls: list[dict] = []
+    stats = mf.comm_stats(model) if ours else None
+    if stats is not None:
+        stats.reset()
+    dist.barrier()
+    t0 = time.perf_counter()
+    with recording(calls, state), \
+            (tagging(model, state) if ours else contextlib.nullcontext()):
+        train_step(model, opt, data[-1], state)
+    r: dict[str, Any] = {"calls": calls, "step_wall_ms": (time.perf_counter() - t0) * 1e3}
+    if stats is not None:
+        r["comm_stats"] = stats.summary()
+    return r
