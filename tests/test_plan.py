@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 
 import pytest
@@ -106,6 +107,28 @@ def test_imbalance_stays_close_to_the_lower_bound_at_scale():
         specs = [ParamSpec(f"m{i}", tuple(s), 4, i % 4, True) for i, s in enumerate(shapes)]
         plan = make_plan(specs, world, ["a", "b", "c", "d"])
         assert plan.imbalance <= plan.imbalance_bound * 1.05, (world, plan.imbalance)
+
+
+@pytest.mark.parametrize("world, shard", [(64, 32), (64, 8), (1024, 4)])
+def test_hsdp_spreads_each_block_over_its_shard_ranks(world, shard):
+    """HSDP: the replicate dim's reduce and broadcast at a shard rank carry every matrix it
+    stores, so a block's matrices at one shard rank stay within its largest (the owner
+    floor, reachable here), while NS stays at its optimum (96 MLP matrices over 64 ranks: two
+    on some; one at 1024 ranks). With ranks to spare, a block's matrices at one shard rank
+    share one owner (one reduce and one broadcast, not one per matrix)."""
+    cfg = GPTConfig(d_model=64, n_heads=4, n_kv_heads=1, n_layers=32, d_mlp=224,
+                    gated_mlp=True)  # Llama's shapes: q, o 64 x 64; k, v 16 x 64; MLP 224 x 64
+    plan = _meta_plan(cfg, world, shard_size=shard)
+    held: dict[tuple[int, int], int] = collections.defaultdict(int)
+    owners: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
+    for pl in plan.placements.values():
+        if pl.owner is not None:
+            held[(pl.spec.unit, pl.owner_shard)] += pl.spec.numel
+            owners[(pl.spec.unit, pl.owner_shard)].add(pl.owner)
+    assert max(held.values()) == 224 * 64
+    assert max(plan.rank_cost) == ns_flops((224, 64)) * (2 if world == 64 else 1)
+    if world == 1024:
+        assert all(len(o) == 1 for o in owners.values())
 
 
 def test_even_rows_are_fsdp2_chunks_padded_alike_on_every_rank():

@@ -143,11 +143,13 @@ def test_layouts_searched_cover_replicate_shard_tp_pp():
             for e in restricted.layouts} == {(4, 4, 2, 1)}
 
 
-@pytest.mark.parametrize("model, world", [("llama3-8b", 64), ("llama3-70b", 1024)])
+@pytest.mark.parametrize("model, world", [("llama3-8b", 64), ("llama3-8b", 1024),
+                                          ("llama3-70b", 1024)])
 def test_json_advice_fits_is_fastest_and_on_its_floor(capsys, model, world):
     """The ``--json`` keys for the advice and every layout; the advice fits, no fitting
     layout is faster in the model, and it moves no more than FSDP2's critical-path bytes
-    times the owner floor of its layout."""
+    times the owner floor of its layout (llama3-8b at 1024 ranks: a small HSDP shard group,
+    where each block's matrices must sit on distinct shard ranks to reach it)."""
     main(["plan", "--model", model, "--world-size", str(world), "--json"])
     out = json.loads(capsys.readouterr().out)
     rec, layouts = out["recommended"], out["layouts"]

@@ -10,12 +10,13 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from torch import nn
 
-from .assign import assign, ns_flops
+from .assign import assign, assign_replicated, ns_flops
 from .types import MuonFilter, ParamSpec, Placement, Plan
 
 
@@ -57,7 +58,10 @@ def _assign_items(muon: list[ParamSpec], item_spec: list[int], costs: list[int],
                   sizes: list[int], S: int, world_size: int, base_bytes: list[int]) -> list[int]:
     """The rank of every Muon item. 1-D: one assignment over all matrices and experts, as
     they run once. HSDP: experts over the shard ranks first (they run on every replica),
-    then 2-D matrices over the world ranks, on top of their shard rank's expert load."""
+    then 2-D matrices over the world ranks, on top of their shard rank's expert load: each
+    unit's matrices over distinct shard ranks where they fit (the replicate dim carries
+    every matrix a shard rank holds), then over that shard rank's replicas
+    (:func:`~matrixfsdp.planning.assign.assign_replicated`)."""
     if S == world_size:
         return assign(costs, sizes, S, base_bytes)
     owners = [0] * len(item_spec)
@@ -69,9 +73,9 @@ def _assign_items(muon: list[ParamSpec], item_spec: list[int], costs: list[int],
         shard_load[r] += costs[k]
         shard_bytes[r] += sizes[k]
     mats = [k for k, i in enumerate(item_spec) if not muon[i].is_experts]
-    world_owners = assign([costs[k] for k in mats], [sizes[k] for k in mats], world_size,
-                          [shard_bytes[w % S] for w in range(world_size)],
-                          [shard_load[w % S] for w in range(world_size)])
+    world_owners = assign_replicated([costs[k] for k in mats], [sizes[k] for k in mats],
+                                     [muon[item_spec[k]].unit for k in mats], S,
+                                     world_size // S, shard_bytes, shard_load)
     for k, w in zip(mats, world_owners):
         owners[k] = w
     return owners
@@ -96,13 +100,34 @@ def _place_muon(muon: list[ParamSpec], counts: list[dict[int, int]], S: int
 
 def _place_tp_owners(split: list[Placement], ns_steps: int) -> None:
     """Tensor parallelism: among the tp ranks sharing a data-parallel owner, the one that
-    holds each tp-split matrix whole (and runs its NS): largest NS cost first, each to the
-    least loaded tp rank (ties: the lowest), per owner. Deterministic, so every rank agrees."""
+    holds each tp-split matrix whole (and runs its NS). Largest NS cost first, each to a tp
+    rank where its unit's matrices at its shard rank stay within ``max(the unit's largest,
+    its total / (shard ranks x tp))`` (what the tp hop and the replicate dim carry there),
+    among those that keep the owner's NS within the largest matrix's or least loaded; then
+    the least loaded (ties: the lowest). Deterministic, so every rank agrees."""
+    total: dict[int, int] = defaultdict(int)
+    largest: dict[int, int] = defaultdict(int)
+    for pl in split:
+        total[pl.spec.unit] += pl.spec.numel
+        largest[pl.spec.unit] = max(largest[pl.spec.unit], pl.spec.numel)
+    costs = [ns_flops(pl.spec.matrix_shape, ns_steps) for pl in split]
+    limit = max(costs, default=0)
     load: dict[int, list[int]] = {}
-    for pl in sorted(split, key=lambda pl: -ns_flops(pl.spec.matrix_shape, ns_steps)):
+    held: dict[tuple[int, int | None, int], int] = defaultdict(int)  # unit, shard, tp rank
+    for k in sorted(range(len(split)), key=lambda k: -costs[k]):
+        pl, cost = split[k], costs[k]
+        u, r, n = pl.spec.unit, pl.owner_shard, pl.spec.numel
+        cap = max(largest[u], -(-total[u] // (len(pl.row_ranges) * pl.spec.tp)))
         ranks = load.setdefault(pl.owner, [0] * pl.spec.tp)
-        t = min(range(len(ranks)), key=ranks.__getitem__)
-        ranks[t] += ns_flops(pl.spec.matrix_shape, ns_steps)
+        ok = max(limit, min(ranks) + cost)
+        best = None
+        for t, busy in enumerate(ranks):
+            key = (held[(u, r, t)] + n > cap, busy, t)
+            if busy + cost <= ok and (best is None or key < best):
+                best = key
+        t = best[2]
+        ranks[t] += cost
+        held[(u, r, t)] += n
         pl.tp_owner = t
 
 
@@ -119,7 +144,8 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
     the ``shard_size`` ranks of one shard group, the same in every replica. Expert stacks are
     assigned over the shard group (they run on every replica); then each 2-D matrix gets a
     world-rank owner among all ``world_size`` ranks, on top of the expert load of its shard
-    rank, so NS is balanced over the whole world.
+    rank: a unit's matrices on distinct shard ranks where they fit (what the replicate dim
+    moves per shard rank), NS balanced over the whole world.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
