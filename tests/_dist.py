@@ -96,6 +96,10 @@ def _job_loop(rank: int, world_size: int, jobs, results, session: int) -> None:
     a pid) is gone. Not its parent's death: the parent is the fork server, which itself
     lives as long as any rank it forked holds its liveness pipe."""
     faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's stack
+    # What the server imported (torch, transformers, the library: some 400,000 objects)
+    # lives as long as the rank: kept out of every garbage collection, so that a full one
+    # (each job's reset, and the interpreter's own) scans only what jobs made (0.16 s -> ms).
+    gc.freeze()
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     env, cwd = dict(os.environ), os.getcwd()

@@ -1,3 +1,4 @@
+import gc
 import os
 import sys
 import tempfile
@@ -20,3 +21,9 @@ def world1():
                                 timeout=timedelta(seconds=60))
     torch.set_num_threads(1)
     yield
+
+
+def pytest_collection_finish(session):
+    """Every test module is imported (torch, transformers, the library): keep those objects
+    out of the garbage collector's full collections, which then scan only what tests make."""
+    gc.freeze()

@@ -18,6 +18,7 @@ context and no thread), so forking it is safe; each rank picks its device after 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 import threading
@@ -44,7 +45,12 @@ class FromLauncher:
 
     def adopt(self) -> None:
         """In the rank: the launcher's stdout and stderr as fds 1 and 2, its environment,
-        and a watcher that ends this process when the launcher is gone."""
+        and a watcher that ends this process when the launcher is gone. What the server
+        imported (torch and the library, about 300,000 objects that live as long as
+        the rank) is moved out of the garbage collector's reach (``gc.freeze``): each full
+        collection during training then scans only what the run made (measured 0.16 s per
+        full collection before, well under a millisecond after)."""
+        gc.freeze()
         sys.stdout.flush()
         sys.stderr.flush()
         for target, fd in ((1, self.stdout), (2, self.stderr)):
