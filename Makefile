@@ -19,8 +19,10 @@ $(BIN)/.installed: pyproject.toml Makefile
 demo: $(BIN)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp train --ranks 4 --steps 60 --out runs/demo
 
+# Two pytest workers, one test file each at a time (a file's ranks and module fixtures stay
+# in one worker): the suite is CPU-bound, and two keep both cores of a small machine busy.
 test: $(BIN)/.installed lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests
