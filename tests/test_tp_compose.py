@@ -323,6 +323,10 @@ def _compiled_root(rank, world):
     assert not mf.comm_stats(model).summary(), "a collective ran before the refusal"
     _loss(model, x).backward()
     assert mf.comm_stats(model).summary()
+    # a model whose root is its only unit is sharded by its first forward: refused there too
+    lonely = mf.fully_shard(apply_tp(build_llama(), mesh["tp"]), mesh=mesh["dp"])
+    with pytest.raises(NotImplementedError, match=r"torch.compile around FSDPLlama, the root"):
+        torch.compile(lonely, backend="eager")(x[:, :-1])
     # a compiled function calling the TP model: refused the same way
     with pytest.raises(NotImplementedError, match=r"torch.compile around FSDPLlama"):
         torch.compile(lambda t: model(t), backend="eager")(x[:, :-1])

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from ..planning.planner import unit_members
 from ..planning.report import format_report
@@ -33,6 +34,7 @@ from .mesh_checks import check_args
 from .mixed_precision import MixedPrecisionPolicy
 from .param import mark_waiting, sharded_param, waiting_for
 from .root import Root
+from .tp import refuse_compile_under_tp
 from .unit import Unit
 
 _UNSHARDED_UNITS: list[weakref.ref] = []  # units made by fully_shard, not sharded yet
@@ -80,7 +82,6 @@ def _make_root(unit: Unit) -> Root:
     root = materialize(unit)
     _UNSHARDED_UNITS = [r for r in _UNSHARDED_UNITS if r() is not None and r().root is None]
     root.install_step_hook()
-    root.install_compile_check()
     for install in ON_NEW_ROOT:
         install(root)
     return root
@@ -151,6 +152,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     # gathers, parameter swaps and autograd bookkeeping stay plain Python (docs/compile.md).
     module.register_forward_pre_hook(torch.compiler.disable(unit.pre_forward), with_kwargs=True)
     module.register_forward_hook(torch.compiler.disable(unit.post_forward), with_kwargs=True)
+    if any(isinstance(p, DTensor) for p in module.parameters()):  # runs second: traced
+        module.register_forward_pre_hook(refuse_compile_under_tp, prepend=True)
     module.register_forward_pre_hook(torch.compiler.disable(_shard_at_first_use), prepend=True)
     _UNSHARDED_UNITS.append(weakref.ref(unit))
     if len(unit_modules(module)) > 1 and _outermost_pending(unit) is unit:

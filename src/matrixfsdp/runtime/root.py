@@ -33,7 +33,6 @@ from .domain import Domain
 from .layout import UnitLayout
 from .overlap import Schedule
 from .param import release_grads, sharded_param
-from .tp import refuse_compile_under_tp
 from .unit import Unit
 
 
@@ -101,14 +100,6 @@ class Root:
             release_grads(params)  # the optimizer's own norms (per matrix, on its owner) are right
         self.hooks.append(register_optimizer_step_pre_hook(hook))
         weakref.finalize(self, self.hooks[-1].remove)
-
-    def install_compile_check(self) -> None:
-        """Under tensor parallelism, refuse ``torch.compile`` around the root at its first
-        forward, before anything moves: a forward pre-hook that runs before the others
-        (:func:`~matrixfsdp.runtime.tp.refuse_compile_under_tp`). :meth:`close` removes it."""
-        if self.tp is not None:
-            self.hooks.append(self.module.register_forward_pre_hook(refuse_compile_under_tp,
-                                                                    prepend=True))
 
     def close(self) -> None:
         """Remove this root's global hooks (its units were unsharded or re-planned)."""

@@ -180,20 +180,24 @@ class TPGroups:
 
 # ---- torch.compile around the root --------------------------------------------------------
 def refuse_compile_under_tp(module: nn.Module, args) -> None:
-    """Forward pre-hook on the root of a model with tensor parallelism (the first of its
-    hooks), refusing ``torch.compile(model)`` (or a compiled function that calls the
-    model): Dynamo then compiles the blocks' forwards, which on torch 2.13 compute wrong
-    gradients when fed the TP plan's pending collective results (the case ``unit.py``
-    refuses for ``module.compile()`` on a block).
+    """Forward pre-hook of every unit whose module holds DTensor parameters, run right after
+    the unit's first-use sharding: on the root of a model with tensor parallelism it refuses
+    ``torch.compile(model)`` (or a compiled function that calls the model), whether the root
+    was made at the outer ``fully_shard`` call or is being made by this very forward (a
+    model whose root is its only unit). Dynamo would compile the blocks' forwards, which on
+    torch 2.13 compute wrong gradients when fed the TP plan's pending collective results
+    (the case ``unit.py`` refuses for ``module.compile()`` on a block).
 
-    Unlike the units' hooks it is not ``torch.compiler.disable``d, so Dynamo traces it, and
-    there ``is_compiling()`` is True; the raise is left to :func:`_refuse_compiled_root`,
+    Unlike the units' other hooks it is not ``torch.compiler.disable``d, so Dynamo traces it,
+    and there ``is_compiling()`` is True; the raise is left to :func:`_refuse_compiled_root`,
     which is disabled: Dynamo breaks the graph at the call and runs it eagerly, so the error
     reaches the caller (a ``raise`` traced by Dynamo itself is dropped with the frame it
     falls back from, which then runs eagerly with ``is_compiling()`` False: measured).
     Eager forwards pay one ``is_compiling()`` call."""
     if torch.compiler.is_compiling():
-        _refuse_compiled_root(module)
+        root = module._mf_unit.root
+        if root is not None and root.tp is not None and root.module is module:
+            _refuse_compiled_root(module)
 
 
 @torch.compiler.disable
