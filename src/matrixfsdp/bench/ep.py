@@ -40,13 +40,8 @@ Outputs in ``--out`` (default ``runs/bench_ep``): ``ep.json`` (everything) and `
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 import warnings
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,11 +51,9 @@ from torch import nn
 import matrixfsdp as mf
 
 from ..runtime.collectives import all_gather_object
-from ..train.launch import launch
 from .ep_model import SYSTEMS, EPBenchConfig, MoEConfig, apply_ep, build_moe
 from .ep_report import render, summarise
-from .measure import machine_info
-from .record import record_step
+from .record import record_step, run_grids
 
 
 # ---- one rank -------------------------------------------------------------------------------
@@ -191,35 +184,9 @@ def parse_args(argv: list[str] | None) -> EPBenchConfig:
                          out=a.out)
 
 
-def _rank(args: tuple[EPBenchConfig, int, int, str]) -> None:
-    cfg, d, ep, path = args
-    res = measure(cfg, d, ep)
-    if dist.get_rank() == 0:
-        res["machine"] = machine_info()  # as a rank sees it (its threads)
-        Path(path).write_text(json.dumps(res))
-
-
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    t0 = time.perf_counter()
-    grids = []
-    for d, ep in cfg.grids:
-        path = out / f".grid_{d}x{ep}.json"
-        print(f"[bench --ep] dp_shard_mod_ep {d} x ep {ep} ...", flush=True)
-        launch(_rank, (cfg, d, ep, str(path)), d * ep, timeout_s=cfg.timeout)
-        grids.append(json.loads(path.read_text()))
-        path.unlink()
-    results = {"config": asdict(cfg), "torch": torch.__version__, "machine": grids[0]["machine"],
-               "wall_s": time.perf_counter() - t0, "method": __doc__, "grids": grids}
-    (out / "ep.json").write_text(json.dumps(results, indent=1))
-    md = render(results)
-    (out / "ep.md").write_text(md)
-    print(md)
-    print(f"total wall time {results['wall_s']:.1f} s; results in {out}")
-    return 0
+    return run_grids("ep", parse_args(argv), measure, render, __doc__,
+                     lambda d, ep: f"dp_shard_mod_ep {d} x ep {ep}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,13 @@ measured step (FSDP2 and the runtime look them up at call time, as ``bench/link.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +25,8 @@ import matrixfsdp as mf
 
 from ..runtime.collectives import pipeline_load, ring_load
 from ..runtime.storage import UnitStorage
+from ..train.launch import launch
+from .measure import machine_info
 
 STEP_PHASES = ("forward", "backward", "step")  # when a call was issued
 
@@ -167,3 +174,39 @@ def record_step(model: nn.Module, opt: torch.optim.Optimizer, data: list[torch.T
     if stats is not None:
         r["comm_stats"] = stats.summary()
     return r
+
+
+# ---- running the grids ------------------------------------------------------------------------
+def _grid_rank(args: tuple) -> None:
+    measure, cfg, a, b, path = args
+    res = measure(cfg, a, b)
+    if dist.get_rank() == 0:
+        res["machine"] = machine_info()  # as a rank sees it (its threads)
+        Path(path).write_text(json.dumps(res))
+
+
+def run_grids(name: str, cfg: Any, measure: Callable, render: Callable[[dict], str],
+              method: str | None, label: Callable[[int, int], str]) -> int:
+    """Run ``measure(cfg, a, b)`` on ``a * b`` local ranks for every grid ``(a, b)`` of
+    ``cfg.grids``; write ``<name>.json`` (everything) and ``<name>.md`` (``render``'s
+    tables) into ``cfg.out`` and print the tables. ``measure`` is a module-level function
+    (the ranks unpickle it)."""
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    t0 = time.perf_counter()
+    grids = []
+    for a, b in cfg.grids:
+        path = out / f".grid_{a}x{b}.json"
+        print(f"[bench --{name}] {label(a, b)} ...", flush=True)
+        launch(_grid_rank, (measure, cfg, a, b, str(path)), a * b, timeout_s=cfg.timeout)
+        grids.append(json.loads(path.read_text()))
+        path.unlink()
+    results = {"config": asdict(cfg), "torch": torch.__version__, "machine": grids[0]["machine"],
+               "wall_s": time.perf_counter() - t0, "method": method, "grids": grids}
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    md = render(results)
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    print(f"total wall time {results['wall_s']:.1f} s; results in {out}")
+    return 0

@@ -72,13 +72,8 @@ Outputs in ``--out`` (default ``runs/bench_tp``): ``tp.json`` (everything) and `
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 import warnings
-from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -88,9 +83,7 @@ from torch import nn
 import matrixfsdp as mf
 
 from ..runtime.collectives import all_gather_object
-from ..train.launch import launch
-from .measure import machine_info
-from .record import record_step
+from .record import record_step, run_grids
 from .tp_model import SYSTEMS, Llama, LlamaConfig, TPBenchConfig, apply_tp
 from .tp_report import render, summarise
 
@@ -224,35 +217,9 @@ def parse_args(argv: list[str] | None) -> TPBenchConfig:
                          sequence_parallel=a.sequence_parallel, out=a.out)
 
 
-def _rank(args: tuple[TPBenchConfig, int, int, str]) -> None:
-    cfg, dp, tp, path = args
-    res = measure(cfg, dp, tp)
-    if dist.get_rank() == 0:
-        res["machine"] = machine_info()  # as a rank sees it (its threads)
-        Path(path).write_text(json.dumps(res))
-
-
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    t0 = time.perf_counter()
-    grids = []
-    for dp, tp in cfg.grids:
-        path = out / f".grid_{dp}x{tp}.json"
-        print(f"[bench --tp] dp {dp} x tp {tp} ...", flush=True)
-        launch(_rank, (cfg, dp, tp, str(path)), dp * tp, timeout_s=cfg.timeout)
-        grids.append(json.loads(path.read_text()))
-        path.unlink()
-    results = {"config": asdict(cfg), "torch": torch.__version__, "machine": grids[0]["machine"],
-               "wall_s": time.perf_counter() - t0, "method": __doc__, "grids": grids}
-    (out / "tp.json").write_text(json.dumps(results, indent=1))
-    md = render(results)
-    (out / "tp.md").write_text(md)
-    print(md)
-    print(f"total wall time {results['wall_s']:.1f} s; results in {out}")
-    return 0
+    return run_grids("tp", parse_args(argv), measure, render, __doc__,
+                     lambda dp, tp: f"dp {dp} x tp {tp}")
 
 
 if __name__ == "__main__":
