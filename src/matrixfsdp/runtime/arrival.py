@@ -92,13 +92,18 @@ class Watch:
     wall: float  # time.time(), comparable with a peer's post
 
 
+def _group(group: dist.ProcessGroup) -> _Group:
+    g = _groups.get(group)
+    if g is None:
+        g = _groups[group] = _Group(group)
+    return g
+
+
 def issued(group: dist.ProcessGroup, kind: str) -> Watch | None:
     """Number the collective of ``kind`` just issued on ``group`` (call it right after the
     issue, in the order the collectives are issued); None unless ``group`` is a gloo group
     of more than one rank. Hand the result to :func:`wait`."""
-    g = _groups.get(group)
-    if g is None:
-        g = _groups[group] = _Group(group)
+    g = _group(group)
     if not g.watched:
         return None
     g.count += 1
@@ -178,9 +183,7 @@ class Stage:
     (:meth:`explain`), where the backend's error names none."""
 
     def __init__(self, group: dist.ProcessGroup, kind: str):
-        g = _groups.get(group)
-        if g is None:
-            g = _groups[group] = _Group(group)
+        g = _group(group)
         self.group, self.kind, self.left = g, kind, None
         if g.watched:
             g.count += 1  # every rank enters its stages in the same order as its collectives
