@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import spawn
+from collectives import Collectives
 from reference import PARITY_TOL, assert_params_close, batches, rank_slice
-from test_parity import STEP_MARK, _count_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.train.models import GPT, GPTConfig
@@ -41,13 +40,11 @@ def _build(mesh, recipe: str | None, backend: str, mp):
     return model, opt
 
 
-def _step(model, opt, x, mark: bool) -> None:
-    logits = model(x[:, :-1])
+def _step(model, opt, x, counted: Collectives, counting: bool, first: bool = False) -> None:
+    with counted.during("forward", counting and first):
+        logits = model(x[:, :-1])
     F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).backward()
-    if mark:
-        with record_function(STEP_MARK):
-            opt.step()
-    else:
+    with counted.during("step", counting):
         opt.step()
     opt.zero_grad()
 
@@ -61,13 +58,13 @@ def _worker(rank, world_size, case, out_path):
     data = [rank_slice(x, rank, PER_RANK, False) for x in batches(STEPS, world_size, PER_RANK, SEQ)]
     plain, plain_opt = _build(mesh, None, case["backend"], mp)
     for x in data:
-        _step(plain, plain_opt, x, mark=False)
+        _step(plain, plain_opt, x, Collectives(), counting=False)
     model, opt = _build(mesh, case["recipe"], case["backend"], mp)
     counters.clear()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x in data:
-            _step(model, opt, x, mark=True)
-    step_collectives, other_collectives = _count_collectives(prof.events())
+    counted = Collectives()
+    for i, x in enumerate(data):
+        _step(model, opt, x, counted, counting=True, first=i == 0)
+    step_collectives, other_collectives = counted["step"], counted["forward"]
     dynamo = {"graphs": counters["stats"]["unique_graphs"],
               "breaks": sum(counters["graph_break"].values()),
               "frames": counters["frames"]["total"]}

@@ -13,11 +13,11 @@ from __future__ import annotations
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist import spawn
+from collectives import Collectives
 from ep_models import VOCAB, apply_ep, build_moe
 from reference import assert_params_close, reference_ns_fp32
-from test_parity import ADAMW, MUON, STEP_MARK, _count_collectives, _groups
+from test_parity import ADAMW, MUON, _groups
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import sharded_param
@@ -87,17 +87,17 @@ def _ep_2x2(rank, world, ckpt):
     assert [u.reshard_after_forward for u in mf.get_root(model).units] == [False] + [True] * 4
     opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
     norms = []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for step, x in enumerate(data):
-            x = x[rank * PER:(rank + 1) * PER]
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            norms.append(mf.clip_grad_norm_(model.parameters(), CLIP).item())
-            with record_function(STEP_MARK):
-                opt.step()
-            opt.zero_grad()
-            if step == 1:
-                dcp.save(mf.get_state_dict(model, opt), checkpoint_id=ckpt)
-    assert _count_collectives(prof.events())[0] == 0
+    counted = Collectives()
+    for step, x in enumerate(data):
+        x = x[rank * PER:(rank + 1) * PER]
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        norms.append(mf.clip_grad_norm_(model.parameters(), CLIP).item())
+        with counted.during("step"):
+            opt.step()
+        opt.zero_grad()
+        if step == 1:
+            dcp.save(mf.get_state_dict(model, opt), checkpoint_id=ckpt)
+    assert counted["step"] == 0
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
     # each expert whole on one rank: this rank's experts are a whole-expert range of its
     # ep rank's local stack

@@ -11,12 +11,11 @@ import os
 import pytest
 import torch
 from _dist import spawn
+from collectives import Collectives
 from reference import assert_params_close, batches, rank_slice, reference_ns_fp32
 from reference import is_muon_name as is_muon
-from test_parity import STEP_MARK, _count_collectives
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import placement_of
@@ -70,13 +69,13 @@ def _worker(rank, world_size, case, out_path):
                                        adamw_weight_decay=ADAMW["weight_decay"]))
     muon_names = sorted(placement_of(p).spec.name for g in opt.param_groups if g["use_muon"]
                         for p in g["params"])
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x in batches(STEPS, world_size, PER_RANK, SEQ):
-            loss_of(model, rank_slice(x, rank, PER_RANK, case.get("same_data", False))).backward()
-            with record_function(STEP_MARK):
-                opt.step()
-            opt.zero_grad()
-    inside, _ = _count_collectives(prof.events())
+    counted = Collectives()
+    for x in batches(STEPS, world_size, PER_RANK, SEQ):
+        loss_of(model, rank_slice(x, rank, PER_RANK, case.get("same_data", False))).backward()
+        with counted.during("step"):
+            opt.step()
+        opt.zero_grad()
+    inside = counted["step"]
     state = mf.full_state_dict(model)
     if rank == 0:
         torch.save({"params": state, "muon": muon_names, "step_collectives": inside}, out_path)

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import spawn
+from collectives import Collectives
 from reference import (
     PARITY_TOL,
     assert_params_close,
@@ -24,7 +25,7 @@ from reference import (
     reference_ns_fp32,
     train_reference,
 )
-from test_parity import ADAMW, MUON, ODD, STEP_MARK, _count_collectives, _groups
+from test_parity import ADAMW, MUON, ODD, _groups
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -77,36 +78,37 @@ def _train(rank, job):
     opt = mf.Muon(_groups(model, MUON, job["adamw"], ns_dtype))
     data = batches(STEPS, R * S, PER_RANK, SEQ)
     identical, unsynced = [], []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for step, x in enumerate(data):
-            x = rank_slice(x, rank, PER_RANK, job["same_data"])
-            if step == job.get("fail_step"):  # raises inside backward; caught, step skipped
-                _failed_backward(model, x)
-                opt.zero_grad(set_to_none=True)
-                continue
-            micro = job.get("micro", 1)
-            for k, xm in enumerate(x.chunk(micro)):
-                model.set_requires_gradient_sync(k == micro - 1)  # no reduce before the last
-                loss = model.loss(xm[:, :-1], xm[:, 1:]) / micro
-                if k == 0:  # the forward broadcast the matrices stepped last step
-                    identical.append(_replicas_equal(root))
-                before = _reduce_calls(model)
-                loss.backward()
-                if k < micro - 1:
-                    unsynced.append(_reduce_calls(model) - before)
-            if job.get("eval_between"):  # a gather between backward and step (metrics)
-                with torch.no_grad():
-                    model.loss(x[:, :-1], x[:, 1:])
-            if job.get("clip"):  # the global norm: each element once over the 2-D mesh
-                mf.clip_grad_norm_(model.parameters(), job["clip"])
-            for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank
-                pl = placement_of(p)
-                if pl.owner is not None:
-                    assert (p.grad is not None) == (pl.owner == world_rank), pl.spec.name
-            with record_function(STEP_MARK):
-                opt.step()
+    counted = Collectives()
+    for step, x in enumerate(data):
+        x = rank_slice(x, rank, PER_RANK, job["same_data"])
+        if step == job.get("fail_step"):  # raises inside backward; caught, step skipped
+            _failed_backward(model, x)
             opt.zero_grad(set_to_none=True)
-    inside, other = _count_collectives(prof.events())
+            continue
+        micro = job.get("micro", 1)
+        for k, xm in enumerate(x.chunk(micro)):
+            model.set_requires_gradient_sync(k == micro - 1)  # no reduce before the last
+            with counted.during("forward", not counted["forward"]):
+                loss = model.loss(xm[:, :-1], xm[:, 1:]) / micro
+            if k == 0:  # the forward broadcast the matrices stepped last step
+                identical.append(_replicas_equal(root))
+            before = _reduce_calls(model)
+            loss.backward()
+            if k < micro - 1:
+                unsynced.append(_reduce_calls(model) - before)
+        if job.get("eval_between"):  # a gather between backward and step (metrics)
+            with torch.no_grad():
+                model.loss(x[:, :-1], x[:, 1:])
+        if job.get("clip"):  # the global norm: each element once over the 2-D mesh
+            mf.clip_grad_norm_(model.parameters(), job["clip"])
+        for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank
+            pl = placement_of(p)
+            if pl.owner is not None:
+                assert (p.grad is not None) == (pl.owner == world_rank), pl.spec.name
+        with counted.during("step"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    inside, other = counted["step"], counted["forward"]
     for p in model.parameters():  # momentum only on the owning world rank
         pl = placement_of(p)
         if pl.owner is not None:

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 from _dist import spawn
+from collectives import Collectives
 from reference import assert_params_close, batches, build_model, is_muon_name, rank_slice, reference_ns_fp32
-from test_parity import ODD, STEP_MARK, _count_collectives
+from test_parity import ODD
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.train.models import GPTConfig
@@ -41,22 +41,22 @@ def _worker(rank, world_size, case, out_path):
                                        adamw_weight_decay=ADAMW["weight_decay"]))
     stats = mf.comm_stats(model)
     logits_dtype = None
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x in batches(STEPS, world_size, PER_RANK, SEQ):
-            x = rank_slice(x, rank, PER_RANK, case["same_data"])
-            stats.reset()
-            logits = model(x[:, :-1])
-            logits_dtype = logits.dtype
-            torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                              x[:, 1:].reshape(-1)).backward()
-            assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
-                       for p in model.parameters() if p.grad is not None)
-            with record_function(STEP_MARK):
-                opt.step()
-            opt.zero_grad()
+    counted = Collectives()
+    for x in batches(STEPS, world_size, PER_RANK, SEQ):
+        x = rank_slice(x, rank, PER_RANK, case["same_data"])
+        stats.reset()
+        logits = model(x[:, :-1])
+        logits_dtype = logits.dtype
+        torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                          x[:, 1:].reshape(-1)).backward()
+        assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
+                   for p in model.parameters() if p.grad is not None)
+        with counted.during("step"):
+            opt.step()
+        opt.zero_grad()
     for state in opt.state.values():
         assert all(v.dtype == torch.float32 for k, v in state.items() if k != "step")
-    inside, _ = _count_collectives(prof.events())
+    inside = counted["step"]
     step_bytes = stats.phase()  # the last step's (full_state_dict's gathers count too)
     state = mf.full_state_dict(model)
     if rank == 0:

@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _dist import spawn
+from collectives import Collectives
 from reference import NS_TOL, PARITY_TOL, assert_params_close, log_diff, reference_ns_fp32
 from reference import is_muon_stack_name as is_muon_ref
-from test_parity import STEP_MARK, _count_collectives
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.optim.muon import adjusted_lr
@@ -142,13 +141,15 @@ def train_sharded(kind: str, rank: int, world_size: int) -> dict:
     adamw = {f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}
     opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32,
                                        adamw_lr=ADAMW["lr"], **adamw))
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x in global_batches(world_size):
-            loss_fn(model, kind, x[rank * PER_RANK:(rank + 1) * PER_RANK]).backward()
-            with record_function(STEP_MARK):
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-    inside, other = _count_collectives(prof.events())
+    counted = Collectives()
+    for i, x in enumerate(global_batches(world_size)):
+        with counted.during("forward", i == 0):
+            loss = loss_fn(model, kind, x[rank * PER_RANK:(rank + 1) * PER_RANK])
+        loss.backward()
+        with counted.during("step"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    inside, other = counted["step"], counted["forward"]
     momentum, ranges = {}, {}
     for p in model.parameters():
         pl = placement_of(p)

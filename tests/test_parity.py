@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 from _dist import spawn
+from collectives import Collectives
 from reference import (
     assert_params_close,
     batches,
@@ -19,7 +20,6 @@ from reference import (
     train_reference,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import placement_of
@@ -35,28 +35,12 @@ MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 # bounds that amplification, so the tight tests check the distribution logic, not Adam's
 # conditioning. The bit-identical test uses torch's default eps.
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)
-COLLECTIVE_PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
-STEP_MARK = "matrixfsdp_test.optimizer_step"
 
 
 def _groups(model, muon_kw, adamw_kw, ns_dtype, **options):
     adamw = {f"adamw_{k}": v for k, v in adamw_kw.items() if k != "lr"}
     return mf.muon_param_groups(model, **muon_kw, ns_dtype=ns_dtype, adamw_lr=adamw_kw["lr"],
                                 **adamw, **options)
-
-
-def _count_collectives(events) -> tuple[int, int]:
-    """(collectives inside an optimizer step, all other collectives), from profiler events
-    on any thread, at the process-group level."""
-    steps = [e.time_range for e in events if e.name == STEP_MARK]
-    inside = other = 0
-    for e in events:
-        if e.name.startswith(COLLECTIVE_PREFIXES):
-            if any(s.start <= e.time_range.start <= s.end for s in steps):
-                inside += 1
-            else:
-                other += 1
-    return inside, other
 
 
 def _train_worker(rank, world_size, case, out_path):
@@ -70,32 +54,32 @@ def _train_worker(rank, world_size, case, out_path):
     opt = mf.Muon(_groups(model, case["muon"], case["adamw"], ns_dtype))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay) if case.get("schedule") else None
     data = batches(STEPS, world_size, PER_RANK, SEQ)
-    # One profiler over the whole run: steps are marked, and collectives are attributed to
-    # them by time, so events recorded on gloo's own worker threads count too.
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for i, x in enumerate(data):
-            x = rank_slice(x, rank, PER_RANK, case["same_data"])
-            micro = case.get("micro", 1)  # gradient accumulation over micro-batches
-            for xm in x.chunk(micro):
-                (model.loss(xm[:, :-1], xm[:, 1:]) / micro).backward()
-            # Between steps only this rank's shards stay allocated: every unit is resharded.
-            assert all(u.storage.whole.untyped_storage().size() == 0 for u in mf.get_root(model).units)
-            with record_function(STEP_MARK):
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            assert all(p.grad is None for p in model.parameters())
-            if sched:
-                sched.step()
-            if case.get("checkpoint_at") == i + 1:  # save, rebuild from scratch, load, go on
-                saved = (mf.full_state_dict(model), opt.state_dict())
-                model = build_model(case.get("kind", "gpt"), cfg, seed=123)
-                for block in model.layers:
-                    mf.fully_shard(block, mesh=mesh)
-                mf.fully_shard(model, mesh=mesh)
-                mf.load_full_state_dict(model, saved[0])
-                opt = mf.Muon(_groups(model, case["muon"], case["adamw"], ns_dtype))
-                opt.load_state_dict(saved[1])
-    step_collectives, other_collectives = _count_collectives(prof.events())
+    counted = Collectives()
+    for i, x in enumerate(data):
+        x = rank_slice(x, rank, PER_RANK, case["same_data"])
+        micro = case.get("micro", 1)  # gradient accumulation over micro-batches
+        for xm in x.chunk(micro):
+            with counted.during("forward", i == 0):
+                loss = model.loss(xm[:, :-1], xm[:, 1:]) / micro
+            loss.backward()
+        # Between steps only this rank's shards stay allocated: every unit is resharded.
+        assert all(u.storage.whole.untyped_storage().size() == 0 for u in mf.get_root(model).units)
+        with counted.during("step"):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in model.parameters())
+        if sched:
+            sched.step()
+        if case.get("checkpoint_at") == i + 1:  # save, rebuild from scratch, load, go on
+            saved = (mf.full_state_dict(model), opt.state_dict())
+            model = build_model(case.get("kind", "gpt"), cfg, seed=123)
+            for block in model.layers:
+                mf.fully_shard(block, mesh=mesh)
+            mf.fully_shard(model, mesh=mesh)
+            mf.load_full_state_dict(model, saved[0])
+            opt = mf.Muon(_groups(model, case["muon"], case["adamw"], ns_dtype))
+            opt.load_state_dict(saved[1])
+    step_collectives, other_collectives = counted["step"], counted["forward"]
     owners = {}
     for p in model.parameters():
         pl = placement_of(p)
@@ -129,15 +113,15 @@ def _run(case, world_size, tmp_path):
 
 
 def test_collective_counter_sees_a_collective_inside_a_step(world1):
-    """The zero-collectives check can fail: a collective issued inside a marked step counts."""
+    """The zero-collectives check can fail: a collective issued inside a counted step counts,
+    one issued outside it does not."""
     import torch.distributed as dist
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    counted = Collectives()
+    dist.all_reduce(torch.ones(3))
+    with counted.during("step"):
         dist.all_reduce(torch.ones(3))
-        with record_function(STEP_MARK):
-            dist.all_reduce(torch.ones(3))
-            dist.all_reduce(torch.ones(3))
-    inside, other = _count_collectives(prof.events())
-    assert inside >= 2 and other >= 1, (inside, other)
+        dist.all_reduce(torch.ones(3), async_op=True).wait()
+    assert counted["step"] >= 2 and counted["other"] == 0, counted
 
 
 def test_same_data_two_ranks_bit_identical(tmp_path):

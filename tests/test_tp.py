@@ -12,11 +12,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import spawn
+from collectives import Collectives
 from reference import assert_params_close, reference_ns_fp32
-from test_parity import ADAMW, MUON, STEP_MARK, _count_collectives, _groups
+from test_parity import ADAMW, MUON, _groups
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-from torch.profiler import ProfilerActivity, profile, record_function
 from tp_models import VOCAB, apply_tp, build_llama
 
 import matrixfsdp as mf
@@ -64,12 +64,16 @@ def _optimizer(model):
     return mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
 
 
-def _train(model, opt, data, dp_rank):
+def _train(model, opt, data, dp_rank, counted: Collectives):
+    """Steps over ``data``, this dp rank's rows; collectives counted in the steps and in the
+    first forward (``counted["step"]``, ``counted["forward"]``)."""
     for x in data:
         x = x[dp_rank * PER:(dp_rank + 1) * PER]
-        model.loss(x[:, :-1], x[:, 1:]).backward()
+        with counted.during("forward", not counted["forward"]):
+            loss = model.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
         mf.clip_grad_norm_(model.parameters(), CLIP)
-        with record_function(STEP_MARK):
+        with counted.during("step"):
             opt.step()
         opt.zero_grad()
 
@@ -81,11 +85,11 @@ def _tp_2x2(rank, world, ckpt):
     for sp in (True,):  # sequence parallelism: the Replicate norms' Partial gradients too
         model = _shard(apply_tp(build_llama(), mesh["tp"], sp), mesh["dp"])
         opt = _optimizer(model)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            _train(model, opt, data[:2], mesh["dp"].get_local_rank())
-            dcp.save(mf.get_state_dict(model, opt), checkpoint_id=ckpt)
-            _train(model, opt, data[2:], mesh["dp"].get_local_rank())
-        inside, other = _count_collectives(prof.events())
+        counted = Collectives()
+        _train(model, opt, data[:2], mesh["dp"].get_local_rank(), counted)
+        dcp.save(mf.get_state_dict(model, opt), checkpoint_id=ckpt)
+        _train(model, opt, data[2:], mesh["dp"].get_local_rank(), counted)
+        inside, other = counted["step"], counted["forward"]
         assert inside == 0 and other > 0, (inside, other)
         # every Muon matrix whole on exactly one rank of the 2 x 2 grid, with its momentum
         for p in model.parameters():
@@ -136,9 +140,9 @@ def _hsdp_tp(rank, world):
     ref = _reference(data)
     model = _shard(apply_tp(build_llama(), mesh["tp"], True), mesh["replicate", "shard"])
     opt = _optimizer(model)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _train(model, opt, data, mesh["replicate"].get_local_rank())
-    assert _count_collectives(prof.events())[0] == 0
+    counted = Collectives()
+    _train(model, opt, data, mesh["replicate"].get_local_rank(), counted)
+    assert counted["step"] == 0 and counted["forward"] > 0, counted
     assert_params_close(mf.full_state_dict(model), ref[-1], what="hsdp 2x1 x tp 2 ")
     # a (5, 32) weight split over tp 2 along dim 0
     model = build_llama()

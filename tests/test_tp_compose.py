@@ -41,10 +41,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import spawn
+from collectives import Collectives
 from reference import assert_params_close, is_muon_name, reference_ns_fp32
-from test_parity import ADAMW, MUON, STEP_MARK, _count_collectives, _groups
+from test_parity import ADAMW, MUON, _groups
 from torch.distributed.device_mesh import init_device_mesh
-from torch.profiler import ProfilerActivity, profile, record_function
 from tp_models import VOCAB, Llama, apply_tp, build_llama
 
 import matrixfsdp as mf
@@ -120,26 +120,28 @@ def _shard(model, dp_mesh, **kw):
 def _train(model, opts, dp_rank: int, micro: int = 1) -> tuple[int, int]:
     """3 steps on this dp rank's rows, ``micro`` micro-batches each (all but the last
     without gradient sync, which must then move no gradient); (collectives inside the
-    steps, all others)."""
+    steps, collectives of the first forward)."""
     stats = mf.comm_stats(model)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for x in _data():
-            for k, xm in enumerate(x[dp_rank * PER:(dp_rank + 1) * PER].chunk(micro)):
-                sync = k == micro - 1
-                if micro > 1:
-                    model.set_requires_gradient_sync(sync)
-                stats.reset()
-                (_loss(model, xm) / micro).backward()
-                if not sync:  # gathers only: no reduce, no tp gradient hop
-                    assert set(stats.phase()) == {"gather"}, stats.summary()
-                    assert "tp_grad_" not in "".join(stats.calls), stats.summary()
-            mf.clip_grad_norm_(model.parameters(), CLIP)
-            with record_function(STEP_MARK):
-                for o in opts:
-                    o.step()
+    counted = Collectives()
+    for i, x in enumerate(_data()):
+        for k, xm in enumerate(x[dp_rank * PER:(dp_rank + 1) * PER].chunk(micro)):
+            sync = k == micro - 1
+            if micro > 1:
+                model.set_requires_gradient_sync(sync)
+            stats.reset()
+            with counted.during("forward", i == k == 0):
+                loss = _loss(model, xm) / micro
+            loss.backward()
+            if not sync:  # gathers only: no reduce, no tp gradient hop
+                assert set(stats.phase()) == {"gather"}, stats.summary()
+                assert "tp_grad_" not in "".join(stats.calls), stats.summary()
+        mf.clip_grad_norm_(model.parameters(), CLIP)
+        with counted.during("step"):
             for o in opts:
-                o.zero_grad()
-    return _count_collectives(prof.events())
+                o.step()
+        for o in opts:
+            o.zero_grad()
+    return counted["step"], counted["forward"]
 
 
 def _save(out: str, model, counts, **extra) -> None:
