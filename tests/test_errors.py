@@ -175,3 +175,42 @@ def test_torch_matrix_optimizers_on_shards_are_refused(tmp_path):
     for rank in range(2):
         errors = torch.load(tmp_path / f"rank{rank}.pt")
         assert all("from this rank's piece" in e and "matrixfsdp.Muon" in e for e in errors), errors
+
+
+def test_an_old_model_collected_inside_a_later_step_leaves_the_step_alone(world1):
+    """A model built and dropped earlier (reachable only through a reference cycle, so a
+    garbage collection frees it) is collected in the middle of another model's optimizer
+    step: the step goes on. Before: each root removed its own step pre-hook from torch's
+    registry when it was collected, while torch was iterating that registry ("OrderedDict
+    mutated during iteration", at whichever step a collection happened to run)."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    gc.disable()  # nothing collected before the step does it
+    try:
+        old = _shard(GPT(CFG))
+        old.loss(*_tokens()).backward()  # a root that planned, with its step hook
+        del old
+        model = _shard(GPT(CFG))
+        opt = mf.Muon(mf.muon_param_groups(model))
+        model.loss(*_tokens()).backward()
+
+        def collect_garbage(*_) -> None:
+            gc.collect()
+
+        def after(*_) -> None:  # torch's iteration goes on past the collection
+            pass
+        hooks = [register_optimizer_step_pre_hook(collect_garbage),
+                 register_optimizer_step_pre_hook(after)]
+        try:
+            opt.step()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    finally:
+        gc.enable()
+
+
+def _tokens():
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    return x[:, :-1], x[:, 1:]

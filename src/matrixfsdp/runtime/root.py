@@ -69,7 +69,6 @@ class Root:
                                                 [u.name for u in units]) \
             if debug and self.world_size > 1 else None
         self.schedule = Schedule(enabled=overlap, polling=self.collective_check is None)
-        self.hooks: list = []  # removable handles (the optimizer step pre-hook)
         # this backward's reduces: unit index -> (which of its parameters had a gradient on
         # this rank, which of its shards had no .grad before), for drop_unused_grads
         self.grads_seen: dict[int, tuple[list[bool], list[bool]]] = {}
@@ -78,34 +77,31 @@ class Root:
         self.grads_held_by: str | None = None
 
     def install_step_hook(self) -> None:
-        """Register, for as long as this root lives, an optimizer step pre-hook (torch's
-        public registry, so it sees every optimizer, ours or not): refuse what would
-        silently differ from one process (:func:`~matrixfsdp.runtime.checks.check_optimizer_step`:
-        a non-element-wise optimizer on row shards; a trainable parameter outside every
-        unit), then the step's bookkeeping (:meth:`before_step`, :meth:`mark_stepped`) and
-        plain-tensor gradients for the optimizer. :meth:`close` removes it."""
-        root_ref = weakref.ref(self)
-
-        def hook(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-            r = root_ref()
-            if r is None:
-                return
-            check_optimizer_params(optimizer)
-            check_optimizer_first_step(optimizer, r)  # a torch optimizer: its settings, once
-            check_optimizer_step(optimizer)
-            r.check_grads_reduced()
-            r.before_step()  # unsharded copies kept past backward would go stale
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            r.mark_stepped(params)
-            release_grads(params)  # the optimizer's own norms (per matrix, on its owner) are right
-        self.hooks.append(register_optimizer_step_pre_hook(hook))
-        weakref.finalize(self, self.hooks[-1].remove)
+        """Run :meth:`before_optimizer_step` before every optimizer step (torch's public
+        registry of step pre-hooks, so it sees every optimizer, ours or not) for as long as
+        this root lives; :meth:`close` ends it."""
+        _LIVE_ROOTS[id(self)] = self
+        _register_step_hook_once()
 
     def close(self) -> None:
-        """Remove this root's global hooks (its units were unsharded or re-planned)."""
-        for h in self.hooks:
-            h.remove()
-        self.hooks.clear()
+        """End this root's optimizer step hook (its units were unsharded or re-planned)."""
+        if _LIVE_ROOTS.get(id(self)) is self:
+            del _LIVE_ROOTS[id(self)]
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse what would silently differ from one process
+        (:func:`~matrixfsdp.runtime.checks.check_optimizer_step`: a non-element-wise
+        optimizer on row shards; a trainable parameter outside every unit), then the step's
+        bookkeeping (:meth:`before_step`, :meth:`mark_stepped`) and plain-tensor gradients
+        for the optimizer."""
+        check_optimizer_params(optimizer)
+        check_optimizer_first_step(optimizer, self)  # a torch optimizer: its settings, once
+        check_optimizer_step(optimizer)
+        self.check_grads_reduced()
+        self.before_step()  # unsharded copies kept past backward would go stale
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.mark_stepped(params)
+        release_grads(params)  # the optimizer's own norms (per matrix, on its owner) are right
 
     def check_grads_reduced(self) -> None:
         """Before an optimizer step: raise if a pipeline stage still holds this step's
@@ -304,3 +300,22 @@ class Root:
         self.registration_check_due = True
         if self.collective_check is not None:
             self.collective_check.step += 1
+
+
+# The roots alive in this process, each stepped by the one step pre-hook below. One hook
+# for all roots, registered once: a hook per root, removed when its root is collected,
+# mutated torch's hook registry whenever a garbage collection inside an optimizer step
+# (torch iterating that registry) collected an old root ("OrderedDict mutated during
+# iteration", at random steps of a process that had built a model before).
+_LIVE_ROOTS: weakref.WeakValueDictionary[int, Root] = weakref.WeakValueDictionary()  # in creation order
+_STEP_HOOK: list = []
+
+
+def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for root in list(_LIVE_ROOTS.values()):
+        root.before_optimizer_step(optimizer)
+
+
+def _register_step_hook_once() -> None:
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_optimizer_step))
