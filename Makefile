@@ -21,8 +21,10 @@ demo: $(BIN)/.installed
 
 # Two pytest workers, one test file each at a time (a file's ranks and module fixtures stay
 # in one worker): the suite is CPU-bound, and two keep both cores of a small machine busy.
+# Bytecode is cached even where the environment says not to: the suite starts some 30
+# fresh interpreters and many more rank processes that import the package and tests.
 test: $(BIN)/.installed lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -38,24 +39,22 @@ def test_rank_killed_mid_save_then_resume_loses_nothing(tmp_path):
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
     # 1. the last rank stalls in the save of step 4 after writing its data, before the commit
-    crash = subprocess.Popen([*TRAIN, "--ranks", "2", "--out", str(out)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             env={**ENV, "MATRIXFSDP_TEST_STALL_SAVE": "4"})
+    #    (the launcher runs in a thread of this process: its ranks are what is killed)
+    crash: list = []
+    launcher = threading.Thread(target=lambda: crash.append(run_cli(
+        *TRAIN[3:], "--ranks", "2", "--out", str(out), env={**ENV, "MATRIXFSDP_TEST_STALL_SAVE": "4"})))
+    launcher.start()
     pid_file = out / "stalled_rank.pid"
     deadline = time.monotonic() + 180
     while not pid_file.exists():
-        if crash.poll() is not None or time.monotonic() > deadline:
-            os.killpg(crash.pid, signal.SIGKILL)
-            pytest.fail(f"no rank stalled in the save: {crash.communicate()[1][-3000:]}")
+        assert launcher.is_alive(), f"the run ended with no rank stalled in the save: {crash}"
+        assert time.monotonic() < deadline, "no rank stalled in the save"
         time.sleep(0.2)
     time.sleep(0.3)
     os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    try:
-        _, err = crash.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(crash.pid, signal.SIGKILL)
-        raise
-    assert crash.returncode != 0 and "killed by signal SIGKILL" in err, err[-2000:]
+    launcher.join(60)
+    assert not launcher.is_alive(), "the launcher did not end after its rank was killed"
+    assert crash[0].returncode != 0 and "killed by signal SIGKILL" in crash[0].stderr, crash[0].stderr[-2000:]
 
     partial = ckpts / ".step_00000004.partial"
     assert is_complete(ckpts / "step_00000002")
