@@ -59,10 +59,12 @@ def _ppid(pid: int) -> int | None:
 
 
 def _ranks(sid: int) -> list[int]:
-    """The rank processes of launcher ``sid``: the children of its fork server."""
+    """The rank processes of launcher ``sid``: its own children (a single-threaded launcher
+    forks its ranks), or its fork server's; never multiprocessing's helper processes."""
     procs = _session(sid)
-    servers = {pid for pid, cmd in procs.items() if "forkserver" in cmd and _ppid(pid) == sid}
-    return sorted(pid for pid in procs if _ppid(pid) in servers)
+    parents = {sid} | {pid for pid, cmd in procs.items() if "forkserver" in cmd and _ppid(pid) == sid}
+    return sorted(pid for pid, cmd in procs.items() if _ppid(pid) in parents
+                  and "forkserver" not in cmd and "resource_tracker" not in cmd)
 
 
 def _ignore_sigint() -> None:
