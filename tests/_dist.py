@@ -25,6 +25,7 @@ import gc
 import multiprocessing
 import os
 import queue
+import shutil
 import tempfile
 import time
 import traceback
@@ -168,6 +169,10 @@ class _Pool:
         for p in self.procs:
             p.start()
         self.next_id = 0
+        # The last job's rendezvous directory: its ranks reset (and their FileStores, which
+        # touch the file, are collected) after they report, so it goes once the next job
+        # is done, when every rank is past that reset.
+        self.last_tmp: str | None = None
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -175,7 +180,8 @@ class _Pool:
     def run(self, fn, args: tuple, timeout: float, init: bool = True) -> None:
         self.next_id += 1
         job_id = self.next_id
-        with tempfile.TemporaryDirectory() as tmp:
+        tmp = tempfile.mkdtemp()
+        try:
             init_file = os.path.join(tmp, "init") if init else None
             for q in self.jobs:
                 q.put((job_id, init_file, fn, args))
@@ -199,10 +205,18 @@ class _Pool:
                     continue
                 if got_id == job_id:
                     errors[rank] = error
+        finally:
+            self._forget_tmp()
+            self.last_tmp = tmp
         failed = [e for e in errors.values() if e]
         if failed:
             raise RuntimeError(f"{fn.__name__} failed on {len(failed)} of {self.world_size} ranks:\n"
                                + "\n".join(failed))
+
+    def _forget_tmp(self) -> None:
+        if self.last_tmp is not None:
+            shutil.rmtree(self.last_tmp, ignore_errors=True)
+            self.last_tmp = None
 
     def close(self, kill: bool = False) -> None:
         for p, q in zip(self.procs, self.jobs):
@@ -213,6 +227,7 @@ class _Pool:
             if p.is_alive():
                 p.kill()
                 p.join()
+        self._forget_tmp()
 
 
 _POOLS: dict[int, _Pool] = {}
