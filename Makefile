@@ -12,7 +12,9 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,bench]"
+	# Not compiled to bytecode here (14 s of transformers' thousands of files): what the suite
+	# imports is compiled once, on first import (make test caches bytecode).
+	$(BIN)/pip install -q --no-compile -e ".[test,bench]"
 	$(BIN)/pip install -q --no-deps $(PEERS)
 	touch $@
 

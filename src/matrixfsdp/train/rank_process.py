@@ -40,9 +40,10 @@ PRELOAD = ["torch", "torch.distributed", "matrixfsdp"]
 
 
 class FromLauncher:
-    """Pickled into a rank being started, it carries the launcher's environment and, as
-    file descriptors, its stdout, stderr and the read end of the launcher's liveness pipe
-    (``alive_fd``); :meth:`adopt` in the rank puts them in place."""
+    """Handed to a rank being started, it carries the launcher's environment, the read end
+    of the launcher's liveness pipe (``alive_fd``) and, pickled into a fork server's rank,
+    the launcher's stdout and stderr as file descriptors (a rank the launcher forks has
+    them already); :meth:`adopt` in the rank puts them in place."""
 
     def __init__(self, alive_fd: int, write_fd: int, launcher: int):
         self.alive_fd, self.launcher = alive_fd, launcher
