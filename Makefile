@@ -8,13 +8,11 @@ PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.
 
 .PHONY: demo test lint bench plan clean
 
-# The extras are not compiled to bytecode at install (14 s of transformers' thousands of
-# files): what the suite imports is compiled once, on first import (make test caches it).
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q --no-compile -e ".[test,bench]"
+	$(BIN)/pip install -q -e ".[test,bench]"
 	$(BIN)/pip install -q --no-deps $(PEERS)
 	touch $@
 
