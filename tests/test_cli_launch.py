@@ -59,12 +59,10 @@ def _ppid(pid: int) -> int | None:
 
 
 def _ranks(sid: int) -> list[int]:
-    """The rank processes of launcher ``sid``: its own children (a single-threaded launcher
-    forks its ranks), or its fork server's; never multiprocessing's helper processes."""
+    """The rank processes of launcher ``sid``: the children of its fork server."""
     procs = _session(sid)
     servers = {pid for pid, cmd in procs.items() if "forkserver" in cmd and _ppid(pid) == sid}
-    return sorted(pid for pid, cmd in procs.items() if _ppid(pid) in servers | {sid}
-                  and pid not in servers and "resource_tracker" not in cmd)
+    return sorted(pid for pid in procs if _ppid(pid) in servers)
 
 
 def _ignore_sigint() -> None:
@@ -73,20 +71,13 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-# The command run by a process that has another thread: its ranks come from the fork server.
-THREADED = ("import threading, time; threading.Thread(target=time.sleep, args=(1e6,), daemon=True)"
-            ".start(); from matrixfsdp.__main__ import run; run()")
-
-
 class _Launcher:
-    """``matrixfsdp train`` in a session of its own, its output read as it comes;
-    ``threaded``: run by a process with a second thread (which may not fork its ranks)."""
+    """``matrixfsdp train`` in a session of its own, its output read as it comes."""
 
-    def __init__(self, tmp_path, *extra: str, ignore_sigint: bool = False, threaded: bool = False):
+    def __init__(self, tmp_path, *extra: str, ignore_sigint: bool = False):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, *(["-c", THREADED] if threaded else ["-m", "matrixfsdp"]), *TRAIN,
-             "--out", str(tmp_path), *extra],
+            [sys.executable, "-m", "matrixfsdp", *TRAIN, "--out", str(tmp_path), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True, preexec_fn=_ignore_sigint if ignore_sigint else None)
         self.out: list[str] = []
@@ -234,21 +225,16 @@ def _sigkill_launcher(proc, ranks: list[int], out) -> float:
     return gone_s
 
 
-@pytest.mark.parametrize("threaded", [False, True], ids=["forked by the command", "fork server"])
-def test_sigkill_to_the_launcher_ends_every_rank_and_nothing_is_committed_after(tmp_path, threaded):
+def test_sigkill_to_the_launcher_ends_every_rank_and_nothing_is_committed_after(tmp_path):
     """A scheduler or the OOM killer SIGKILLs the launcher mid-run, which was started with
     SIGINT ignored as background jobs are (torch's own parent-death signal is SIGINT: these
     ranks trained on and committed every checkpoint to step 400). Every rank must be gone
-    within seconds (each watches the launcher's pipe), and no checkpoint appear after: ranks
-    forked by the command itself, and ranks of the fork server (a launcher with threads)."""
-    run = _Launcher(tmp_path, "--steps", "400", "--save-every", "10", ignore_sigint=True,
-                    threaded=threaded)
+    within seconds (the kernel SIGKILLs it: PR_SET_PDEATHSIG), and no checkpoint appear after."""
+    run = _Launcher(tmp_path, "--steps", "400", "--save-every", "10", ignore_sigint=True)
     try:
         _first_checkpoint(run.proc, tmp_path / "checkpoints", run.err)
         ranks = _ranks(run.proc.pid)
         assert len(ranks) == 2, _session(run.proc.pid)
-        parents = {_ppid(pid) for pid in ranks}
-        assert (parents == {run.proc.pid}) != threaded, (parents, _session(run.proc.pid))
         _sigkill_launcher(run.proc, ranks, tmp_path)
         run.drain()
         run.assert_nothing_left()
