@@ -124,18 +124,22 @@ def _job_loop(rank: int, world_size: int, jobs, results, session: int) -> None:
         if job is None:
             exit_rank(0)  # leave without interpreter finalization (see matrixfsdp.train.exit)
         job_id, init_file, fn, args = job
-        error, reset_failed = reset_failed, None
+        error = None
         try:
             if init_file is not None:
                 _init(rank, world_size, init_file)
             fn(rank, world_size, *args)
         except BaseException as e:  # noqa: BLE001 (reported to the parent)
             error = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
+            if dist.is_initialized():  # at once: peers blocked on this rank see it leave
+                dist.destroy_process_group()
         finally:
             _settle()
             os.environ.clear()
             os.environ.update(env)
             os.chdir(cwd)
+        error = "\n".join(e for e in (reset_failed, error) if e) or None
+        reset_failed = None
         results.put((job_id, rank, error))
         try:  # a failed rank's group is destroyed here too: its peers see the connection close
             _reset()

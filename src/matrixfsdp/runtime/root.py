@@ -81,7 +81,6 @@ class Root:
         registry of step pre-hooks, so it sees every optimizer, ours or not) for as long as
         this root lives; :meth:`close` ends it."""
         _LIVE_ROOTS[id(self)] = self
-        _register_step_hook_once()
 
     def close(self) -> None:
         """End this root's optimizer step hook (its units were unsharded or re-planned)."""
@@ -302,13 +301,13 @@ class Root:
             self.collective_check.step += 1
 
 
-# The roots alive in this process, each stepped by the one step pre-hook below. One hook
-# for all roots, registered once: a hook per root, removed when its root is collected,
-# mutated torch's hook registry whenever a garbage collection inside an optimizer step
-# (torch iterating that registry) collected an old root ("OrderedDict mutated during
-# iteration", at random steps of a process that had built a model before).
+# The roots alive in this process, each stepped by the one step pre-hook below, registered
+# when this module is imported (one place among torch's global hooks, whatever the
+# process built before). A hook per root, removed when its root was collected, mutated
+# torch's hook registry whenever a garbage collection inside an optimizer step (torch
+# iterating that registry) collected an old root ("OrderedDict mutated during iteration",
+# at random steps of a process that had built a model before).
 _LIVE_ROOTS: weakref.WeakValueDictionary[int, Root] = weakref.WeakValueDictionary()  # in creation order
-_STEP_HOOK: list = []
 
 
 def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -316,6 +315,4 @@ def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -
         root.before_optimizer_step(optimizer)
 
 
-def _register_step_hook_once() -> None:
-    if not _STEP_HOOK:
-        _STEP_HOOK.append(register_optimizer_step_pre_hook(_before_any_optimizer_step))
+register_optimizer_step_pre_hook(_before_any_optimizer_step)
