@@ -90,14 +90,16 @@ def _ep_2x2(rank, world, ckpt):
     counted = Collectives()
     for step, x in enumerate(data):
         x = x[rank * PER:(rank + 1) * PER]
-        model.loss(x[:, :-1], x[:, 1:]).backward()
+        with counted.during("forward", step == 0):
+            loss = model.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
         norms.append(mf.clip_grad_norm_(model.parameters(), CLIP).item())
         with counted.during("step"):
             opt.step()
         opt.zero_grad()
         if step == 1:
             dcp.save(mf.get_state_dict(model, opt), checkpoint_id=ckpt)
-    assert counted["step"] == 0
+    assert counted["step"] == 0 and counted["forward"] > 0, counted
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
     # each expert whole on one rank: this rank's experts are a whole-expert range of its
     # ep rank's local stack

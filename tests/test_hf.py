@@ -70,12 +70,15 @@ def _worker(rank, world_size, case, out_path):
     muon_names = sorted(placement_of(p).spec.name for g in opt.param_groups if g["use_muon"]
                         for p in g["params"])
     counted = Collectives()
-    for x in batches(STEPS, world_size, PER_RANK, SEQ):
-        loss_of(model, rank_slice(x, rank, PER_RANK, case.get("same_data", False))).backward()
+    for i, x in enumerate(batches(STEPS, world_size, PER_RANK, SEQ)):
+        with counted.during("forward", i == 0):
+            loss = loss_of(model, rank_slice(x, rank, PER_RANK, case.get("same_data", False)))
+        loss.backward()
         with counted.during("step"):
             opt.step()
         opt.zero_grad()
     inside = counted["step"]
+    assert counted["forward"] > 0, "the profiler saw no collective in a forward"
     state = mf.full_state_dict(model)
     if rank == 0:
         torch.save({"params": state, "muon": muon_names, "step_collectives": inside}, out_path)

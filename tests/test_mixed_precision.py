@@ -42,10 +42,11 @@ def _worker(rank, world_size, case, out_path):
     stats = mf.comm_stats(model)
     logits_dtype = None
     counted = Collectives()
-    for x in batches(STEPS, world_size, PER_RANK, SEQ):
+    for i, x in enumerate(batches(STEPS, world_size, PER_RANK, SEQ)):
         x = rank_slice(x, rank, PER_RANK, case["same_data"])
         stats.reset()
-        logits = model(x[:, :-1])
+        with counted.during("forward", i == 0):
+            logits = model(x[:, :-1])
         logits_dtype = logits.dtype
         torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
                                           x[:, 1:].reshape(-1)).backward()
@@ -57,6 +58,7 @@ def _worker(rank, world_size, case, out_path):
     for state in opt.state.values():
         assert all(v.dtype == torch.float32 for k, v in state.items() if k != "step")
     inside = counted["step"]
+    assert counted["forward"] > 0, "the profiler saw no collective in a forward"
     step_bytes = stats.phase()  # the last step's (full_state_dict's gathers count too)
     state = mf.full_state_dict(model)
     if rank == 0:
