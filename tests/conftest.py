@@ -33,11 +33,12 @@ def pytest_collection_finish(session):
 # cores), run first: `make test` hands whole files to two workers in collection order
 # (`--dist loadfile --no-loadscope-reorder`), so that longest-first leaves only short files
 # for the end, where one worker would otherwise run a long one alone.
-LONGEST_FIRST = ("test_cli_launch.py", "test_tp_compose.py", "test_parity.py", "test_hsdp.py",
-                 "test_named_failures.py", "test_cli_run_lock.py", "test_pipelining.py",
-                 "test_bench.py", "test_hf.py", "test_cli_install.py", "test_moe.py",
-                 "test_mixed_precision.py", "test_step_ops.py", "test_docs_examples.py",
-                 "test_compile.py", "test_tp.py", "test_checkpoint_cli.py")
+LONGEST_FIRST = ("test_cli_launch.py", "test_tp_compose.py", "test_named_failures.py",
+                 "test_pipelining.py", "test_docs_examples.py", "test_cli_install.py",
+                 "test_cli_run_lock.py", "test_parity.py", "test_bench.py", "test_compile.py",
+                 "test_checkpoint_cli.py", "test_hsdp.py", "test_matrix_optimizers.py",
+                 "test_hf.py", "test_training_features.py", "test_checkpoint.py",
+                 "test_imports.py", "test_step_ops.py")
 
 
 def pytest_collection_modifyitems(items):
