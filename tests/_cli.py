@@ -18,7 +18,7 @@ from matrixfsdp.__main__ import main
 
 
 @contextlib.contextmanager
-def _captured_fds():
+def captured_fds():
     """Redirect fds 1 and 2 to temporary files; yields a list that receives their text."""
     got: list[str] = []
     with tempfile.TemporaryFile("w+", buffering=1) as out, \
@@ -50,7 +50,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     os.environ.update(env or {})
     code = 0
     try:
-        with _captured_fds() as got:
+        with captured_fds() as got:
             try:
                 code = main(list(args)) or 0
             except SystemExit as e:

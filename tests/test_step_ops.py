@@ -5,12 +5,10 @@ operation of every matrix."""
 from __future__ import annotations
 
 import collections
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from _cli import captured_fds
 from torch import nn
 
 import matrixfsdp as mf
@@ -67,10 +65,10 @@ def test_every_operation_is_timed_once_per_matrix(monkeypatch):
 
 
 def test_step_ops_profile_runs_end_to_end():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    """Its ``main`` in this process (the ranks it launches are separate processes)."""
     tiny = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "16"]
-    out = subprocess.run([sys.executable, "-m", "matrixfsdp.bench.step_ops", "--ranks", "2",
-                          "--steps", "3", *tiny], capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith(("| 0 ", "| 1 "))]
-    assert len(rows) == 2 and all(row.endswith("x |") for row in rows), out.stdout
+    with captured_fds() as got:
+        step_ops.main(["--ranks", "2", "--steps", "3", *tiny])
+    stdout, stderr = got
+    rows = [line for line in stdout.splitlines() if line.startswith(("| 0 ", "| 1 "))]
+    assert len(rows) == 2 and all(row.endswith("x |") for row in rows), stdout + stderr[-4000:]
