@@ -53,7 +53,7 @@ import matrixfsdp as mf
 from ..runtime.collectives import all_gather_object
 from .ep_model import SYSTEMS, EPBenchConfig, MoEConfig, apply_ep, build_moe
 from .ep_report import render, summarise
-from .record import record_step, run_grids
+from .record import parse_grids, record_step, run_grids
 
 
 # ---- one rank -------------------------------------------------------------------------------
@@ -143,16 +143,6 @@ def measure(cfg: EPBenchConfig, d: int, ep: int) -> dict[str, Any]:
 
 
 # ---- command line ---------------------------------------------------------------------------
-def _grid(text: str) -> tuple[int, int]:
-    try:
-        d, ep = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected DxEP (e.g. 2x2), got {text!r}") from None
-    if d < 2 or ep < 2:
-        raise argparse.ArgumentTypeError(f"dp_shard_mod_ep and ep must be >= 2, got {text!r}")
-    return d, ep
-
-
 def parse_args(argv: list[str] | None) -> EPBenchConfig:
     p = argparse.ArgumentParser(prog="matrixfsdp bench --ep", description=__doc__.split("\n\n")[0])
     p.add_argument("--ep", action="store_true", help="this benchmark (with matrixfsdp bench)")
@@ -167,12 +157,7 @@ def parse_args(argv: list[str] | None) -> EPBenchConfig:
         p.add_argument(flag, type=int, default=value)
     p.add_argument("--out", default="runs/bench_ep")
     a = p.parse_args(argv)
-    try:
-        grids = [_grid(g) for g in a.grids.split(",") if g.strip()]
-    except argparse.ArgumentTypeError as e:
-        p.error(f"--grids: {e}")
-    if not grids:
-        p.error("--grids: no grid")
+    grids = parse_grids(p, a.grids, ("D", "EP"))
     for d, ep in grids:  # every tensor split evenly (no padding): the floor is exact
         for what, n in (("--experts", a.experts), ("--vocab", a.vocab), ("--d-model", a.d_model)):
             if n % (d * ep):

@@ -9,8 +9,8 @@ from typing import Any
 
 from .ep_model import SYSTEMS
 from .measure import machine_line
-from .tp_model import KINDS, MIB
-from .tp_report import stats_by_kind, unit_passes
+from .tp_model import KINDS
+from .tp_report import mib, stats_by_kind, unit_passes
 
 DOMAINS = ("experts", "dense")
 PHASES = ("forward", "backward", "step")
@@ -109,10 +109,6 @@ def summarise(records: list[dict[str, Any]], d: int, ep: int) -> dict[str, Any]:
 
 
 # ---- the table ------------------------------------------------------------------------------
-def _mib(b: float) -> str:
-    return f"{b / MIB:.3f}"
-
-
 def render(results: dict[str, Any]) -> str:
     """The tables of every grid (Markdown)."""
     cfg = results["config"]
@@ -135,12 +131,12 @@ def render(results: dict[str, Any]) -> str:
         for dom, ranks in (("experts", g["d"]), ("dense", g["ranks"])):
             for k in KINDS:
                 floor = fl["matrixfsdp"][dom][k] / fl["fsdp2_ep"][dom][k]
-                lines.append(f"| {name} | {dom} ({ranks}) | {k} | {_mib(ours[dom][k])} "
-                             f"| {_mib(theirs[dom][k])} | {g['ratio'][f'{dom}_{k}']:.3f}x "
+                lines.append(f"| {name} | {dom} ({ranks}) | {k} | {mib(ours[dom][k])} "
+                             f"| {mib(theirs[dom][k])} | {g['ratio'][f'{dom}_{k}']:.3f}x "
                              f"| {floor:.3f}x |")
         lines.append(f"| {name} | gradient flags | other | {ours['other']} B "
                      f"| {theirs['other']} B | | |")
-        lines.append(f"| {name} | all | total | {_mib(ours['total'])} | {_mib(theirs['total'])} "
+        lines.append(f"| {name} | all | total | {mib(ours['total'])} | {mib(theirs['total'])} "
                      f"| **{g['ratio']['total']:.3f}x** | {fl['ratio']:.3f}x |")
     lines += ["", "Per phase the passes began in (MiB, ours / FSDP2 + EP), the largest rank's "
               "own sum, and checks.", "",
@@ -151,8 +147,8 @@ def render(results: dict[str, Any]) -> str:
     for g in results["grids"]:
         s = g["systems"]
         ph = [s[x]["critical"]["phases"] for x in SYSTEMS]
-        cols = " | ".join(f"{_mib(ph[0][p])} / {_mib(ph[1][p])}" for p in PHASES)
-        big = " / ".join(_mib(max(s[x]["per_rank_bytes"])) for x in SYSTEMS)
+        cols = " | ".join(f"{mib(ph[0][p])} / {mib(ph[1][p])}" for p in PHASES)
+        big = " / ".join(mib(max(s[x]["per_rank_bytes"])) for x in SYSTEMS)
         lines.append(f"| {g['d']} x {g['ep']} | {cols} | {big} "
                      f"| {s['matrixfsdp']['step_calls']} / {s['fsdp2_ep']['step_calls']} "
                      f"| {'yes' if s['matrixfsdp']['comm_stats_agrees'] else 'NO'} "

@@ -7,6 +7,7 @@ measured step (FSDP2 and the runtime look them up at call time, as ``bench/link.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -88,21 +89,28 @@ def recording(calls: list[dict], state: dict[str, Any]):
     """Wrap torch.distributed's collectives on this rank: each call appends
     :func:`charge`'s record, with the phase (``state["phase"]``: forward, backward, step) it
     was issued in and the unit pass (``state["tag"]``) it belongs to, if known."""
-    saved = {name: getattr(dist, name) for name in _RECORDED if hasattr(dist, name)}
-
     def wrap(name, fn):
         def recorded(*args, **kwargs):
             calls.append({**charge(name, args, kwargs), "phase": state["phase"],
                           "tag": state["tag"]})
             return fn(*args, **kwargs)
         return recorded
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
+    with _replaced(dist, {name: wrap(name, getattr(dist, name))
+                          for name in _RECORDED if hasattr(dist, name)}):
+        yield
+
+
+@contextmanager
+def _replaced(owner: Any, attributes: dict[str, Any]):
+    """``owner``'s ``attributes`` set for the ``with`` body, then put back."""
+    saved = {name: getattr(owner, name) for name in attributes}
+    for name, value in attributes.items():
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
+        for name, value in saved.items():
+            setattr(owner, name, value)
 
 
 @contextmanager
@@ -131,14 +139,10 @@ def tagging(model: nn.Module, state: dict[str, Any]):
             finally:
                 state["tag"] = before
         return tagged
-    for method, kind in (("start_unshard", "gather"), ("start_reduce", "reduce"),
-                         ("start_split_reduce", "reduce")):
-        setattr(UnitStorage, method, wrap(method, kind))
-    try:
+    with _replaced(UnitStorage, {method: wrap(method, kind) for method, kind in (
+            ("start_unshard", "gather"), ("start_reduce", "reduce"),
+            ("start_split_reduce", "reduce"))}):
         yield
-    finally:
-        for method, fn in saved.items():
-            setattr(UnitStorage, method, fn)
 
 
 def train_step(model, opt, x: torch.Tensor, state: dict[str, Any]) -> None:
@@ -183,6 +187,23 @@ def _grid_rank(args: tuple) -> None:
     if dist.get_rank() == 0:
         res["machine"] = machine_info()  # as a rank sees it (its threads)
         Path(path).write_text(json.dumps(res))
+
+
+def parse_grids(parser: argparse.ArgumentParser, text: str, dims: tuple[str, str]) -> list[tuple[int, int]]:
+    """``--grids``: a comma list of ``AxB`` grids, each size >= 2 (``dims`` names A and B in
+    the messages); a bad one is the parser's error."""
+    grids = []
+    for item in (g for g in text.split(",") if g.strip()):
+        try:
+            a, b = (int(v) for v in item.lower().split("x"))
+        except ValueError:
+            parser.error(f"--grids: expected {dims[0]}x{dims[1]} (e.g. 2x2), got {item!r}")
+        if a < 2 or b < 2:
+            parser.error(f"--grids: {dims[0]} and {dims[1]} must be >= 2, got {item!r}")
+        grids.append((a, b))
+    if not grids:
+        parser.error("--grids: no grid")
+    return grids
 
 
 def run_grids(name: str, cfg: Any, measure: Callable, render: Callable[[dict], str],

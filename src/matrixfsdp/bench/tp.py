@@ -83,7 +83,7 @@ from torch import nn
 import matrixfsdp as mf
 
 from ..runtime.collectives import all_gather_object
-from .record import record_step, run_grids
+from .record import parse_grids, record_step, run_grids
 from .tp_model import SYSTEMS, Llama, LlamaConfig, TPBenchConfig, apply_tp
 from .tp_report import render, summarise
 
@@ -171,16 +171,6 @@ def measure(cfg: TPBenchConfig, dp: int, tp: int) -> dict[str, Any]:
 
 
 # ---- command line ---------------------------------------------------------------------------
-def _grid(text: str) -> tuple[int, int]:
-    try:
-        dp, tp = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected DPxTP (e.g. 2x2), got {text!r}") from None
-    if dp < 2 or tp < 2:
-        raise argparse.ArgumentTypeError(f"dp and tp must be >= 2, got {text!r}")
-    return dp, tp
-
-
 def parse_args(argv: list[str] | None) -> TPBenchConfig:
     p = argparse.ArgumentParser(prog="matrixfsdp bench --tp", description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", action="store_true", help="this benchmark (with matrixfsdp bench)")
@@ -197,12 +187,7 @@ def parse_args(argv: list[str] | None) -> TPBenchConfig:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--out", default="runs/bench_tp")
     a = p.parse_args(argv)
-    try:
-        grids = [_grid(g) for g in a.grids.split(",") if g.strip()]
-    except argparse.ArgumentTypeError as e:
-        p.error(f"--grids: {e}")
-    if not grids:
-        p.error("--grids: no grid")
+    grids = parse_grids(p, a.grids, ("DP", "TP"))
     model = LlamaConfig(a.d_model, a.heads, a.ffn, a.layers, a.vocab)
     for dp, tp in grids:
         for what, n in (("--heads", a.heads), ("--d-model", a.d_model), ("--ffn", a.ffn),

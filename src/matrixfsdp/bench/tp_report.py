@@ -216,7 +216,8 @@ def summarise(records: list[dict[str, Any]], cfg: TPBenchConfig, dp: int, tp: in
 
 
 # ---- the table ------------------------------------------------------------------------------
-def _mib(b: float) -> str:
+def mib(b: float) -> str:
+    """Bytes as MiB with three decimals (the tables' unit)."""
     return f"{b / MIB:.3f}"
 
 
@@ -244,8 +245,8 @@ def render(results: dict[str, Any]) -> str:
             if k == "total":
                 extra = (f"| {fl['balanced_ratio']:.3f}x | {fl['whole_ratio']:.3f}x "
                          f"| {fl['plan_ratio']:.3f}x |")
-            lines.append(f"| {g['dp']} x {g['tp']} ({g['ranks']} ranks) | {k} | {_mib(ours[k])} "
-                         f"| {_mib(theirs[k])} | {g['ratio'][k]:.3f}x {extra}")
+            lines.append(f"| {g['dp']} x {g['tp']} ({g['ranks']} ranks) | {k} | {mib(ours[k])} "
+                         f"| {mib(theirs[k])} | {g['ratio'][k]:.3f}x {extra}")
     lines += ["", "The tp all-to-alls (the hop between a matrix's holder and its tp row), MiB "
               "per step on the critical path, against the floor: balanced `(T-1)M/(dT^2)` per "
               "unit pass, the best placement of whole matrices, the plan's placement; and checks.",
@@ -254,8 +255,8 @@ def render(results: dict[str, Any]) -> str:
               "recording | FSDP2 on dp groups only |", "|---|---:|---:|---:|---:|---|---|---|"]
     for g in results["grids"]:
         s, hop = g["systems"], g["floor"]["tp_hop"]
-        lines.append(f"| {g['dp']} x {g['tp']} | {_mib(s['matrixfsdp']['critical']['tp_hop'])} "
-                     f"| {_mib(hop['balanced'])} | {_mib(hop['whole'])} | {_mib(hop['plan'])} "
+        lines.append(f"| {g['dp']} x {g['tp']} | {mib(s['matrixfsdp']['critical']['tp_hop'])} "
+                     f"| {mib(hop['balanced'])} | {mib(hop['whole'])} | {mib(hop['plan'])} "
                      f"| {s['matrixfsdp']['step_calls']} / {s['fsdp2_tp']['step_calls']} "
                      f"| {'yes' if s['matrixfsdp']['comm_stats_agrees'] else 'NO'} "
                      f"| {'yes' if s['fsdp2_tp']['dp_groups_only'] else 'NO'} |")
