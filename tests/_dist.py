@@ -40,8 +40,11 @@ GROUP_TIMEOUT = timedelta(seconds=60)
 GRACE_S = 30.0  # after one rank failed, how long the others may take to report
 
 
-def _init(rank: int, world_size: int, init_file: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+def _init(rank: int, world_size: int, init_file: str, backend: str) -> None:
+    if backend != "gloo":  # grouped_gloo: gloo with NCCL's uneven collectives (the NCCL path)
+        from matrixfsdp.bench import grouped_gloo
+        grouped_gloo.register()
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=GROUP_TIMEOUT)
 
 
@@ -123,11 +126,11 @@ def _job_loop(rank: int, world_size: int, jobs, results, session: int) -> None:
             continue
         if job is None:
             exit_rank(0)  # leave without interpreter finalization (see matrixfsdp.train.exit)
-        job_id, init_file, fn, args = job
+        job_id, init_file, backend, fn, args = job
         error = None
         try:
             if init_file is not None:
-                _init(rank, world_size, init_file)
+                _init(rank, world_size, init_file, backend)
             fn(rank, world_size, *args)
         except BaseException as e:  # noqa: BLE001 (reported to the parent)
             error = f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -181,14 +184,15 @@ class _Pool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn, args: tuple, timeout: float, init: bool = True) -> None:
+    def run(self, fn, args: tuple, timeout: float, init: bool = True, backend: str = "gloo"
+            ) -> None:
         self.next_id += 1
         job_id = self.next_id
         tmp = tempfile.mkdtemp()
         try:
             init_file = os.path.join(tmp, "init") if init else None
             for q in self.jobs:
-                q.put((job_id, init_file, fn, args))
+                q.put((job_id, init_file, backend, fn, args))
             errors: dict[int, str | None] = {}
             deadline = time.monotonic() + timeout
             while len(errors) < self.world_size:
@@ -243,19 +247,21 @@ def close_pools() -> None:
         _POOLS.popitem()[1].close()
 
 
-def spawn(fn, world_size: int, *args, timeout: float = 240.0, init: bool = True) -> None:
+def spawn(fn, world_size: int, *args, timeout: float = 240.0, init: bool = True,
+          backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (a module-level
     function, each rank with its own default process group); raise if any rank fails or the
     whole run exceeds ``timeout`` seconds (never hang the suite). ``init=False``: no process
     group is made for ``fn`` (it makes its own, as a script under torchrun does; the pool
-    destroys it after)."""
+    destroys it after). ``backend="grouped_gloo"``: gloo with NCCL's uneven all-gather and
+    reduce-scatter (:mod:`matrixfsdp.bench.grouped_gloo`), so the runtime takes NCCL's path."""
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:
             pool.close(kill=True)
         pool = _POOLS[world_size] = _Pool(world_size)
     try:
-        pool.run(fn, args, timeout, init)
+        pool.run(fn, args, timeout, init, backend)
     except (TimeoutError, RuntimeError) as e:
         if isinstance(e, TimeoutError) or not pool.alive():
             pool.close(kill=True)  # a rank may be stuck: the next job starts a new pool

@@ -85,10 +85,16 @@ def test_bench_ep_2x2_bytes_are_the_recorded_calls(tmp_path):
     assert g["systems"]["matrixfsdp"]["comm_stats_agrees"]
     assert g["as_designed"] and g["fsdp2_as_modelled"] and g["within_floor"], (g["floor"], ours)
     assert g["systems"]["fsdp2_ep"]["mesh_groups_only"]
-    # the experts' units: all Muon matrices, over d = 2 ranks: 2x FSDP2's ring, exactly
+    # the experts' units: all Muon matrices over d = 2 ranks, each rank holding whole experts
+    # of one size: one even all-gather of them, FSDP2's ring exactly (the owner floor of
+    # broadcasting pieces would be 2x); a reduce adds the gradient flags and the 16-element
+    # alignment of the stacks after them (at most 15 elements before each of its 3 stacks)
     assert g["floor"]["matrix_ratio"] == {"experts": 2.0, "dense": 4 / 3}
-    for k in ("gather", "reduce"):
-        assert ours["experts"][k] == 2 * theirs["experts"][k]
+    assert ours["experts"]["gather"] == theirs["experts"]["gather"]
+    experts = [u for u in g["units"] if u["experts"]]
+    flags = sum(u["flag_bytes"] for u in experts) * (2 - 1)
+    extra = ours["experts"]["reduce"] - theirs["experts"]["reduce"]
+    assert flags <= extra <= flags + 3 * 15 * 4 * len(experts), (extra, flags)
     # gathered: root once, blocks and experts twice (forward, backward), as FSDP2
     assert g["gathers"] == {"<root>": 1, "layers.0": 2, "layers.0.moe.experts": 2,
                             "layers.1": 2, "layers.1.moe.experts": 2}

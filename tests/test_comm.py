@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 from _dist import spawn
 
-from matrixfsdp.runtime.collectives import Comm, CommStats, pipeline_load, ring_load
+from matrixfsdp.planning.layout import grouped_load, pipeline_load, ring_load
+from matrixfsdp.runtime.collectives import Comm, CommStats
 
 
 def _worker(rank, world_size):
@@ -55,6 +56,36 @@ def test_collectives_and_their_loads_four_ranks():
     spawn(_worker, 4)
 
 
+def _uneven_worker(rank, world_size):
+    stats = CommStats()
+    comm = Comm(dist.group.WORLD, stats, grouped=True)
+    sizes = [3, 0, 5, 2]  # a rank may contribute nothing
+    outs = [torch.full((n,), -1.0) for n in sizes]
+    mine = outs[rank]
+    mine.fill_(float(rank))  # the input is this rank's own output (in place, as the runtime does)
+    comm.all_gather_v(outs, mine).wait()
+    assert all(torch.equal(o, torch.full((n,), float(r))) for r, (o, n) in enumerate(zip(outs, sizes)))
+    inps = [torch.full((n,), float(rank + 1)) for n in sizes]
+    out = torch.empty(sizes[rank])
+    comm.reduce_scatter_v(out, inps).wait()  # the mean of 1..4 on every rank's part
+    assert torch.equal(out, torch.full((sizes[rank],), 2.5))
+    assert all(torch.equal(t, torch.full((n,), float(rank + 1))) for t, n in zip(inps, sizes))
+    c = stats.summary()
+    total = 4 * sum(sizes)
+    for kind, toward in (("all_gather_v", False), ("reduce_scatter_v", True)):
+        expect = grouped_load(lambda r: 4 * sizes[r], total, 0, 4, rank, toward)
+        assert (c[kind]["calls"], c[kind]["payload_bytes"]) == (1, total)
+        assert (c[kind]["sent_bytes"], c[kind]["received_bytes"], c[kind]["critical_bytes"]) == \
+            (expect.sent, expect.received, total)
+
+
+def test_uneven_collectives_one_call_each_on_nccls_path():
+    """all_gather_v / reduce_scatter_v (one dist.all_gather / dist.reduce_scatter over
+    parts of different sizes, zero included) on grouped_gloo, which runs them as NCCL does:
+    results, inputs left as they were, and every rank charged by the grouped load model."""
+    spawn(_uneven_worker, 4, backend="grouped_gloo")
+
+
 def test_load_model_sums_to_what_the_ring_moves():
     """Over all ranks, a pipelined broadcast/reduce of n bytes sends and receives (P-1) n in
     total (each of P-1 links carries it once); a ring all-gather moves (P-1) n per rank."""
@@ -66,6 +97,17 @@ def test_load_model_sums_to_what_the_ring_moves():
             assert max(max(ld.sent, ld.received) for ld in loads) == n
         assert ring_load(P * n, P).critical == (P - 1) * n
         assert ring_load(n, P, 2).critical == 2 * n * (P - 1) // P
+        # an uneven all-gather / reduce-scatter: one pipelined broadcast from (reduce to)
+        # each rank; with equal parts, exactly the ring's loads
+        sizes = [(r % 3) * n for r in range(P)]
+        for toward in (False, True):
+            loads = [grouped_load(sizes.__getitem__, sum(sizes), min(sizes), P, r, toward)
+                     for r in range(P)]
+            assert sum(ld.sent for ld in loads) == sum(ld.received for ld in loads)
+            assert max(max(ld.sent, ld.received) for ld in loads) == loads[0].critical \
+                == sum(sizes) - min(sizes)
+            even = grouped_load(lambda r, n=n: n, P * n, n, P, 0, toward)
+            assert even == ring_load(P * n, P)
 
 
 def _empty_root_worker(rank, world_size):
@@ -84,10 +126,10 @@ def _empty_root_worker(rank, world_size):
     model(torch.randn(3, 6)).sum().backward()
     opt.step()
     # per layer: a gather in forward and backward (the bias all-gathered, the weight
-    # broadcast from its owner) and a reduce; nothing for the root; at the end of backward
-    # one all-reduce of which parameters had a gradient
+    # broadcast from its owner) and a reduce (the bias rows and the gradient flags
+    # reduce-scattered, the weight reduced to its owner); nothing for the root
     assert mf.comm_stats(model).calls == {"all_gather": 4, "broadcast": 4, "reduce_scatter": 2,
-                                          "reduce": 2, "grad_flags": 1}
+                                          "reduce": 2}
 
 
 def test_unit_without_parameters_issues_no_collective():

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from _dist import spawn
 from collectives import Collectives
 from reference import (
@@ -50,6 +51,8 @@ def _train_worker(rank, world_size, case, out_path):
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh, reshard_after_forward=case.get("reshard", None))
     mf.fully_shard(model, mesh=mesh, muon_filter=case.get("rule"))
+    # the path taken: one uneven call per unit on a group that has them (grouped_gloo)
+    assert mf.get_root(model).comm.grouped == (dist.get_backend() != "gloo" or world_size == 1)
     ns_dtype = torch.float32 if case["ns_fp32"] else torch.bfloat16
     opt = mf.Muon(_groups(model, case["muon"], case["adamw"], ns_dtype))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay) if case.get("schedule") else None
@@ -63,7 +66,7 @@ def _train_worker(rank, world_size, case, out_path):
                 loss = model.loss(xm[:, :-1], xm[:, 1:]) / micro
             loss.backward()
         # Between steps only this rank's shards stay allocated: every unit is resharded.
-        assert all(u.storage.whole.untyped_storage().size() == 0 for u in mf.get_root(model).units)
+        assert all(u.storage.gathered.untyped_storage().size() == 0 for u in mf.get_root(model).units)
         with counted.during("step"):
             opt.step()
         opt.zero_grad(set_to_none=True)
@@ -93,10 +96,10 @@ def _train_worker(rank, world_size, case, out_path):
                     "other_collectives": other_collectives, "owners": owners}, out_path)
 
 
-def _run(case, world_size, tmp_path):
+def _run(case, world_size, tmp_path, backend="gloo"):
     torch.set_num_threads(1)
     out = os.path.join(tmp_path, "out.pt")
-    spawn(_train_worker, world_size, case, out)
+    spawn(_train_worker, world_size, case, out, backend=backend)
     ours = torch.load(out)
     data = batches(STEPS, world_size, PER_RANK, SEQ)
     if case["same_data"]:

@@ -10,10 +10,10 @@ import torch
 from _dist import spawn
 
 import matrixfsdp as mf
+from matrixfsdp.planning.layout import calls, unit_layout
 from matrixfsdp.planning.planner import make_plan, ns_flops, plan_module
 from matrixfsdp.planning.report import format_report
 from matrixfsdp.planning.types import ParamSpec
-from matrixfsdp.runtime.layout import unit_layout
 from matrixfsdp.train.models import GPT, PRESETS, GPTConfig
 
 
@@ -138,23 +138,36 @@ def test_even_rows_are_fsdp2_chunks_padded_alike_on_every_rank():
     plan = make_plan(specs, 4, ["u"])
     assert all(pl.row_ranges == [(0, 2), (2, 4), (4, 5), (5, 5)] for pl in plan.placements.values())
     lay = unit_layout(plan, 0)
-    assert lay.even_numel == 8 * 2 and lay.seg_sizes == [16] * 4
+    assert lay.even_numel == 8 * 2 and [lay.segment(r).size for r in range(4)] == [16] * 4
     assert plan.rank_bytes == [16 * 4] * 4
+    # equal chunks: one even all-gather / reduce-scatter, on any process group
+    assert [c.kind for c in calls(lay, False, grouped=False)] == ["all_gather"]
 
 
 def test_layout_pieces_are_whole_matrices_on_their_owners():
     """The even part (7 rows over 3 ranks: chunks of 3) first, then each whole matrix on
-    its owner, 64-byte aligned in storage and in the unsharded buffer."""
+    its owner, 64-byte aligned in its chunk, in the gathered buffer and in storage; a
+    reduce's chunks carry one flag per parameter after the even part. Uneven chunks: one
+    uneven call per direction where the group has it, else an even call of the even parts
+    and one per piece."""
     specs = [ParamSpec("w", (6, 5), 4, 0, True), ParamSpec("b", (7,), 4, 0, False),
              ParamSpec("v", (3, 4), 4, 0, True)]
     plan = make_plan(specs, 3, ["u"])
     lay = unit_layout(plan, 0)
-    assert lay.even == [1] and lay.chunk[1] == 3 and lay.even_numel == 3
+    assert lay.rows == [1] and lay.chunk[1] == 3 and lay.even_numel == 3
     assert sorted((pc.index, pc.numel) for pc in lay.pieces) == [(0, 30), (2, 12)]
     for pc in lay.pieces:
         assert pc.rank == plan.placements[specs[pc.index].name].owner
-        assert pc.seg_offset % 16 == 0 and pc.offset % 16 == 0 and pc.seg_offset >= lay.even_numel
-    assert lay.gathered_numel == 3 * 3 + lay.whole_numel and lay.whole_numel >= 30 + 12
+        assert pc.offset % 16 == 0 and pc.offset >= lay.even_numel
+        assert lay.whole_offset(pc.index) % 16 == 0
+        assert lay.segment(pc.rank).offsets[pc.index] == pc.offset  # the chunk is the segment
+    assert lay.chunk_total == 3 * 3 + 13 * len(lay.holders) + 30 + 12
+    assert lay.gathered_numel >= lay.chunk_total and lay.starts[-1] == lay.gathered_numel
+    assert [c.kind for c in calls(lay, False, grouped=True)] == ["all_gather_v"]
+    assert [c.kind for c in calls(lay, True, grouped=False)] == ["reduce_scatter", "reduce", "reduce"]
+    red, index = lay.reduce_layout((True, True, True))
+    assert index == [0, 1, 2] and red.flags == 3 and red.head == 3 + 3
+    assert all(pc.offset >= red.head and pc.offset % 16 == 0 for pc in red.pieces)
 
 
 def test_report_is_readable():

@@ -1,8 +1,9 @@
-"""The plan's byte model equals the runtime, to the byte: ``matrixfsdp.plan_costs(model,
-mesh_shape)`` predicts on a meta-device copy what each of 8 gloo ranks counts in
-``comm_stats`` over one training step (every collective kind: calls, payload, sent,
-received, critical and mean bytes) and what it holds (storage segments, shards, gradients,
-optimizer state), 1-D and 2 x 4 HSDP (bf16 gathers, two micro-batches)."""
+"""The plan's byte model equals the runtime, to the byte and the launch:
+``matrixfsdp.plan_costs(model, mesh_shape)`` predicts on a meta-device copy what each of 8
+ranks counts in ``comm_stats`` over one training step (every collective kind: calls,
+payload, sent, received, critical and mean bytes) and what it holds (storage segments,
+shards, gradients, optimizer state), 1-D and 2 x 4 HSDP (bf16 gathers, two micro-batches),
+on gloo's calls and on NCCL's uneven ones (grouped_gloo)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _held(model, opt) -> dict[str, int]:
             "grads": sum(grads.values()), "optim": optim}
 
 
-def _worker(rank, world_size, shape, bf16, micro_batches):
+def _worker(rank, world_size, shape, bf16, micro_batches, uneven):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
@@ -63,17 +64,19 @@ def _worker(rank, world_size, shape, bf16, micro_batches):
     bf = torch.bfloat16 if bf16 else None
     predicted = mf.plan_costs(twin, shape, units=list(twin.layers), param_dtype=bf,
                               reduce_dtype=torch.float32 if bf16 else None,
-                              micro_batches=micro_batches)
+                              micro_batches=micro_batches, uneven_collectives=uneven)
     assert predicted.comm[rank] == counted, (rank, predicted.comm[rank], counted)
     h = predicted.held[rank]
     assert {"storage": h.storage, "params": h.params, "grads": h.grads, "optim": h.optim} == held
     assert predicted.critical_bytes(rank) == stats.total("critical_bytes")
 
 
-@pytest.mark.parametrize("shape, bf16, micro_batches", [((8,), False, 1), ((2, 4), True, 2)],
-                         ids=["1-D", "HSDP-2x4-bf16-2mb"])
-def test_plan_predicts_every_collective_and_every_byte_held(shape, bf16, micro_batches):
-    spawn(_worker, 8, shape, bf16, micro_batches)
+@pytest.mark.parametrize("shape, bf16, micro_batches, backend",
+                         [((8,), False, 1, "gloo"), ((2, 4), True, 2, "gloo"),
+                          ((2, 4), True, 2, "grouped_gloo")],
+                         ids=["1-D", "HSDP-2x4-bf16-2mb", "HSDP-2x4-bf16-2mb-uneven"])
+def test_plan_predicts_every_collective_and_every_byte_held(shape, bf16, micro_batches, backend):
+    spawn(_worker, 8, shape, bf16, micro_batches, backend == "grouped_gloo", backend=backend)
 
 
 def test_default_units_are_the_blocks():

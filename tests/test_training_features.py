@@ -105,11 +105,13 @@ def _worker(rank, world_size, case, out_path):
     stats = mf.comm_stats(model)
     # Frozen parameters do not travel in the gradient reduce (as in FSDP2): its payload is
     # the trainable parameters alone, each counted once (tied ones once): whole matrices as
-    # they are, row-sharded ones padded to world_size chunks of ceil(rows / world_size) rows.
+    # they are, row-sharded ones padded to world_size chunks of ceil(rows / world_size) rows,
+    # and one flag per trainable parameter in every rank's chunk (which ranks had a gradient).
     plan = mf.plan_of(model).placements
+    named = [(n, p) for n, p in build(case).named_parameters() if p.requires_grad]
     trainable = sum(p.numel() if plan[n].spec.muon else
                     -(-p.shape[0] // world_size) * world_size * p[0].numel()
-                    for n, p in build(case).named_parameters() if p.requires_grad)
+                    for n, p in named) + world_size * len(named)
     for x in batches(STEPS, world_size, PER_RANK, SEQ):
         stats.reset()
         backward(model, rank_slice(x, rank, PER_RANK, False), case.get("how", "plain"))

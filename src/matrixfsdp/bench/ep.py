@@ -50,6 +50,7 @@ from torch import nn
 
 import matrixfsdp as mf
 
+from ..planning.layout import calls
 from ..runtime.collectives import all_gather_object
 from .ep_model import SYSTEMS, EPBenchConfig, MoEConfig, apply_ep, build_moe
 from .ep_report import render, summarise
@@ -86,16 +87,25 @@ def _units(model: nn.Module) -> list[dict[str, Any]]:
     and of its other parameters (as this rank's domain holds them: an experts' unit, the ep
     rank's local stacks)."""
     plan = mf.plan_of(model)
+    units = mf.get_root(model).units
     out = []
     for u, name in enumerate(plan.unit_names):
         params = plan.unit_params(u)
         muon = [pl.spec for pl in params if pl.spec.muon]
         rest = [pl.spec for pl in params if not pl.spec.muon]
+        # what the runtime moves for it, as the planner counts it (the unit's own layout)
+        lay, grouped = units[u].layout, units[u].domain.comm.grouped
+        red = lay.reduce_layout((True,) * len(lay.placements))[0]
+        moved = {kind: sum(c.load(one, 0, 4).critical for c in calls(one, kind == "reduce", grouped))
+                 for kind, one in (("gather", lay), ("reduce", red))}
         out.append({"name": name, "ranks": len(params[0].row_ranges) if params else 0,
                     "experts": any(s.is_experts for s in muon),
                     "matrix_bytes": sum(s.nbytes for s in muon),
                     "even_bytes": sum(s.nbytes for s in rest),
-                    "matrices": sum(s.matrices for s in muon)})
+                    "matrices": sum(s.matrices for s in muon),
+                    # a reduce's chunks: one fp32 flag per parameter (which ranks had a gradient)
+                    "flag_bytes": 4 * len(params),
+                    "gather_bytes": moved["gather"], "reduce_bytes": moved["reduce"]})
     return out
 
 

@@ -105,17 +105,13 @@ _REPLICATE_OPS = {"c10d::allreduce_": 2, "c10d::reduce_": 1, "c10d::broadcast_":
 def replicate_dim_bytes(res: dict[str, Any], replicas: int) -> dict[str, float]:
     """HSDP: the replicate-dim collectives of one system's profiled step, per rank (mean
     over ranks): payload per op kind, and ``wire`` = the bytes a rank sends in a ring (an
-    all-reduce of n bytes 2n(R-1)/R, a reduce or broadcast n(R-1)/R). MatrixFSDP's
-    all-reduce of which parameters had a gradient (one byte each, over the whole mesh, at the
-    end of backward) is no replicate-dim transfer: its payload (its own counters) is left out."""
+    all-reduce of n bytes 2n(R-1)/R, a reduce or broadcast n(R-1)/R)."""
     out = {op: 0.0 for op in _REPLICATE_OPS}
     for ph in PHASES:
         per_rank = res["collectives"][ph]["per_rank"]
         for rec in per_rank:
             for op in _REPLICATE_OPS:
                 out[op] += rec["ops"].get(op, {}).get("bytes", 0) / len(per_rank)
-    own = res.get("matrixfsdp", {}).get("comm_stats_rank0", {})
-    out["c10d::allreduce_"] -= sum(k.get("grad_flags", {}).get("payload_bytes", 0) for k in own.values())
     out["wire"] = sum(out[op] * f * (replicas - 1) / replicas for op, f in _REPLICATE_OPS.items())
     return out
 

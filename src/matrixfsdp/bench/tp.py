@@ -116,7 +116,9 @@ def _units(model: nn.Module) -> list[dict[str, Any]]:
         rest = [pl.spec for pl in plan.unit_params(u) if not (pl.spec.muon and pl.spec.tp > 1)]
         out.append({"name": name, "matrix_bytes": sum(s.nbytes for s in split),
                     "even_bytes": sum(s.nbytes for s in rest), "matrices": len(split),
-                    "tp_dim": sorted({s.tp_dim for s in split})})
+                    "tp_dim": sorted({s.tp_dim for s in split}),
+                    # a reduce's chunks: one fp32 flag per parameter (which ranks had a gradient)
+                    "flag_bytes": 4 * len(plan.unit_params(u))})
     return out
 
 

@@ -18,7 +18,7 @@ def _op_kind(op: str) -> str:
         return "gather"
     if op.startswith("reduce_scatter") or op == "reduce":
         return "reduce"
-    return "other"  # MatrixFSDP's gradient-flags all-reduce (a byte per parameter)
+    return "other"
 
 
 def unit_passes(per_rank_calls: list[list[dict]]) -> dict[str, Any]:
@@ -125,8 +125,9 @@ def owner_floor(units: list[dict], placements: list[dict], gathers: dict[str, in
                 tp: int) -> dict[str, float]:
     """The owner layout's critical bytes per step against FSDP2 + TP's, from the units'
     sizes (module docstring). Per gather and per reduce of a unit, FSDP2 + TP
-    ``(M/T + E)(d-1)/d``; the owner layout ``M/T + hop + E(d-1)/d``, where ``hop``, the
-    tp all-to-all's most loaded rank, is
+    ``(M/T + E)(d-1)/d``; the owner layout ``M/T + hop + E(d-1)/d`` (a reduce also the
+    unit's gradient flags, ``F`` bytes from each of the ``d - 1`` others), where ``hop``,
+    the tp all-to-all's most loaded rank, is
 
     * ``balanced``: ``(T-1)M/(dT^2)`` (every row owns ``M/d``, every holder ``M/(dT)``):
       the floor ``(M/T)(1 + (T-1)/(dT)) + E(d-1)/d``;
@@ -142,7 +143,8 @@ def owner_floor(units: list[dict], placements: list[dict], gathers: dict[str, in
     for u in units:
         M, E, n = u["matrix_bytes"], u["even_bytes"], gathers[u["name"]] + 1
         fsdp2 += n * (M / T + E) * (d - 1) / d
-        common += n * (M / T + E * (d - 1) / d)
+        # a reduce's chunks also carry the unit's gradient flags from each of the d - 1 others
+        common += n * (M / T + E * (d - 1) / d) + u["flag_bytes"] * (d - 1)
         mine = [p for p in placements if p["unit_name"] == u["name"]]
         rows = [[sum(p["bytes"] for p in mine if p["dp_owner"] == r and p["tp_holder"] == t)
                  for t in range(T)] for r in range(d)]
@@ -205,8 +207,7 @@ def summarise(records: list[dict[str, Any]], cfg: TPBenchConfig, dp: int, tp: in
                ratio={k: ours[k] / theirs[k] if theirs[k] else float("nan")
                       for k in (*KINDS, "total")},
                # the flow moves what its design says, the plan's prediction, to the byte but
-               # for the ring's rounding of (d-1)/d (a byte per pass at most; the gradient
-               # flags, "other", are left out of the prediction)
+               # for the ring's rounding of (d-1)/d (a byte per pass at most)
                as_designed=abs(ours["total"] - ours["other"] - floor["plan"]) <= 3 * len(units)
                and ours["tp_hop"] == floor["tp_hop"]["plan"],
                fsdp2_as_modelled=abs(theirs["total"] - floor["fsdp2_tp"]) <= 3 * len(units),

@@ -31,10 +31,12 @@ def assumptions(st: Setting, s: Search) -> list[str]:
         f"cluster: {st.links.describe()}; ranks numbered (pp, replicate, shard, tp), tp "
         "innermost, tp within a node",
         "collectives: NCCL's ring all-gather / reduce-scatter, ring or tree all-reduce "
-        "(the faster), ring-pipelined broadcast / reduce (each pays its P - 1 hops), "
-        "all-to-all through the busiest rank's own NIC; a group across nodes with k ranks per "
-        "node moves min(k x InfiniBand, NVLink) per GPU; collectives queue per link in issue "
-        "order, beside compute",
+        "(the faster), an uneven all-gather / reduce-scatter as one launch (one ring fill, "
+        "then its most loaded rank's bytes), all-to-all through the busiest rank's own NIC; "
+        "a group across nodes with k ranks per node moves min(k x InfiniBand, NVLink) per "
+        "GPU; MatrixFSDP on NCCL: one call per unit and direction over the shard group, "
+        "the tp hop, each rank's own replicate-dim calls; every rank has its own queue per "
+        "link (issue order, beside compute), the step is its slowest rank's",
         f"workload: {s.global_batch} sequences of {w.seq} tokens per step, micro-batches of "
         f"{w.micro_batch} sequence(s) per data-parallel rank, so every layout trains the same "
         "tokens; without pipeline stages each micro-batch gathers and reduces (the runtime's "
@@ -56,10 +58,13 @@ def assumptions(st: Setting, s: Search) -> list[str]:
         "inputs with checkpointing; logits in bf16 and fp32; divided by tp); pipeline "
         "stages keep their units gathered and their gradients unreduced over the step",
         "baselines at the same layout and links: FSDP2's padded all-gather / reduce-scatter "
-        "(HSDP: an all-reduce per unit); FSDP2 + torch.optim.Muon runs NS on every matrix on "
-        "every rank after one bf16 all-gather of it; DistMuon gathers each matrix to one owner "
-        "(longest processing time over a replica's ranks, repeated on every replica) and "
-        "scatters it back",
+        "(HSDP: an all-reduce per unit); FSDP2 + torch.optim.Muon runs each matrix's NS on "
+        "its DTensor, every matmul split over a replica's ranks with an all-gather of its "
+        "operand (X twice, X X^T once per iteration, bf16), one matrix after the other; "
+        "DistMuon as torchtitan runs it: one bucket per block through two buffer slots, "
+        "each matrix gathered to an owner (longest processing time over a replica's ranks, "
+        "repeated on every replica), NS, scattered back; it refuses tp-split matrices, so "
+        "it has no time at tp > 1",
     ]
 
 
@@ -67,9 +72,16 @@ def _gib(n: float) -> str:
     return fmt_bytes(n)
 
 
-def _s(x: float) -> str:
-    """Seconds: two decimals, or three significant digits below one."""
+def _s(x: float | None) -> str:
+    """Seconds: two decimals, or three significant digits below one; "n/a" where the system
+    cannot run."""
+    if x is None:
+        return "n/a"
     return f"{x:.2f}" if x >= 1 or x == 0 else f"{x:.3g}"
+
+
+def _dm(e: Evaluated) -> float | None:
+    return e.distmuon.total if e.distmuon else None
 
 
 def _layout_row(e: Evaluated) -> str:
@@ -80,7 +92,7 @@ def _layout_row(e: Evaluated) -> str:
             f"{_gib(e.largest_rank_bytes)}{'' if e.fits else ' **no**'} | "
             f"{r['model_state_max_over_mean']:.2f} | {e.bytes_ratio:.3f} | {e.owner_floor:.3f} | "
             f"{'' if rep is None else f'{rep:.2f}'} | {r['ns_vs_bound']:.3f} | "
-            f"**{_s(e.step.total)}** | {_s(e.fsdp2.total)} | {_s(e.distmuon.total)} |")
+            f"**{_s(e.step.total)}** | {_s(e.fsdp2.total)} | {_s(_dm(e))} |")
 
 
 LAYOUT_HEAD = [
@@ -101,7 +113,7 @@ def _breakdown(e: Evaluated) -> list[str]:
     out = ["| seconds per step | MatrixFSDP | FSDP2 + torch.optim.Muon | DistMuon |",
            "|---|---:|---:|---:|"]
     for label, key in rows:
-        vals = [getattr(x, key) for x in (e.step, e.fsdp2, e.distmuon)]
+        vals = [getattr(x, key) if x else None for x in (e.step, e.fsdp2, e.distmuon)]
         out.append(f"| {label} | " + " | ".join(_s(v) for v in vals) + " |")
     return out
 
@@ -112,15 +124,23 @@ def _best(layouts: Sequence[Evaluated], fits: Callable[[Evaluated], bool],
     return min(pool, key=secs) if pool else None
 
 
+def peers_best(s: Search, dm: float) -> dict[str, Evaluated | None]:
+    """Each system's fastest layout that it can run and that fits its own memory."""
+    return {"matrixfsdp": s.recommended if s.recommended and s.recommended.fits else None,
+            "fsdp2_torch_muon": _best(s.layouts, lambda e: e.fsdp2_memory <= dm,
+                                      lambda e: e.fsdp2.total),
+            "distmuon": _best(s.layouts, lambda e: e.distmuon_feasible
+                              and e.distmuon_memory <= dm, lambda e: e.distmuon.total)}
+
+
 def _per_system(s: Search, dm: float) -> list[str]:
-    ours = s.recommended if s.recommended and s.recommended.fits else None
-    f2 = _best(s.layouts, lambda e: e.fsdp2_memory <= dm, lambda e: e.fsdp2.total)
-    dist = _best(s.layouts, lambda e: e.distmuon_memory <= dm, lambda e: e.distmuon.total)
+    best = peers_best(s, dm)
+    ours, f2, dist = best["matrixfsdp"], best["fsdp2_torch_muon"], best["distmuon"]
     few = min(s.fitting, key=lambda e: (e.bytes_ratio, e.step.total)) if s.fitting else None
 
     def say(name: str, e: Evaluated | None, secs: float | None) -> str:
         if e is None:
-            return f"* {name}: no layout fits"
+            return f"* {name}: no layout it can run fits"
         return f"* {name}: {_s(secs)} s at {e.layout.label()}"
     return ["Fastest fitting layout per system (each with its own memory):",
             say("MatrixFSDP", ours, ours.step.total if ours else None),
@@ -147,7 +167,10 @@ def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
         f"{e.layout.pp}**, activation checkpointing {'on' if e.layout.checkpointing else 'off'}, "
         f"{e.micro_batches} micro-batch(es) per step",
         f"* modelled step {_s(e.step.total)} s against FSDP2 + torch.optim.Muon "
-        f"{_s(e.fsdp2.total)} s and DistMuon {_s(e.distmuon.total)} s at the same layout",
+        f"{_s(e.fsdp2.total)} s and DistMuon {_s(_dm(e))} s at the same layout"
+        + ("" if e.distmuon else " (torchtitan's DistMuon refuses tp-split matrices)"),
+        f"* {e.launches} data-parallel process-group calls per step on a rank (FSDP2: "
+        f"{e.fsdp2_launches})",
         f"* largest rank {_gib(e.largest_rank_bytes)} of {_gib(dm)}: model state "
         f"{_gib(e.state_max)} (max/mean {e.state_max / e.state_mean:.2f}) + buffers "
         f"{_gib(e.buffers)} + activations {_gib(e.activations)}",
@@ -175,6 +198,8 @@ def search_json(name: str, n_params: int, s: Search, st: Setting) -> dict:
             "layouts_searched": len(s.layouts), "layouts_fitting": len(s.fitting),
             "assumptions": assumptions(st, s),
             "recommended": s.recommended.record() if s.recommended else None,
+            "best_per_system": {k: e.record() if e else None
+                                for k, e in peers_best(s, st.device_memory).items()},
             "layouts": [e.record() for e in s.layouts]}
 
 
@@ -191,5 +216,5 @@ def summary_row(name: str, s: Search) -> str:
         return f"| {name} | {s.world_size} | none |" + " |" * 9
     return (f"| {name} | {s.world_size} | {e.layout.label()} | {'yes' if e.fits else '**no**'} | "
             f"{_gib(e.largest_rank_bytes)} | {_s(e.step.total)} | {_s(e.fsdp2.total)} | "
-            f"{_s(e.distmuon.total)} | {e.bytes_ratio:.3f} | {e.owner_floor:.3f} | "
+            f"{_s(_dm(e))} | {e.bytes_ratio:.3f} | {e.owner_floor:.3f} | "
             f"{len(s.layouts)} ({len(s.fitting)}) | {s.seconds:.1f} |")

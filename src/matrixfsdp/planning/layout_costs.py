@@ -5,8 +5,10 @@ seconds on the links), this library's and FSDP2's.
 Model state per rank is :func:`~matrixfsdp.planning.traffic.rank_held`'s (segments, the
 gradient buffers the shards' ``.grad`` keep alive, Muon momentum and AdamW moments), computed
 for all ranks at once from difference arrays over the shard ranks plus the ranks that hold
-pieces, so a 16384-rank plan costs milliseconds. Bytes per collective are the runtime's
-(:mod:`~matrixfsdp.planning.traffic`); seconds are :mod:`~matrixfsdp.planning.links`'.
+pieces, so a 16384-rank plan costs milliseconds. The collectives are the runtime's on
+NCCL (:func:`~matrixfsdp.planning.layout.calls` with uneven collectives: one call per unit
+and direction over the shard group, the tp hop, and over the replicate group each shard
+rank's own runs), their seconds :mod:`~matrixfsdp.planning.links`'.
 """
 
 from __future__ import annotations
@@ -18,25 +20,43 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .assign import ns_flops
-from .links import Mesh, MeshCost
-from .traffic import Dtypes, UnitShape
+from .layout import Segment, UnitLayout, calls
+from .links import GroupCost, Mesh, MeshCost
+from .traffic import Dtypes, reduce_layouts
 from .types import Plan
+
+
+@dataclass(frozen=True)
+class RepLoad:
+    """One shard rank's collectives across the replicas for one unit: a pass's reduce
+    (the replicated run all-reduced, the matrices reduced to their replicas) and a step's
+    broadcast, in seconds and bytes on the most loaded rank."""
+
+    reduce: float = 0.0
+    bcast: float = 0.0
+    reduce_bytes: float = 0.0
+    bcast_bytes: float = 0.0
 
 
 @dataclass
 class UnitComm:
     """One unit's collectives per pass: seconds on the links and critical-path bytes.
-    ``gather``/``reduce``: over the shard group (tp hop included); ``rep_reduce`` (per
-    pass) and ``rep_bcast`` (per step): across replicas, at the unit's slowest shard rank.
-    ``floor_*``: the bytes no whole-matrix placement goes below at this layout (each
-    unit's largest matrix crosses the tp hop and the replicate dim whole)."""
+    ``gather``/``reduce``: over the shard group (the tp hop included), the same for every
+    rank; ``rep``: across replicas, per (shard rank, tp rank) holding pieces (``bare``: every
+    other rank); ``rep_*``: the most loaded shard rank's. ``launches``: process-group calls
+    of a gather and of a reduce. ``floor_*``: the bytes no whole-matrix placement goes below
+    at this layout (each unit's largest matrix crosses the tp hop and the replicate dim
+    whole)."""
 
     gather: float = 0.0
     reduce: float = 0.0
-    rep_reduce: float = 0.0
-    rep_bcast: float = 0.0
     gather_bytes: float = 0.0
     reduce_bytes: float = 0.0
+    launches: tuple[int, int, int, int] = (0, 0, 0, 0)  # gather, reduce, replicate's both
+    rep: dict[tuple[int, int], RepLoad] = field(default_factory=dict)
+    bare: RepLoad = RepLoad()
+    rep_reduce: float = 0.0
+    rep_bcast: float = 0.0
     rep_reduce_bytes: float = 0.0
     rep_bcast_bytes: float = 0.0
     floor_gather_bytes: float = 0.0
@@ -44,6 +64,9 @@ class UnitComm:
     floor_rep_reduce_bytes: float = 0.0
     floor_rep_bcast_bytes: float = 0.0
     state_bytes: float = 0.0  # FSDP2's units: a rank's shards, gradients, optimizer state
+
+    def rep_at(self, key: tuple[int, int]) -> RepLoad:
+        return self.rep.get(key, self.bare)
 
 
 @dataclass
@@ -56,7 +79,7 @@ class StageCosts:
     buffers: float
     ns_max: float
     ns_bound: float
-    ns_total: float  # every matrix once (FSDP2 + torch.optim.Muon runs all on every rank)
+    ns_total: float  # every matrix once
     units: list[UnitComm]
     fsdp2_units: list[UnitComm]
     matrix_numel: list[int]  # per Muon matrix: its elements (whole)
@@ -77,15 +100,6 @@ def _even_chunks(rows: int, S: int) -> tuple[int, int, int]:
     return c, q, rows - q * c
 
 
-def _extra_grads(seg: int, E: int, s: int, even_stepped: bool, stepped: int) -> int:
-    """Gradient bytes a segment adds beyond its even part's: the whole reduce output stays
-    alive once any shard of it is stepped here (the even part's, counted already, or a
-    piece's)."""
-    if even_stepped:
-        return (seg - E) * s
-    return seg * s if stepped else 0
-
-
 @dataclass
 class StateParts:
     """:func:`traffic.rank_held`'s totals of some units over ``S`` shard ranks, kept
@@ -103,8 +117,10 @@ class StateParts:
         self.grads = self.grads or [0] * (self.S + 1)
         self.optim = self.optim or [0] * (self.S + 1)
 
-    def add(self, u: UnitShape, T: int, s: int) -> None:
-        S, E = self.S, u.even_numel
+    def add(self, u: UnitLayout, red: UnitLayout, T: int, s: int) -> None:
+        """Unit ``u`` (its storage layout; ``red``: its reduce layout, whose segments the
+        gradients keep alive) over ``T`` tp ranks, ``s`` bytes per element."""
+        S, E, H = self.S, u.even_numel, red.head
         self.storage += E * s
         reach = 0
         for pl in u.placements:
@@ -116,21 +132,29 @@ class StateParts:
             _diff_add(self.optim, q, q + 1, 2 * rem * rn * s)
             if rn:
                 reach = max(reach, q + (rem > 0))
-        _diff_add(self.grads, 0, min(reach, S), E * s)
+        _diff_add(self.grads, 0, min(reach, S), H * s)
         held: dict[tuple[int, int], dict[int, int]] = defaultdict(lambda: defaultdict(int))
         for pc in u.pieces:
-            for t in ((pc.tp_owner,) if pc.tp_owner is not None else range(T)):
-                held[(pc.rank, t)][pc.kind] += pc.stored
+            n = u.placements[pc.index].spec.numel if pc.split else pc.numel
+            for t in ((pc.tp_owner,) if pc.split else range(T)):
+                held[(pc.rank, t)][pc.kind] += n
         for (r, t), kinds in held.items():
-            seg = u.seg_of(r, t)
+            seg, grad_seg = u.segment(r, t).size, red.segment(r, t).size
+            even_stepped = r < reach
             everywhere = kinds.get(0, 0)  # experts: stepped on every replica
-            base = _extra_grads(seg, E, s, r < reach, everywhere)
-            key = (r, t)
-            self.default[key] = self.default.get(key, 0) + (seg - E) * s + base + everywhere * s
+
+            def grads(stepped: int, grad_seg: int = grad_seg, even_stepped: bool = even_stepped
+                      ) -> int:  # beyond the even part's, counted already
+                if even_stepped:
+                    return (grad_seg - H) * s
+                return grad_seg * s if stepped else 0
+            base = grads(everywhere)
+            self.default[(r, t)] = self.default.get((r, t), 0) + (seg - E) * s + base + \
+                everywhere * s
             for k, n in kinds.items():
                 if k:
                     key3 = (k - 1, r, t)
-                    extra = _extra_grads(seg, E, s, r < reach, everywhere + n) - base + n * s
+                    extra = grads(everywhere + n) - base + n * s
                     self.specific[key3] = self.specific.get(key3, 0) + extra
 
     def merged(self, other: StateParts) -> StateParts:
@@ -162,77 +186,96 @@ class StateParts:
         return float(best), total / (R * S * T)
 
 
-def state_spread(shapes: Sequence[UnitShape], R: int, S: int, T: int, s: int
+def state_spread(layouts: Sequence[UnitLayout], R: int, S: int, T: int, s: int
                  ) -> tuple[float, float]:
     """(max, mean) over the ``R x S x T`` ranks of :func:`traffic.rank_held`'s total."""
     parts = StateParts(S)
-    for u in shapes:
-        parts.add(u, T, s)
+    for u, red in zip(layouts, reduce_layouts(layouts)):
+        parts.add(u, red, T, s)
     return parts.spread(R, T)
 
 
-def _a2a_elements(u: UnitShape, T: int) -> int:
+def _a2a_elements(u: UnitLayout, T: int) -> int:
     """The tp hop's busiest rank (elements): per owner row, each holder sends its matrices'
     slices to the ``T - 1`` others and receives theirs."""
     if T == 1:
         return 0
     rows: dict[int, list[int]] = defaultdict(lambda: [0] * T)
     for pc in u.pieces:
-        if pc.tp_owner is not None:
+        if pc.split:
             rows[pc.rank][pc.tp_owner] += pc.numel
     return max((max(max((T - 1) * h, sum(held) - h) for h in held) for held in rows.values()),
                default=0)
 
 
-def _replicate(u: UnitShape, R: int, mc: MeshCost, d: Dtypes) -> tuple[float, ...]:
-    """(reduce seconds, broadcast seconds, reduce bytes, broadcast bytes) across replicas,
-    at the unit's slowest shard rank."""
-    if R == 1 or not u.numel:
-        return 0.0, 0.0, 0.0, 0.0
-    rep = mc.replicate
-    out = [0.0, 0.0, 0.0, 0.0]
-    owned = u.has_replica_owned
-    bare = {0: u.even_numel}  # a shard rank holding no piece: its even part alone
-    for runs in [*u.runs.values(), bare]:
-        mats = [n for k, n in runs.items() if k]
-        m = sum(mats)
-        red = rep.all_reduce(runs.get(0, 0) * d.reduce) + rep.pipeline(m * d.reduce, len(mats))
-        bc = rep.pipeline(m * d.storage, len(mats)) if owned else 0.0
-        red_b = 2 * (R - 1) / R * runs.get(0, 0) * d.reduce + m * d.reduce
-        bc_b = m * d.storage if owned else 0.0
-        out = [max(a, b) for a, b in zip(out, (red, bc, red_b, bc_b))]
-    return tuple(out)
+def _grouped(seg: Segment, R: int, itemsize: int) -> float:
+    """Bytes the most loaded replica moves in the uneven all-gather / reduce-scatter of
+    ``seg``'s replica runs (:func:`~matrixfsdp.planning.layout.grouped_load`: all of them
+    but the smallest)."""
+    sizes = [n for k, (_, n) in seg.runs.items() if k]
+    if not any(sizes):
+        return 0.0
+    return (sum(sizes) - (min(sizes) if len(sizes) == R else 0)) * itemsize
 
 
-def unit_comm(u: UnitShape, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitComm:
-    """This library's collectives of one unit (the runtime's: traffic.py)."""
+def _rep_load(seg: Segment, grad_seg: Segment, R: int, owned: bool, g: GroupCost,
+              d: Dtypes) -> RepLoad:
+    """One shard rank's replicate-dim collectives of a unit: its reduce segment's
+    (``grad_seg``) and its storage segment's (``seg``), over ``R`` replicas."""
+    shared = grad_seg.shared * d.reduce
+    mats = _grouped(grad_seg, R, d.reduce)
+    red = RepLoad(g.all_reduce(shared) + g.grouped(mats), 0.0, 2 * (R - 1) / R * shared + mats)
+    bmats = _grouped(seg, R, d.storage) if owned else 0.0
+    if not bmats:
+        return red
+    return RepLoad(red.reduce, g.grouped(bmats), red.reduce_bytes, bmats)
+
+
+def unit_comm(u: UnitLayout, red: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitComm:
+    """This library's collectives of one unit on NCCL (``u``: its layout, ``red``: its
+    reduce layout): per direction one call over the shard group, the tp hop, and per shard
+    rank its replicate-dim calls."""
     S, T, R = mesh.shard, mesh.tp, mesh.replicate
     c = UnitComm()
     if not u.numel:
         return c
     hop = _a2a_elements(u, T)
-    pieces = sum(pc.numel for pc in u.pieces) if S > 1 else 0
-    count = len(u.pieces)
     whole = [pl.spec.numel for pl in u.placements if pl.spec.muon and pl.owner is not None]
     largest, total = max(whole, default=0), sum(whole)
     hop_floor = (T - 1) * largest / T if T > 1 else 0.0
-    for isz, attr in ((d.gather, "gather"), (d.reduce, "reduce")):
-        t = (mc.shard.ring(S * u.even_numel * isz) + mc.tp.all_to_all(hop * isz)
-             + mc.shard.pipeline(pieces * isz, count))
-        setattr(c, attr, t)
-        setattr(c, attr + "_bytes", float(((S - 1) * u.even_numel + pieces + hop) * isz))
-        setattr(c, "floor_" + attr + "_bytes",
-                ((S - 1) * u.even_numel + pieces + hop_floor) * isz)
-    c.rep_reduce, c.rep_bcast, c.rep_reduce_bytes, c.rep_bcast_bytes = _replicate(u, R, mc, d)
+    pieces = sum(pc.numel for pc in u.pieces) if S > 1 else 0
+    launches = []
+    for lay, isz, attr in ((u, d.gather, "gather"), (red, d.reduce, "reduce")):
+        shard_calls = calls(lay, attr == "reduce", grouped=True)
+        crit = sum(call.load(lay, 0, isz).critical for call in shard_calls)  # any rank's
+        setattr(c, attr, mc.shard.grouped(crit) + mc.tp.all_to_all(hop * isz))
+        setattr(c, attr + "_bytes", float(crit + hop * isz))
+        setattr(c, "floor_" + attr + "_bytes",  # a reduce's flags: on every placement
+                ((S - 1) * lay.head + pieces + hop_floor) * isz)
+        launches.append(len(shard_calls) + (1 if hop else 0))
+    c.launches = (launches[0], launches[1], 0, 0)
     if R > 1:
+        g = mc.replicate
+        owned = u.has_replica_owned
+        keys = {(pc.rank, t) for pc in u.pieces
+                for t in ((pc.tp_owner,) if pc.split else range(T))}
+        c.rep = {k: _rep_load(u.segment(*k), red.segment(*k), R, owned, g, d) for k in keys}
+        bare = -1  # a shard rank holding no piece: its even part (and flags) alone
+        c.bare = _rep_load(u.segment(bare), red.segment(bare), R, owned, g, d)
+        loads = [*c.rep.values(), c.bare]
+        c.rep_reduce, c.rep_bcast = max(x.reduce for x in loads), max(x.bcast for x in loads)
+        c.rep_reduce_bytes = max(x.reduce_bytes for x in loads)
+        c.rep_bcast_bytes = max(x.bcast_bytes for x in loads)
         held = max(largest, total / (S * T))
-        shared = max([u.even_numel] + [r.get(0, 0) for r in u.runs.values()])  # rows, experts
+        shared = max([u.even_numel] + [u.segment(*k).shared for k in keys])
         c.floor_rep_reduce_bytes = (2 * (R - 1) / R * shared + held) * d.reduce
-        c.floor_rep_bcast_bytes = held * d.storage if u.has_replica_owned else 0.0
+        c.floor_rep_bcast_bytes = held * d.storage if owned else 0.0
+        mats = any(len(red.segment(*k).runs) > 1 for k in keys)
+        c.launches = (*c.launches[:2], 1 + int(mats), int(owned and mats))
     return c
 
 
-def fsdp2_unit_comm(u: UnitShape, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitComm:
+def fsdp2_unit_comm(u: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitComm:
     """FSDP2's (with TP: FSDP2 + TP's) collectives of the same unit: every parameter's tp-local
     tensor padded to ``ceil(rows / S)`` rows, one all-gather / reduce-scatter; HSDP: the
     padded shard all-reduced across replicas after each reduce-scatter."""
@@ -246,33 +289,37 @@ def fsdp2_unit_comm(u: UnitShape, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitCo
         n = -(-rows // S) * rn
         shard += n
         state += n * (3 if spec.muon else 4)  # shard, gradient, momentum or AdamW's two
-    c = UnitComm(state_bytes=float(state * d.storage))
+    c = UnitComm(state_bytes=float(state * d.storage),
+                 launches=(int(S > 1), int(S > 1), int(R > 1), 0))
     for isz, attr in ((d.gather, "gather"), (d.reduce, "reduce")):
         setattr(c, attr, mc.shard.ring(S * shard * isz))
         setattr(c, attr + "_bytes", float((S - 1) * shard * isz))
     if R > 1:
-        c.rep_reduce = mc.replicate.all_reduce(shard * d.reduce)
-        c.rep_reduce_bytes = 2 * (R - 1) / R * shard * d.reduce
+        c.bare = RepLoad(mc.replicate.all_reduce(shard * d.reduce), 0.0,
+                         2 * (R - 1) / R * shard * d.reduce, 0.0)
+        c.rep_reduce, c.rep_reduce_bytes = c.bare.reduce, c.bare.reduce_bytes
     return c
 
 
 @dataclass
 class NSLoads:
     """A plan's Newton-Schulz: the busiest rank's FLOPs, the bound ``max(largest, total /
-    ranks)``, every matrix once (what FSDP2 + torch.optim.Muon runs on each rank), and per
-    matrix (each expert counted) its FLOPs and elements."""
+    ranks)``, every matrix once, and per matrix (each expert counted) its FLOPs, elements,
+    shape and unit."""
 
     max: float
     bound: float
     total: float
     costs: list[float]
     numel: list[int]
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    units: list[int] = field(default_factory=list)
 
 
 def ns_loads(plan: Plan, T: int) -> NSLoads:
     """:class:`NSLoads` of a plan whose matrices may be tp-split (held by ``tp_owner``)."""
     load: dict[tuple[int, int], int] = defaultdict(int)
-    costs, numel = [], []
+    costs, numel, shapes, units = [], [], [], []
     work = 0
     for pl in plan.placements.values():
         if not pl.spec.muon:
@@ -281,19 +328,22 @@ def ns_loads(plan: Plan, T: int) -> NSLoads:
         n = pl.spec.matrices
         costs += [float(f)] * n
         numel += [math.prod(pl.spec.matrix_shape)] * n
+        shapes += [tuple(pl.spec.matrix_shape)] * n
+        units += [pl.spec.unit] * n
         work += f * n * (plan.replicas if pl.spec.is_experts else 1)
         if T > 1:
             load[(pl.owner, pl.tp_owner)] += f
     busiest = max(load.values(), default=0) if T > 1 else max(plan.rank_cost, default=0)
     bound = max(max(costs, default=0.0), work / (plan.world_size * T))
-    return NSLoads(float(busiest), float(bound), float(sum(costs)), costs, numel)
+    return NSLoads(float(busiest), float(bound), float(sum(costs)), costs, numel, shapes, units)
 
 
-def _buffers(shapes: Sequence[UnitShape], d: Dtypes, kept: bool) -> float:
-    """Transient bytes: gathered units (param dtype), their unsharded gradients, the reduce
-    buffers (two reduces in flight, reduce dtype). ``kept`` (pipeline stages): every unit
-    stays gathered over the step and keeps its unsharded gradients (no-sync)."""
-    sizes = [u.gathered_numel for u in shapes]
+def _buffers(layouts: Sequence[UnitLayout], d: Dtypes, kept: bool) -> float:
+    """Transient bytes: gathered units (param dtype: the gathered chunks and the copied
+    rows), their unsharded gradients, the reduce buffers (two reduces in flight, reduce
+    dtype). ``kept`` (pipeline stages): every unit stays gathered over the step and keeps
+    its unsharded gradients (no-sync)."""
+    sizes = [u.copied_numel + (u.gathered_numel if u.keeps_gathered else 0) for u in layouts]
     if not sizes:
         return 0.0
     block = max(sizes[1:], default=0)
@@ -304,21 +354,22 @@ def _buffers(shapes: Sequence[UnitShape], d: Dtypes, kept: bool) -> float:
 
 @dataclass
 class UnitsPart:
-    """Some units of a stage, costed once: their shapes, collectives (ours, FSDP2's) and
+    """Some units of a stage, costed once: their layouts, collectives (ours, FSDP2's) and
     model-state parts. A stage is the sum of its parts (:func:`stage_costs`)."""
 
-    shapes: list[UnitShape]
+    layouts: list[UnitLayout]
     comm: list[UnitComm]
     fsdp2: list[UnitComm]
     state: StateParts
 
 
-def units_part(shapes: Sequence[UnitShape], mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitsPart:
+def units_part(layouts: Sequence[UnitLayout], mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitsPart:
     state = StateParts(mesh.shard)
-    for u in shapes:
-        state.add(u, mesh.tp, d.storage)
-    return UnitsPart(list(shapes), [unit_comm(u, mesh, mc, d) for u in shapes],
-                     [fsdp2_unit_comm(u, mesh, mc, d) for u in shapes], state)
+    reds = reduce_layouts(layouts)
+    for u, red in zip(layouts, reds):
+        state.add(u, red, mesh.tp, d.storage)
+    return UnitsPart(list(layouts), [unit_comm(u, red, mesh, mc, d) for u, red in zip(layouts, reds)],
+                     [fsdp2_unit_comm(u, mesh, mc, d) for u in layouts], state)
 
 
 def stage_costs(plan: Plan, parts: Sequence[UnitsPart], mesh: Mesh, d: Dtypes,
@@ -329,11 +380,11 @@ def stage_costs(plan: Plan, parts: Sequence[UnitsPart], mesh: Mesh, d: Dtypes,
     for p in parts[1:]:
         state = state.merged(p.state)
     state_max, state_mean = state.spread(mesh.replicate, T)
-    shapes = [u for p in parts for u in p.shapes]
-    even = sum(u.even_numel for u in shapes)
+    layouts = [u for p in parts for u in p.layouts]
+    even = sum(u.even_numel for u in layouts)
     busiest = max(plan.rank_bytes, default=0) / d.storage - even
     elementwise = (7 * even + 5 * max(busiest, 0) / max(T, 1)) * d.storage
-    return StageCosts(state_max, state_mean, _buffers(shapes, d, kept), ns.max, ns.bound,
+    return StageCosts(state_max, state_mean, _buffers(layouts, d, kept), ns.max, ns.bound,
                       ns.total, [c for p in parts for c in p.comm],
                       [c for p in parts for c in p.fsdp2], ns.numel,
                       sum(c.state_bytes for p in parts for c in p.fsdp2), elementwise)

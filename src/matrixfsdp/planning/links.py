@@ -100,19 +100,20 @@ class GroupCost:
             return 0.0
         return self.lat_ring + nbytes * (self.size - 1) / self.size / self.bw
 
+    def grouped(self, busiest: float) -> float:
+        """An uneven all-gather or reduce-scatter whose most loaded rank moves ``busiest``
+        bytes: one launch (NCCL runs its broadcasts / reduces as one group, concurrently:
+        one ring fill), then the busiest rank's bytes."""
+        if self.size <= 1 or busiest <= 0:
+            return 0.0
+        return self.lat_ring + busiest / self.bw
+
     def all_reduce(self, nbytes: float) -> float:
         """The faster of NCCL's ring and tree all-reduce of an ``nbytes`` buffer."""
         if self.size <= 1 or nbytes <= 0:
             return 0.0
         ring = self.lat_all_reduce_ring + 2 * nbytes * (self.size - 1) / self.size / self.bw
         return min(ring, self.lat_tree + 2 * nbytes / self.bw)
-
-    def pipeline(self, nbytes: float, count: int = 1) -> float:
-        """``count`` broadcasts from / reduces to one rank, ``nbytes`` in all (ring
-        pipelines, one after the other: each pays the fill latency)."""
-        if self.size <= 1 or nbytes <= 0:
-            return 0.0
-        return count * self.lat_ring + nbytes / self.bw
 
     def all_to_all(self, busiest: float) -> float:
         """An all-to-all whose busiest rank sends or receives ``busiest`` bytes (through its

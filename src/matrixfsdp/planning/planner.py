@@ -99,12 +99,14 @@ def _place_muon(muon: list[ParamSpec], counts: list[dict[int, int]], S: int
 
 
 def _place_tp_owners(split: list[Placement], ns_steps: int) -> None:
-    """Tensor parallelism: among the tp ranks sharing a data-parallel owner, the one that
-    holds each tp-split matrix whole (and runs its NS). Largest NS cost first, each to a tp
-    rank where its unit's matrices at its shard rank stay within ``max(the unit's largest,
-    its total / (shard ranks x tp))`` (what the tp hop and the replicate dim carry there),
-    among those that keep the owner's NS within the largest matrix's or least loaded; then
-    the least loaded (ties: the lowest). Deterministic, so every rank agrees."""
+    """Tensor parallelism: among the tp ranks of each tp-split matrix's owner, the one that
+    holds it whole (and runs its NS). Largest NS cost first, each to a tp rank where its
+    unit's matrices at its shard rank stay within ``max(the unit's largest, its total /
+    (shard ranks x tp))`` (what the tp hop carries there), among those that keep that GPU's
+    NS within the largest matrix's or the least loaded's; then the GPU with the least NS,
+    the (shard rank, tp rank) storing the fewest bytes over all units (what it holds and
+    moves across replicas), the tp rank with the least NS over all owners (an owner with one
+    matrix leaves the choice to it), the lowest. Deterministic, so every rank agrees."""
     total: dict[int, int] = defaultdict(int)
     largest: dict[int, int] = defaultdict(int)
     for pl in split:
@@ -112,21 +114,21 @@ def _place_tp_owners(split: list[Placement], ns_steps: int) -> None:
         largest[pl.spec.unit] = max(largest[pl.spec.unit], pl.spec.numel)
     costs = [ns_flops(pl.spec.matrix_shape, ns_steps) for pl in split]
     limit = max(costs, default=0)
-    load: dict[int, list[int]] = {}
+    gpu: dict[tuple[int | None, int], int] = defaultdict(int)  # (world owner, tp rank): NS
+    stored: dict[tuple[int | None, int], int] = defaultdict(int)  # (shard rank, tp rank)
+    per_tp: dict[int, int] = defaultdict(int)
     held: dict[tuple[int, int | None, int], int] = defaultdict(int)  # unit, shard, tp rank
     for k in sorted(range(len(split)), key=lambda k: -costs[k]):
         pl, cost = split[k], costs[k]
-        u, r, n = pl.spec.unit, pl.owner_shard, pl.spec.numel
-        cap = max(largest[u], -(-total[u] // (len(pl.row_ranges) * pl.spec.tp)))
-        ranks = load.setdefault(pl.owner, [0] * pl.spec.tp)
-        ok = max(limit, min(ranks) + cost)
-        best = None
-        for t, busy in enumerate(ranks):
-            key = (held[(u, r, t)] + n > cap, busy, t)
-            if busy + cost <= ok and (best is None or key < best):
-                best = key
-        t = best[2]
-        ranks[t] += cost
+        u, r, n, T = pl.spec.unit, pl.owner_shard, pl.spec.numel, pl.spec.tp
+        cap = max(largest[u], -(-total[u] // (len(pl.row_ranges) * T)))
+        loads = [gpu[(pl.owner, t)] for t in range(T)]
+        ok = max(limit, min(loads) + cost)
+        t = min((t for t in range(T) if loads[t] + cost <= ok),
+                key=lambda t: (held[(u, r, t)] + n > cap, loads[t], stored[(r, t)], per_tp[t], t))
+        gpu[(pl.owner, t)] += cost
+        stored[(r, t)] += n
+        per_tp[t] += cost
         held[(u, r, t)] += n
         pl.tp_owner = t
 

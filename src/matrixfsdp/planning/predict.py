@@ -22,8 +22,9 @@ from torch import nn
 
 from .costs import PlanCosts
 from .costs import plan_costs as _summary
+from .layout import unit_layouts
 from .planner import plan_module
-from .traffic import Dtypes, Held, predict_comm, rank_held, unit_shapes
+from .traffic import Dtypes, Held, predict_comm, rank_held
 from .types import MuonFilter, Plan
 
 
@@ -68,8 +69,8 @@ def _itemsize(dtype: torch.dtype | None, default: int) -> int:
 def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
                units: Sequence[nn.Module] | None = None, muon_filter: MuonFilter | None = None,
                ns_steps: int = 5, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = None, micro_batches: int = 1
-               ) -> PlanPrediction:
+               reduce_dtype: torch.dtype | None = None, micro_batches: int = 1,
+               uneven_collectives: bool = True) -> PlanPrediction:
     """Plan ``model`` for a mesh of shape ``mesh_shape`` (``(world,)`` or ``world``: 1-D;
     ``(replicate, shard)``: HSDP) and predict, per rank, the collectives of one training
     step and the bytes held.
@@ -78,7 +79,9 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
     :func:`default_units`); ``muon_filter`` and ``ns_steps`` as in ``fully_shard`` and
     ``Muon``; ``param_dtype`` / ``reduce_dtype`` as in ``MixedPrecisionPolicy`` (default: the
     parameters' dtype); ``micro_batches``: forward/backward passes per optimizer step, each
-    reducing (the runtime's default without ``set_requires_gradient_sync(False)``).
+    reducing (the runtime's default without ``set_requires_gradient_sync(False)``);
+    ``uneven_collectives``: the process groups have uneven all-gather / reduce-scatter
+    (NCCL, XCCL: one call per unit and direction), False for gloo's calls.
     Tensor-parallel models are costed by ``matrixfsdp plan``'s layout search only."""
     shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
     if len(shape) not in (1, 2) or any(int(n) < 1 for n in shape):
@@ -91,7 +94,7 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
     first = next(iter(plan.placements.values()), None)
     storage = first.spec.itemsize if first is not None else 4
     dtypes = Dtypes(storage, _itemsize(param_dtype, storage), _itemsize(reduce_dtype, storage))
-    shapes = unit_shapes(plan)
-    held = [rank_held(shapes, w, 0, dtypes) for w in range(world)]
-    return PlanPrediction(plan, predict_comm(plan, dtypes, micro_batches), held,
-                          _summary(plan, dtypes.gather))
+    layouts = unit_layouts(plan)
+    held = [rank_held(layouts, w, 0, dtypes) for w in range(world)]
+    return PlanPrediction(plan, predict_comm(plan, dtypes, micro_batches, uneven_collectives),
+                          held, _summary(plan, dtypes.gather))

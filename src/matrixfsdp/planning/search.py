@@ -14,6 +14,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from .layout import layout_of, unit_layouts
 from .layout_costs import (
     NSLoads,
     StageCosts,
@@ -26,8 +27,8 @@ from .layout_costs import (
 from .links import Links, Mesh, MeshCost
 from .model_shapes import ModelShapes, Stage, activation_bytes, stages, tp_specs
 from .planner import make_plan, with_even_params
-from .steptime import StepTime, Workload, distmuon, fsdp2_muon, ours, stage_work
-from .traffic import Dtypes, unit_shape, unit_shapes
+from .steptime import Bucket, StepTime, Workload, distmuon, fsdp2_muon, ours, stage_work
+from .traffic import Dtypes
 from .types import Plan
 
 KEYS = ("replicate", "shard", "tp", "pp", "largest_rank_bytes", "device_memory_bytes", "fits",
@@ -70,9 +71,11 @@ class Evaluated:
     ns_bound: float
     step: StepTime
     fsdp2: StepTime
-    distmuon: StepTime
+    distmuon: StepTime | None  # None: DistMuon cannot run this layout (tp > 1)
     fsdp2_memory: float = 0.0  # FSDP2 + torch.optim.Muon's largest rank
     distmuon_memory: float = 0.0  # DistMuon's: FSDP2's and the gathered matrices it owns
+    launches: int = 0  # process-group calls per step of the slowest stage (data-parallel)
+    fsdp2_launches: int = 0
     plan: Plan | None = field(default=None, repr=False)  # stage 0's plan
 
     @property
@@ -92,6 +95,10 @@ class Evaluated:
         broadcast from its owner replica whole."""
         return self.floor_bytes / self.fsdp2_critical_bytes if self.fsdp2_critical_bytes \
             else 1.0
+
+    @property
+    def distmuon_feasible(self) -> bool:
+        return self.distmuon is not None
 
     @property
     def bytes_ratio(self) -> float:
@@ -114,18 +121,22 @@ class Evaluated:
                "step_seconds": self.step.total, "fsdp2_step_seconds": self.fsdp2.total}
         out.update({"activation_checkpointing": lay.checkpointing,
                     "micro_batches": self.micro_batches,
-                    "distmuon_step_seconds": self.distmuon.total,
+                    "distmuon_step_seconds": self.distmuon.total if self.distmuon else None,
                     "fsdp2_largest_rank_bytes": round(self.fsdp2_memory),
                     "fsdp2_fits": self.fsdp2_memory <= self.device_memory,
-                    "distmuon_largest_rank_bytes": round(self.distmuon_memory),
-                    "distmuon_fits": self.distmuon_memory <= self.device_memory,
+                    "distmuon_largest_rank_bytes": round(self.distmuon_memory)
+                    if self.distmuon else None,
+                    "distmuon_fits": self.distmuon_feasible
+                    and self.distmuon_memory <= self.device_memory,
                     "model_state_bytes": round(self.state_max),
                     "buffer_bytes": round(self.buffers),
                     "activation_bytes": round(self.activations),
                     "critical_bytes": round(self.critical_bytes),
                     "fsdp2_critical_bytes": round(self.fsdp2_critical_bytes),
                     "breakdown": self.step.as_dict(), "fsdp2_breakdown": self.fsdp2.as_dict(),
-                    "distmuon_breakdown": self.distmuon.as_dict()})
+                    "distmuon_breakdown": self.distmuon.as_dict() if self.distmuon else None,
+                    "launches_per_step": self.launches, "fsdp2_launches_per_step":
+                    self.fsdp2_launches})
         return out
 
 
@@ -155,6 +166,8 @@ class _StagePlan:
     plan: Plan
     costs: StageCosts
     distmuon: tuple[float, int]  # DistMuon's busiest rank: NS FLOPs, bytes of matrices owned
+    buckets: list[Bucket]  # DistMuon's: one per block
+    ns: NSLoads
 
 
 def _plan_stages(stage_list: Sequence[Stage], dp: int, S: int, mesh: Mesh, mc: MeshCost,
@@ -170,23 +183,32 @@ def _plan_stages(stage_list: Sequence[Stage], dp: int, S: int, mesh: Mesh, mc: M
         root = [s for s in st.specs if s.unit == 0]
         if any(s.muon for s in root):
             plan = make_plan(st.specs, dp, st.unit_names, ns_steps, S)
-            parts = [units_part(unit_shapes(plan, mesh.tp), mesh, mc, d)]
+            parts = [units_part(unit_layouts(plan, mesh.tp), mesh, mc, d)]
             ns = ns_loads(plan, mesh.tp)
         else:
             key = tuple((s.shape, s.unit, s.muon, s.tp, s.tp_dim) for s in st.specs if s.unit)
             if key not in cores:
                 core = make_plan([s for s in st.specs if s.unit], dp, st.unit_names, ns_steps, S)
-                cores[key] = (core, units_part(unit_shapes(core, mesh.tp)[1:], mesh, mc, d),
+                cores[key] = (core, units_part(unit_layouts(core, mesh.tp)[1:], mesh, mc, d),
                               ns_loads(core, mesh.tp))
             core, blocks, ns = cores[key]
             plan = with_even_params(core, root)
-            head = unit_shape([plan.placements[s.name] for s in root], S, mesh.replicate, mesh.tp)
+            head = layout_of([plan.placements[s.name] for s in root], S, mesh.replicate, mesh.tp)
             parts = [units_part([head], mesh, mc, d), blocks]
         costs = stage_costs(plan, parts, mesh, d, mesh.pp > 1, ns)
         if id(ns) not in lpt:
             lpt[id(ns)] = lpt_max(ns.costs, [n * d.storage for n in ns.numel], S * mesh.tp)
-        out.append(_StagePlan(st, plan, costs, lpt[id(ns)]))
+        out.append(_StagePlan(st, plan, costs, lpt[id(ns)], _buckets(ns, d.storage), ns))
     return out
+
+
+def _buckets(ns: NSLoads, storage: int) -> list[Bucket]:
+    """DistMuon's buckets as the bench configures it: one per unit holding matrices."""
+    by_unit: dict[int, list[int]] = {}
+    for i, u in enumerate(ns.units):
+        by_unit.setdefault(u, []).append(i)
+    return [Bucket(tuple(ns.costs[i] for i in idx), tuple(ns.numel[i] * storage for i in idx))
+            for _, idx in sorted(by_unit.items())]
 
 
 def _step_bytes(units, m: int, pp: int, prefix: str = "") -> tuple[float, float]:
@@ -201,6 +223,16 @@ def _step_bytes(units, m: int, pp: int, prefix: str = "") -> tuple[float, float]
                   + reduces * getattr(u, prefix + "reduce_bytes") + r)
         rep += r
     return total, rep
+
+
+def _launches(units, m: int, pp: int) -> int:
+    """Data-parallel process-group calls per step of a stage's units (a busiest rank's)."""
+    total = 0
+    for i, u in enumerate(units):
+        gathers, reduces = (1, 1) if pp > 1 else (m * (1 if i == 0 else 2), m)
+        g, r, rr, rb = u.launches
+        total += gathers * g + reduces * (r + rr) + rb
+    return total
 
 
 def _evaluate(shapes: ModelShapes, sps: list[_StagePlan], layout: Layout, m: int,
@@ -221,21 +253,26 @@ def _evaluate(shapes: ModelShapes, sps: list[_StagePlan], layout: Layout, m: int
         act = activation_bytes(shapes, blocks, tokens, layout.tp, layout.checkpointing,
                                in_flight, sp.stage.last)
         c = sp.costs
-        steps = (ours(c, work, mesh, mc, w, m), fsdp2_muon(c, work, mesh, mc, w, m),
-                 distmuon(c, work, mesh, mc, w, m, *sp.distmuon, d.storage))
+        steps = (ours(c, work, mesh, mc, w, m),
+                 fsdp2_muon(c, work, mesh, mc, w, m, sp.ns.shapes, sp.plan.ns_steps),
+                 distmuon(c, work, mesh, mc, w, m, sp.buckets))
         rows.append((c, act, steps, _step_bytes(c.units, m, layout.pp),
                      _step_bytes(c.fsdp2_units, m, layout.pp),
                      _step_bytes(c.units, m, layout.pp, "floor_")))
     mem = max(rows, key=lambda r: r[0].state_max + r[0].buffers + r[1])
-    slow = [max((r[2][k] for r in rows), key=lambda s: s.total) for k in range(3)]
+    slow = [None if any(r[2][k] is None for r in rows) else
+            max((r[2][k] for r in rows), key=lambda s: s.total) for k in range(3)]
     mine, theirs = (max(rows, key=lambda r: r[k][0])[k] for k in (3, 4))
     floor = max(rows, key=lambda r: r[3][0])[5][0]
     fsdp2 = max(r[0].fsdp2_state + r[0].buffers + r[1] for r in rows)
     owned = max(sp.distmuon[1] for sp in sps)
+    launches = max(_launches(sp.costs.units, m, layout.pp) for sp in sps)
+    fsdp2_launches = max(_launches(sp.costs.fsdp2_units, m, layout.pp) for sp in sps)
     return Evaluated(layout, m, mem[0].state_max, sum(r[0].state_mean for r in rows) / len(rows),
                      mem[0].buffers, mem[1], device_memory, mine[0], theirs[0], floor, mine[1],
                      theirs[1], max(r[0].ns_max for r in rows), max(r[0].ns_bound for r in rows),
-                     *slow, fsdp2, fsdp2 + 2 * owned, plan=sps[0].plan)
+                     *slow, fsdp2, fsdp2 + 2 * owned, launches, fsdp2_launches,
+                     plan=sps[0].plan)
 
 
 def search(shapes: ModelShapes, world_size: int, device_memory: float, *,

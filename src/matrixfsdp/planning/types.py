@@ -32,6 +32,7 @@ Expert stacks are planned over the shard group and run on every replica.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,7 +63,7 @@ class ParamSpec:
     tp: int = 1
     tp_dim: int = 0
 
-    @property
+    @functools.cached_property  # specs are frozen; planning 16k-rank layouts reads it often
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -75,7 +76,7 @@ class ParamSpec:
         """Length of dim 0 (a 0-d parameter counts as one row)."""
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 

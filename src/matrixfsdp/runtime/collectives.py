@@ -1,20 +1,25 @@
 """The collectives the runtime needs, and what each costs its most loaded rank.
 
-:class:`Comm` issues them over one process group (gloo and NCCL alike: the same public
-``torch.distributed`` calls everywhere) and counts each in a :class:`CommStats`:
+:class:`Comm` issues them over one process group (the same public ``torch.distributed``
+calls on every backend) and counts each in a :class:`CommStats`:
 
-* ``all_gather`` / ``reduce_scatter``: the row-sharded part of a unit, even and padded,
-  as FSDP2 (ring: every rank sends and receives ``(P-1)/P`` of the buffer);
-* ``broadcast`` / ``reduce``: one piece of whole matrices from / to its holder (NCCL
-  pipelines both along a ring or tree: every rank moves about the piece once, the root
-  only sends, the last rank only receives);
-* ``replicate_allreduce`` / ``replicate_reduce`` / ``replicate_broadcast``: HSDP's, across
-  the replicate dimension, counted by the same rules.
+* ``all_gather`` / ``reduce_scatter``: equal parts of every rank (a unit's even parts, or
+  whole chunks of one size), as FSDP2 (ring: every rank sends and receives ``(P-1)/P`` of
+  the buffer);
+* ``all_gather_v`` / ``reduce_scatter_v``: every rank's part of its own size, one call
+  (``dist.all_gather`` / ``dist.reduce_scatter`` over tensor lists, which NCCL runs as one
+  group of broadcasts from / reduces to each rank); only where the group has them
+  (:func:`uneven_supported`: NCCL and XCCL do, gloo does not);
+* ``broadcast`` / ``reduce``: one piece from / to its holder (NCCL pipelines both along a
+  ring: every rank moves about the piece once, the root only sends, the last only receives);
+* ``all_reduce``, ``all_to_all`` (tensor parallelism's slices); HSDP's replicate dimension
+  uses the same calls under the ``replicate_`` prefix.
 
 A collective ends when its most loaded rank is done, so the counters keep, per kind, that
-rank's bytes (``critical_bytes``: the larger of what it sends and receives, by the model
-above, summed over calls) next to the mean over ranks and this rank's own sent and
-received bytes. Every rank knows every size, so this needs no communication.
+rank's bytes (``critical_bytes``: the larger of what it sends and receives, summed over
+calls) next to the mean over ranks and this rank's own sent and received bytes, charged by
+the load model the planner predicts with (:mod:`matrixfsdp.planning.layout`). Every rank
+knows every size, so this needs no communication.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..planning.layout import Load, grouped_load, pipeline_load, ring_load
 from . import arrival
 
 
@@ -75,10 +81,11 @@ def broadcast_object(obj: object, src: int, group: dist.ProcessGroup | None = No
     return obj if mine else pickle.loads(bytes(data.tolist()))
 
 
-PHASE_OF = {"all_gather": "gather", "broadcast": "gather", "reduce_scatter": "reduce",
-            "grad_flags": "flags",  # which parameters had a gradient (Root.drop_unused_grads)
-            "reduce": "reduce", "all_reduce": "reduce", "replicate_allreduce": "replicate",
-            "replicate_reduce": "replicate", "replicate_broadcast": "replicate",
+PHASE_OF = {"all_gather": "gather", "all_gather_v": "gather", "broadcast": "gather",
+            "reduce_scatter": "reduce", "reduce_scatter_v": "reduce", "reduce": "reduce",
+            "all_reduce": "reduce", "replicate_allreduce": "replicate",
+            "replicate_reduce": "replicate", "replicate_reduce_scatter_v": "replicate",
+            "replicate_broadcast": "replicate", "replicate_all_gather_v": "replicate",
             "tp_all_to_all": "gather", "tp_grad_all_to_all": "reduce"}
 COUNTERS = ("calls", "payload_bytes", "sent_bytes", "received_bytes", "critical_bytes",
             "mean_bytes")
@@ -120,8 +127,9 @@ class CommStats:
         return {k: c["sent_bytes"] for k, c in self.counts.items()}
 
     def phase(self, key: str = "payload_bytes") -> dict[str, int]:
-        """``key`` summed per phase: ``gather`` (all-gather + broadcast), ``reduce``
-        (reduce-scatter + reduce), and HSDP's ``replicate`` (all three kinds)."""
+        """``key`` summed per phase: ``gather`` (all-gathers, broadcasts, tp hop),
+        ``reduce`` (reduce-scatters, reduces, the gradients' tp hop), and HSDP's
+        ``replicate``."""
         out: dict[str, int] = {}
         for kind, c in self.counts.items():
             ph = PHASE_OF[kind]
@@ -130,36 +138,6 @@ class CommStats:
 
     def summary(self) -> dict[str, dict[str, int]]:
         return {k: dict(self.counts[k]) for k in sorted(self.counts)}
-
-
-@dataclass(frozen=True)
-class Load:
-    """Bytes one collective moves: this rank's, its most loaded rank's and the mean's."""
-
-    sent: int
-    received: int
-    critical: int
-    mean: int
-
-
-def ring_load(n: int, P: int, factor: int = 1) -> Load:
-    """All-gather / reduce-scatter (``factor`` 1) or all-reduce (2) of an ``n``-byte
-    buffer over a ring of ``P``: every rank sends and receives ``factor (P-1)/P n``."""
-    b = factor * n * (P - 1) // P
-    return Load(b, b, b, b)
-
-
-def pipeline_load(n: int, P: int, rank: int, root: int, toward_root: bool) -> Load:
-    """Broadcast (from ``root``) or reduce (``toward_root``) of ``n`` bytes, pipelined
-    along the ring that starts (or ends) at the root: the root sends (receives) only, the
-    far end receives (sends) only, everyone else moves ``n`` each way."""
-    if P == 1:
-        return Load(0, 0, 0, 0)
-    end = (root - 1) % P if not toward_root else (root + 1) % P
-    first, last = (root, end) if not toward_root else (end, root)
-    sent = 0 if rank == last else n
-    received = 0 if rank == first else n
-    return Load(sent, received, n, n * (P - 1) // P)
 
 
 class Pending:
@@ -214,12 +192,16 @@ class Comm:
     each returns a :class:`Pending` (``wait()`` it). Means are a sum followed by one
     division by the group size, as in FSDP2, so equal inputs come back bit-identical."""
 
-    def __init__(self, group: dist.ProcessGroup, stats: CommStats, prefix: str = ""):
+    def __init__(self, group: dist.ProcessGroup, stats: CommStats, prefix: str = "",
+                 grouped: bool = False):
         self.group = group
         self.stats = stats
         self.prefix = prefix  # "replicate_" for HSDP's replicate dimension
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # the group has uneven all-gather / reduce-scatter (uneven_supported): a unit's
+        # chunks travel in one call per direction
+        self.grouped = grouped
 
     def _issue(self, kind: str, payload: int, load: Load, work, epilogue=None,
                keep: tuple = ()) -> Pending:
@@ -257,6 +239,37 @@ class Comm:
                                      async_op=True)
         return self._issue("reduce_scatter", n, ring_load(n, self.size), work,
                            lambda: out.div_(divisor), keep=(out, inp))
+
+    def all_gather_v(self, outs: list[torch.Tensor], inp: torch.Tensor) -> Pending:
+        """``outs[r]`` = group rank ``r``'s ``inp`` (sizes may differ; ``inp`` may be a view
+        of ``outs[rank]``): one ``dist.all_gather`` over the list."""
+        if self.size == 1:
+            if outs[0].data_ptr() != inp.data_ptr():
+                outs[0].copy_(inp)
+            return Pending()
+        es = inp.element_size()
+        sizes = [o.numel() * es for o in outs]
+        load = grouped_load(sizes.__getitem__, sum(sizes), min(sizes), self.size, self.rank,
+                            toward=False)
+        work = dist.all_gather(outs, inp, group=self.group, async_op=True)
+        return self._issue("all_gather_v", sum(sizes), load, work, keep=(outs, inp))
+
+    def reduce_scatter_v(self, out: torch.Tensor, inps: list[torch.Tensor],
+                         divisor: float | None = None) -> Pending:
+        """``out`` = sum over ranks of their ``inps[rank]`` (sizes may differ), divided by
+        ``divisor`` (default: the mean): one ``dist.reduce_scatter`` over the list."""
+        divisor = self.size if divisor is None else divisor
+        if self.size == 1:
+            out.copy_(inps[0])
+            return Pending() if divisor == 1 else Pending(epilogue=lambda: out.div_(divisor))
+        es = out.element_size()
+        sizes = [t.numel() * es for t in inps]
+        load = grouped_load(sizes.__getitem__, sum(sizes), min(sizes), self.size, self.rank,
+                            toward=True)
+        work = dist.reduce_scatter(out, inps, op=dist.ReduceOp.SUM, group=self.group,
+                                   async_op=True)
+        return self._issue("reduce_scatter_v", sum(sizes), load, work,
+                           (lambda: out.div_(divisor)) if divisor != 1 else None, (out, inps))
 
     def all_reduce(self, t: torch.Tensor, divisor: float | None = None) -> Pending:
         """``t`` = sum of ``t`` over the ranks divided by ``divisor`` (default: the mean;
@@ -304,3 +317,25 @@ class Comm:
         mean = (lambda: t.div_(divisor)) if self.rank == root and divisor != 1 else None
         return self._issue("reduce", n, pipeline_load(n, self.size, self.rank, root, True),
                            work, mean, (t,))
+
+
+def uneven_supported(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether ``group`` gathers and reduce-scatters parts of different sizes (asked once,
+    at set-up, of the group itself: a tiny uneven ``all_gather`` and ``reduce_scatter``
+    that either work, exactly, or raise on every rank; never by the backend's name). NCCL
+    and XCCL run them as one group of broadcasts / reduces; gloo refuses the all-gather."""
+    P, me = dist.get_world_size(group), dist.get_rank(group)
+    if P == 1:
+        return True
+    sizes = [1 + r % 2 for r in range(P)]
+    try:
+        outs = [torch.empty(n, device=device) for n in sizes]
+        dist.all_gather(outs, torch.full((sizes[me],), float(me), device=device), group=group)
+        out = torch.empty(sizes[me], device=device)
+        dist.reduce_scatter(out, [torch.ones(n, device=device) for n in sizes], group=group)
+        works = all(bool((o == r).all()) for r, o in enumerate(outs)) and bool((out == P).all())
+    except (RuntimeError, ValueError, NotImplementedError):
+        works = False
+    verdict = torch.tensor([int(works)], device=device)  # one answer on every rank
+    dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+    return bool(verdict.item())

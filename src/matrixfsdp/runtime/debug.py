@@ -14,9 +14,7 @@ latest signature to the process group's store, which the waiting rank reads. Off
 default: it adds one small collective (and one store write) per collective.
 Under HSDP the check runs over every rank of the 2-D mesh (the shard groups and the
 replicate groups all pair up by order), once per unit before each phase, the replicate
-reduce and broadcast included. The end of backward's all-reduce of which parameters had a
-gradient (``Root.drop_unused_grads``) is checked too (phase "gradient flags", under the
-root unit's name, its size the number of flags).
+reduce and broadcast included.
 """
 
 from __future__ import annotations
@@ -33,8 +31,8 @@ from .collectives import all_gather_single
 from .process_groups import group_timeout
 
 PHASES = ("forward gather", "backward gather", "gradient reduce",
-          "replicate reduce", "replicate broadcast", "gradient flags")
-FORWARD_GATHER, BACKWARD_GATHER, REDUCE, REPLICATE_REDUCE, REPLICATE_BROADCAST, GRAD_FLAGS = range(6)
+          "replicate reduce", "replicate broadcast")
+FORWARD_GATHER, BACKWARD_GATHER, REDUCE, REPLICATE_REDUCE, REPLICATE_BROADCAST = range(5)
 
 
 class CollectiveCheck:

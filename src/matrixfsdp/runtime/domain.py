@@ -13,11 +13,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..planning.types import Plan
-from .collectives import Comm, CommStats
+from .collectives import Comm, CommStats, uneven_supported
 from .hsdp import MeshGroups, Replication
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh's collectives run on (the current one of its type)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 @dataclass
@@ -33,8 +41,14 @@ class Domain:
 
     @classmethod
     def of(cls, mesh: DeviceMesh, groups: MeshGroups, plan: Plan, stats: CommStats) -> Domain:
-        rep = Comm(groups.replicate, stats, "replicate_") if groups.replicas > 1 else None
-        return cls(mesh, groups, Comm(groups.shard, stats), Replication(groups, rep), plan)
+        """The domain of ``mesh``; each of its groups asked once whether it has uneven
+        collectives (a collective of the mesh's ranks, at set-up)."""
+        device = mesh_device(mesh)
+        shard = Comm(groups.shard, stats, grouped=uneven_supported(groups.shard, device))
+        rep = Comm(groups.replicate, stats, "replicate_",
+                   grouped=uneven_supported(groups.replicate, device)) \
+            if groups.replicas > 1 else None
+        return cls(mesh, groups, shard, Replication(groups, rep), plan)
 
     @property
     def shard_rank(self) -> int:

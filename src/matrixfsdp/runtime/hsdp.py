@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..planning.layout import Segment
 from ..planning.types import Placement
 from .collectives import Comm, Pending
 from .process_groups import group_timeout, twin_group
@@ -115,7 +116,7 @@ class Replication:
         self._inflight: dict[int, Pending] = {}
         self.max_inflight = 0  # most broadcasts in flight at once (overlap: all units')
 
-    def reduce_across(self, out: torch.Tensor, runs: list[tuple[int, int]],
+    def reduce_across(self, out: torch.Tensor, seg: Segment,
                       divisor: float | None = None) -> Pending:
         """``out`` is this rank's segment of gradients, averaged over its shard group.
         Start averaging it over the replicas: the replicated run (``runs[0]``) on every
@@ -124,12 +125,16 @@ class Replication:
         what the sum is divided by (default: the number of replicas, the mean; 1 after a
         shard-group reduce that divided by a custom factor already)."""
         pending: list[Pending] = []
-        start, n = runs[0]
+        start, n = seg.runs[0]
         if n:
             pending.append(self.comm.all_reduce(out[start:start + n], divisor))
-        for i, (start, n) in enumerate(runs[1:]):
-            if n:
-                pending.append(self.comm.reduce(out[start:start + n], i, divisor))
+        mats = [out[start:start + n] for start, n in seg.replica_runs(self.groups.replicas)]
+        if not any(t.numel() for t in mats):
+            return Pending.all(pending)
+        if self.comm.grouped:  # every replica's run to it, in one call
+            pending.append(self.comm.reduce_scatter_v(mats[self.groups.replica], mats, divisor))
+        else:
+            pending += [self.comm.reduce(t, i, divisor) for i, t in enumerate(mats) if t.numel()]
         return Pending.all(pending)
 
     def is_stale(self, unit_index: int) -> bool:
@@ -140,16 +145,20 @@ class Replication:
         self.finish_broadcast(unit_index)  # one still in flight (a skipped forward) ends first
         self._stale.add(unit_index)
 
-    def start_broadcast(self, unit_index: int, local: torch.Tensor,
-                        runs: list[tuple[int, int]]) -> None:
+    def start_broadcast(self, unit_index: int, local: torch.Tensor, seg: Segment) -> None:
         """Start copying the matrices each replica stepped (``runs[1 + i]`` of ``local``)
         from replica i to the others, in place; nothing may touch those rows of ``local``
         until :meth:`finish_broadcast`."""
         if unit_index in self._stale:
             self._stale.discard(unit_index)
-            self._inflight[unit_index] = Pending.all([
-                self.comm.broadcast(local[start:start + n], i)
-                for i, (start, n) in enumerate(runs[1:]) if n])
+            mats = [local[start:start + n] for start, n in seg.replica_runs(self.groups.replicas)]
+            if not any(t.numel() for t in mats):  # this shard rank holds none of them
+                return
+            if self.comm.grouped:  # every replica's run from it, in one call
+                sent = [self.comm.all_gather_v(mats, mats[self.groups.replica])]
+            else:
+                sent = [self.comm.broadcast(t, i) for i, t in enumerate(mats) if t.numel()]
+            self._inflight[unit_index] = Pending.all(sent)
             self.max_inflight = max(self.max_inflight, len(self._inflight))
 
     def finish_broadcast(self, unit_index: int) -> None:

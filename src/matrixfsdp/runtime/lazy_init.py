@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from ..planning.layout import unit_layout
 from ..planning.planner import Collected, collect_params, make_plan
 from ..planning.types import MuonFilter, Plan
 from .checks import (
@@ -30,9 +31,8 @@ from .checks import (
     unguard_unit,
 )
 from .collectives import CommStats
-from .domain import Domain
+from .domain import Domain, mesh_device
 from .hsdp import MeshGroups
-from .layout import unit_layout
 from .mesh_checks import sliced_from_named_world
 from .mixed_precision import Precision
 from .param import (
@@ -43,7 +43,7 @@ from .param import (
     set_sharded_grad,
     unmark_sharded,
 )
-from .root import Root, mesh_device
+from .root import Root
 from .storage import UnitStorage
 from .tp import TPGroups, check_tp_mesh, global_placement, slice_shape, tp_param, tp_spec
 from .unit import Unit
@@ -106,8 +106,8 @@ def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], root: Root,
                device: torch.device) -> None:
     """Give unit ``u`` its storage, its unsharded parameters, and turn each original
     parameter into this rank's shard (registered at every place it was)."""
-    tp_rank = root.tp.rank if root.tp else 0
-    u.layout, u.root = unit_layout(u.domain.plan, ui, tp_rank), root
+    T, tp_rank = (root.tp.size, root.tp.rank) if root.tp else (1, 0)
+    u.layout, u.root = unit_layout(u.domain.plan, ui, T, tp_rank), root
     dtype = params[0].dtype if params else torch.float32
     u.precision = Precision.resolve(u.mp_policy, dtype)
     u.storage = UnitStorage(u.layout, u.domain.shard_rank, dtype, u.precision, device, root.tp)

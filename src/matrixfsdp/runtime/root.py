@@ -10,36 +10,26 @@ end-of-backward callback).
 from __future__ import annotations
 
 import weakref
-import zlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..planning.layout import UnitLayout
 from ..planning.types import Plan
-from . import arrival
 from .checks import (
     check_optimizer_first_step,
     check_optimizer_params,
     check_optimizer_step,
     check_unsharded_trainable,
 )
-from .collectives import CommStats, ring_load
-from .debug import GRAD_FLAGS, CollectiveCheck
-from .domain import Domain
-from .layout import UnitLayout
+from .collectives import CommStats
+from .debug import CollectiveCheck
+from .domain import Domain, mesh_device
 from .overlap import Schedule
 from .param import release_grads, sharded_param
 from .unit import Unit
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.get_device_module(mesh.device_type).current_device())
 
 
 class Root:
@@ -69,9 +59,6 @@ class Root:
                                                 [u.name for u in units]) \
             if debug and self.world_size > 1 else None
         self.schedule = Schedule(enabled=overlap, polling=self.collective_check is None)
-        # this backward's reduces: unit index -> (which of its parameters had a gradient on
-        # this rank, which of its shards had no .grad before), for drop_unused_grads
-        self.grads_seen: dict[int, tuple[list[bool], list[bool]]] = {}
         # a pipeline stage (integrations/pipelining.py) holding this step's gradients
         # unreduced until its schedule's last backward: its name, else None
         self.grads_held_by: str | None = None
@@ -209,7 +196,6 @@ class Root:
             for unit in self.units:
                 for p in unit.sharded:
                     p.grad = None
-        self.grads_seen = {}
         self.schedule.end_step()
         self.in_backward = self.forward_open = False
         self.registration_check_due = True
@@ -226,49 +212,6 @@ class Root:
             if u.is_unsharded or u._gather is not None:
                 u.reshard()
                 u.register(u.sharded)
-
-    def note_grads(self, unit: Unit, grads: list[torch.Tensor | None]) -> None:
-        """``unit``'s gradient reduce starts: note which of its parameters had a gradient on
-        this rank (``grads``: this pass's, with those kept from no-sync passes) and which of
-        its shards had no ``.grad`` before the reduce attaches one."""
-        had = [g is not None for g in grads]
-        seen = self.grads_seen.get(unit.index)
-        if seen is None:
-            self.grads_seen[unit.index] = (had, [p.grad is None for p in unit.sharded])
-        else:  # a second reduce in one pass: the .grad it adds to was this pass's
-            seen[0][:] = [a or b for a, b in zip(seen[0], had)]
-
-    @torch.no_grad()
-    def drop_unused_grads(self) -> None:
-        """After this backward's reduces: ``.grad`` is None again on every shard whose
-        parameter had no gradient on any rank (in this pass, or the no-sync passes it
-        reduced) and had none before, as torch leaves an unused parameter, so no optimizer
-        steps it (the reduce attached zeros: weight decay would move it). A parameter used
-        on some ranks only keeps the average with zeros (FSDP2's). One all-reduce (MAX) of
-        one uint8 flag per parameter of the units that reduced, over every rank of the mesh,
-        in unit order: every rank reduced the same units (debug mode checks it). Counted in
-        :attr:`stats` as ``grad_flags`` (its own phase, ``flags``)."""
-        seen, self.grads_seen = self.grads_seen, {}
-        if not seen:  # nothing reduced (a no-sync pass): nothing attached
-            return
-        order = sorted(seen)
-        had = torch.tensor([h for i in order for h in seen[i][0]], dtype=torch.uint8)
-        if self.world_size > 1:
-            world = self.groups.world
-            had = had.to(mesh_device(self.mesh))
-            if self.collective_check is not None:
-                self.collective_check(0, GRAD_FLAGS, had.numel(), zlib.crc32(repr(order).encode()))
-            work = dist.all_reduce(had, op=dist.ReduceOp.MAX, group=world, async_op=True)
-            self.stats.add("grad_flags", had.numel(), ring_load(had.numel(), self.world_size, 2))
-            arrival.wait(work, arrival.issued(world, "gradient flags all_reduce"))
-        flags = had.tolist()
-        at = 0
-        for i in order:
-            fresh = seen[i][1]
-            for p, was_none, used in zip(self.units[i].sharded, fresh, flags[at:at + len(fresh)]):
-                if was_none and not used:
-                    p.grad = None
-            at += len(fresh)
 
     def queue_final_callback(self) -> None:
         if not self.in_backward:
@@ -289,7 +232,6 @@ class Root:
         for unit in reversed(self.units):
             unit.post_backward()
         self.schedule.finish_reduces()  # every .grad is in place before backward() returns
-        self.drop_unused_grads()
         for unit in self.units:  # a unit this forward did not use: its broadcast ends here
             unit.domain.replication.finish_broadcast(unit.index)
         for unit in self.units:

@@ -29,10 +29,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..planning.layout import UnitLayout
 from ..planning.types import MuonFilter
 from .collectives import Pending
 from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, REPLICATE_BROADCAST, REPLICATE_REDUCE
-from .layout import UnitLayout
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .param import set_sharded_grad
 from .storage import UnitStorage
@@ -191,7 +191,7 @@ class Unit:
         rep = self.domain.replication
         if rep.enabled and self.layout.has_replica_owned and rep.is_stale(self.index):
             self.root.before_collective(self, REPLICATE_BROADCAST, self.layout)
-            rep.start_broadcast(self.index, self.local, self.layout.replica_runs[self.domain.shard_rank])
+            rep.start_broadcast(self.index, self.local, self.storage.segment)
 
     def sync_replicas(self) -> None:
         """HSDP: the matrices each replica stepped are on every replica when this returns."""
@@ -318,39 +318,49 @@ class Unit:
         # Frozen parameters do not travel (as in FSDP2). Every rank must freeze the same
         # parameters (debug mode checks).
         trainable = tuple(p.requires_grad for p in self.sharded)
-        lay, _ = self.layout.subset(trainable)
+        lay, index = self.layout.reduce_layout(trainable)
         if not lay.numel:
             return
-        root.note_grads(self, grads)  # which had none: see Root.drop_unused_grads
         root.before_collective(self, REDUCE, lay)
         started = self.storage.start_reduce(self.domain.comm, grads, trainable, self.divide_factor)
         if self.reshard_after_backward:
             self.reshard()  # the unsharded params are not needed any more
         pending, out, lay, index, hop = started
-        attach = finish = self._attacher(out, lay, index)
-        if lay.replica_runs is not None:
+        attach = finish = self._attacher(out, lay, index, [grads[i] is not None for i in index])
+        if self.domain.replication.enabled:
             def finish() -> None:  # HSDP: then average over the replicas too
                 root.before_collective(self, REPLICATE_REDUCE, lay)
+                seg = lay.segment(self.domain.shard_rank, self.storage.tp_rank)
                 root.schedule.add_follow_up(self.domain.replication.reduce_across(
-                    out, lay.replica_runs[self.domain.shard_rank],
-                    None if self.divide_factor is None else 1).then(attach))
+                    out, seg, None if self.divide_factor is None else 1).then(attach))
         if hop is None:
             root.schedule.add_reduce(pending.then(finish))
         else:  # TP: first the slices of split matrices to the tp ranks holding them whole
             root.schedule.add_reduce(pending.then(
                 lambda: root.schedule.add_follow_up(hop().then(finish))))
 
-    def _attacher(self, out: torch.Tensor, lay: UnitLayout, index: list[int]):
-        """Once the reduce is done: this rank's pieces of ``out`` become the shards' .grad."""
+    def _attacher(self, out: torch.Tensor, lay: UnitLayout, index: list[int], had: list[bool]):
+        """Once the reduce is done: this rank's pieces of ``out`` become the shards' .grad,
+        for every parameter some rank had a gradient for. One left without a gradient on
+        every rank keeps ``.grad`` as it was (None after ``zero_grad``), as torch leaves an
+        unused parameter, so no optimizer steps it; one used on some ranks only gets the
+        average with zeros (FSDP2's). Whether a rank had one is this rank's own knowledge
+        (``had``), else the reduced flag counts in ``out`` (read on the host only where this
+        rank had no gradient for some parameter: no host synchronisation otherwise)."""
         prec = self.precision
 
         def attach() -> None:
+            used = had
+            if not all(had):
+                counts = out[lay.even_numel:lay.head].tolist()
+                used = [h or c > 0 for h, c in zip(had, counts)]
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
             for j, i in enumerate(index):
                 p = self.sharded[i]
-                if not p.numel() or not self.domain.groups.steps_here(lay.placements[j]):
-                    continue  # nothing here, or HSDP: another replica steps it
-                start = lay.shard_offset(j, self.domain.shard_rank)
+                if not used[j] or not p.numel() or \
+                        not self.domain.groups.steps_here(lay.placements[j]):
+                    continue  # unused everywhere, nothing here, or HSDP: another replica steps it
+                start = lay.shard_offset(j, self.domain.shard_rank, self.storage.tp_rank)
                 view = grad[start:start + p.numel()].view(p.shape)
                 set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
         return attach

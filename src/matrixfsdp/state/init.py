@@ -34,9 +34,9 @@ import torch
 from torch import nn
 
 from ..runtime.fully_shard import get_root
-from ..runtime.layout import local_rows
 from ..runtime.param import placement_of, sharded_param
 from ..runtime.root import Root
+from ..runtime.storage import local_rows
 from ..runtime.tp import global_ok
 
 InitFn = Callable[[nn.Module], object]

@@ -34,8 +34,8 @@ from ..optim.matrix import is_placeholder
 from ..optim.muon import Muon, _dtype, _step_tensor
 from ..optim.plan_stamp import PLAN_KEYS
 from ..planning.types import Placement
-from ..runtime.layout import local_rows
 from ..runtime.param import placement_of, sharded_param
+from ..runtime.storage import local_rows
 from .dcp import RowShard, check_global
 from .dcp import where as where_of
 
