@@ -49,12 +49,19 @@ from .tp import TPGroups, check_tp_mesh, global_placement, slice_shape, tp_param
 from .unit import Unit
 
 
+def module_unit(m: nn.Module) -> Unit | None:
+    """The unit ``fully_shard`` made of ``m`` itself (None otherwise), read from ``m``'s own
+    ``__dict__``: a ``torch.compile(block)`` wrapper forwards attribute look-ups to the
+    block it wraps, so ``getattr`` would find one unit on both, twice in one model."""
+    return m.__dict__.get("_mf_unit")
+
+
 def is_unit(m: nn.Module) -> bool:
-    return getattr(m, "_mf_unit", None) is not None
+    return module_unit(m) is not None
 
 
 def unit_modules(root_module: nn.Module) -> list[tuple[str, Unit]]:
-    return [(name, m._mf_unit) for name, m in root_module.named_modules() if is_unit(m)]
+    return [(name, module_unit(m)) for name, m in root_module.named_modules() if is_unit(m)]
 
 
 def _collect(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None) -> Collected:

@@ -1,0 +1,168 @@
+"""A torchtitan trainer's own code, unchanged, on a model sharded here (issue 34), each
+against one process (torch.optim.Muon with fp32 NS + AdamW) and beside FSDP2 doing the same
+in the same job:
+
+* every compile form FSDP2 accepts: a ``torch.compile(block)`` wrapper registered back into
+  ``model.layers`` (a ModuleList, and a ModuleDict as torchtitan's) before ``fully_shard``,
+  torchtitan's in-place ``block.compile()`` before it, and both after it; the names torch
+  keeps (``_orig_mod.`` in ``named_parameters`` and ``state_dict``) and those its helpers
+  give (without it), FSDP2's in both;
+* torchtitan's meta-device init: build on meta, ``fully_shard``, ``model.to_empty``, the
+  model's own init, then a seed checkpoint through torch's ``set_model_state_dict(
+  full_state_dict=True)``.
+
+FSDP2 runs as tests/test_tp_compose.py runs it: each step its full gradients step a plain
+replica with the same optimizers, whose values go back into the DTensor shards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _dist import spawn
+from reference import PARITY_TOL, assert_params_close, batches, rank_slice, train_reference
+from test_parity import ADAMW, MUON, ODD, _groups
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+
+import matrixfsdp as mf
+from matrixfsdp.train.models import GPT, GPTConfig
+
+STEPS, PER, SEQ = 3, 2, 16
+ORIG = "_orig_mod."
+
+
+class DictGPT(GPT):
+    """GPT with its blocks in a ModuleDict, as torchtitan's Decoder holds them."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg)
+        self.layers = nn.ModuleDict({str(i): b for i, b in enumerate(self.layers)})
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.embed(idx) + self.pos(pos)
+        for block in self.layers.values():
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def _blocks(model) -> list[tuple[str, nn.Module]]:
+    layers = model.layers
+    return list(layers.items()) if isinstance(layers, nn.ModuleDict) else list(enumerate(layers))
+
+
+def _compile(model, inplace: bool) -> None:
+    for key, block in _blocks(model):
+        if inplace:
+            block.compile(backend="eager")  # torchtitan's apply_compile (fullgraph aside)
+        else:
+            model.layers[key] = torch.compile(block, backend="eager")  # registered back
+
+
+def _build(form: str, shard, mesh):
+    """Our GPT (or DictGPT), compiled as ``form`` says before or after ``shard``."""
+    torch.manual_seed(0)
+    model = (DictGPT if form.endswith("dict") else GPT)(GPTConfig(**ODD))
+    when, inplace = form.split("_")[0], "inplace" in form
+    if when == "before":
+        _compile(model, inplace)
+    for _, block in _blocks(model):
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    if when == "after":
+        _compile(model, inplace)
+    return model
+
+
+def _data(world):
+    return batches(STEPS, world, PER, SEQ)
+
+
+def _fsdp2_run(model, rank, world):
+    """FSDP2's gradients step a plain replica (torch's Muon fp32 NS + AdamW); its values go
+    back into the shards. Returns the replica's parameters."""
+    from reference import is_muon_name, reference_ns_fp32
+    from torch.distributed.tensor import distribute_tensor
+    torch.manual_seed(0)
+    replica = GPT(GPTConfig(**ODD))
+    named = list(replica.named_parameters())
+    opts = [torch.optim.Muon([p for n, p in named if is_muon_name(n, p)], **MUON),
+            torch.optim.AdamW([p for n, p in named if not is_muon_name(n, p)], **ADAMW)]
+    with reference_ns_fp32():
+        for x in _data(world):
+            x = rank_slice(x, rank, PER, False)
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            for p, q in zip(model.parameters(), replica.parameters()):
+                q.grad = p.grad.full_tensor()
+            model.zero_grad()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), replica.parameters()):
+                    p.to_local().copy_(distribute_tensor(q, p.device_mesh, p.placements).to_local())
+    return {n: p.detach().clone() for n, p in replica.named_parameters()}
+
+
+def _ours_run(model, rank, world):
+    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+    for x in _data(world):
+        x = rank_slice(x, rank, PER, False)
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+COMPILE_FORMS = ("before_wrapper", "before_wrapper_dict", "before_inplace", "after_wrapper",
+                 "after_inplace")
+
+
+def _compile_forms(rank, world, out):
+    from torch._dynamo.utils import counters
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    res = {}
+    for form in COMPILE_FORMS:
+        torch._dynamo.reset()
+        counters.clear()
+        ours = _build(form, mf.fully_shard, mesh)
+        _ours_run(ours, rank, world)
+        graphs = counters["stats"]["unique_graphs"]
+        torch_full = get_model_state_dict(ours, options=StateDictOptions(full_state_dict=True))
+        theirs = _build(form, fully_shard, mesh)
+        res[form] = dict(
+            full=mf.full_state_dict(ours), torch_full=torch_full, graphs=graphs,
+            names=[n for n, _ in ours.named_parameters()], keys=list(ours.state_dict()),
+            fsdp2_names=[n for n, _ in theirs.named_parameters()],
+            fsdp2_keys=list(theirs.state_dict()),
+            fsdp2_torch_keys=list(get_model_state_dict(theirs)),
+            fsdp2=_fsdp2_run(theirs, rank, world))
+    if rank == 0:
+        torch.save(res, out)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_reference(GPTConfig(**ODD), _data(2), muon_kw=MUON, adamw_kw=ADAMW, ns_fp32=True)
+
+
+def test_every_compile_form_trains_as_one_process(reference, tmp_path):
+    """2 ranks, each compile form (eager backend): within PARITY_TOL of one process after 3
+    steps, as FSDP2 in the same form; names as FSDP2's (``_orig_mod.`` kept by
+    ``named_parameters`` / ``state_dict`` where a wrapper is registered, dropped by torch's
+    ``get_model_state_dict``, whose full tensors equal ``mf.full_state_dict``'s)."""
+    out = str(tmp_path / "out.pt")
+    spawn(_compile_forms, 2, out)
+    res = torch.load(out)
+    for form, r in res.items():
+        assert r["graphs"] >= 1, f"{form}: nothing was compiled"
+        assert r["names"] == r["fsdp2_names"], form
+        assert r["keys"] == r["fsdp2_keys"], form
+        assert sorted(r["torch_full"]) == sorted(r["fsdp2_torch_keys"]) == sorted(reference), form
+        assert (ORIG in r["names"][5]) == ("wrapper" in form), (form, r["names"][5])
+        full = {n.replace(ORIG, ""): t for n, t in r["full"].items()}
+        assert all(torch.equal(full[n], t) for n, t in r["torch_full"].items()), form
+        assert_params_close(full, reference, PARITY_TOL, what=f"{form}: ")
+        assert_params_close(r["fsdp2"], reference, PARITY_TOL, what=f"FSDP2 {form}: ")
