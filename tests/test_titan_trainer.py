@@ -166,3 +166,91 @@ def test_every_compile_form_trains_as_one_process(reference, tmp_path):
         assert all(torch.equal(full[n], t) for n, t in r["torch_full"].items()), form
         assert_params_close(full, reference, PARITY_TOL, what=f"{form}: ")
         assert_params_close(r["fsdp2"], reference, PARITY_TOL, what=f"FSDP2 {form}: ")
+
+
+# ---- meta-device init as torchtitan does it ------------------------------------------------
+def _own_init(model) -> None:
+    """The model's own init, FSDP2's recipe (torchtitan's ``init_weights`` is the same kind:
+    element-wise ``nn.init`` calls on each parameter): every module's ``reset_parameters``."""
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+
+
+def _meta_build(shard, mesh):
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**ODD))
+    for block in model.layers:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    _own_init(model)
+    return model
+
+
+def _meta_init(rank, world, seed_dcp, out):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    from matrixfsdp.runtime.param import placement_of
+    warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    seed = GPT(GPTConfig(**ODD)).state_dict()  # the seed checkpoint, made on one process
+    res = {}
+    model = _meta_build(mf.fully_shard, mesh)
+    again = _meta_build(mf.fully_shard, mesh)
+    shards = {n: p.detach().clone() for n, p in model.named_parameters()}
+    res["init_finite"] = all(bool(p.isfinite().all()) for p in shards.values())
+    res["init_rerun_equal"] = all(torch.equal(p, q) for p, q in zip(shards.values(), again.parameters()))
+    # the distribution: ones and zeros where the init writes them; nn.Linear's kaiming
+    # uniform within 1/sqrt(fan_in), fan_in read off the shard (its columns: the full ones)
+    bounds = {n: 1 / p.shape[1] ** 0.5 for n, p in shards.items()
+              if placement_of(dict(model.named_parameters())[n]).spec.muon}
+    res["init_in_bounds"] = all(shards[n].abs().max() <= b if shards[n].numel() else True
+                                for n, b in bounds.items())
+    res["norm_ones"] = bool((shards["layers.0.norm1.weight"] == 1).all())
+    with pytest.raises(ValueError, match=r"float16 .*before fully_shard"):
+        model.half()  # refused before anything moves
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.to("cpu")  # onto the shards' own device: a no-op
+    set_model_state_dict(model, {k: v.clone() for k, v in seed.items()},
+                         options=StateDictOptions(full_state_dict=True))
+    _ours_run(model, rank, world)
+    res["ours"] = mf.full_state_dict(model)
+    # the same seed through DCP (torchtitan's seed checkpoint), into the re-run model
+    sd = get_model_state_dict(again)
+    dcp.load(sd, checkpoint_id=seed_dcp)
+    set_model_state_dict(again, sd)
+    _ours_run(again, rank, world)
+    res["ours_dcp"] = mf.full_state_dict(again)
+    theirs = _meta_build(fully_shard, mesh)
+    set_model_state_dict(theirs, {k: v.clone() for k, v in seed.items()},
+                         options=StateDictOptions(full_state_dict=True))
+    res["fsdp2"] = _fsdp2_run(theirs, rank, world)
+    if rank == 0:
+        torch.save(res, out)
+
+
+def test_meta_to_empty_own_init_seed_load_trains_as_one_process(reference, tmp_path):
+    """2 ranks, torchtitan's order: meta, fully_shard, to_empty, the model's own init, a
+    seed checkpoint through torch's set_model_state_dict(full_state_dict=True) or DCP, 3
+    steps: within PARITY_TOL of one process, as FSDP2 in the same script. The own init
+    leaves finite values of its distribution, the same on a re-run; ``.half()`` after
+    fully_shard is refused before anything moves."""
+    import torch.distributed.checkpoint as dcp
+    torch.manual_seed(0)
+    seed_dcp = str(tmp_path / "seed")
+    dcp.save(GPT(GPTConfig(**ODD)).state_dict(), checkpoint_id=seed_dcp, no_dist=True)
+    out = str(tmp_path / "out.pt")
+    spawn(_meta_init, 2, seed_dcp, out)
+    res = torch.load(out)
+    assert res["init_finite"] and res["init_rerun_equal"] and res["init_in_bounds"] and res["norm_ones"]
+    assert_params_close(res["ours"], reference, PARITY_TOL, what="meta+to_empty+seed: ")
+    assert_params_close(res["ours_dcp"], reference, PARITY_TOL, what="meta+to_empty+DCP seed: ")
+    assert_params_close(res["fsdp2"], reference, PARITY_TOL, what="FSDP2 meta+to_empty+seed: ")

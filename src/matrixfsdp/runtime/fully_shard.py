@@ -29,7 +29,15 @@ from ..planning.report import format_report
 from ..planning.types import MuonFilter, Plan
 from .collectives import CommStats
 from .debug import FORWARD_GATHER
-from .lazy_init import is_unit, materialize, module_unit, unit_modules, unshard_root
+from .lazy_init import (
+    check_apply,
+    is_unit,
+    materialize,
+    module_unit,
+    rebind_after_apply,
+    unit_modules,
+    unshard_root,
+)
 from .mesh_checks import check_args
 from .mixed_precision import MixedPrecisionPolicy
 from .param import mark_waiting, sharded_param, waiting_for
@@ -282,6 +290,22 @@ class FSDPModule:
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
+
+    def _apply(self, fn, recurse: bool = True):
+        """torch's ``Module._apply`` (``to_empty``, ``.to``, ``.float()``, ``.cpu()``, ...), as
+        under FSDP2: the shards are registered first; a move or cast to another device or
+        dtype than the shards' is refused before anything moves; afterwards every parameter
+        torch replaced views this library's storage again (a meta-built model, then
+        ``to_empty(device)``, is materialised: its own init or a seed checkpoint fills it)."""
+        unit = module_unit(self)
+        if unit is None or unit.root is None:  # not sharded (yet): torch's own
+            return super()._apply(fn, recurse)
+        unit.reshard()
+        unit.register(unit.sharded)
+        check_apply(unit, fn)
+        out = super()._apply(fn, recurse)
+        rebind_after_apply(unit)
+        return out
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's unit (not recursive) and register its full parameters on
