@@ -17,6 +17,8 @@ replica with the same optimizers, whose values go back into the DTensor shards.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from _dist import spawn
@@ -254,3 +256,86 @@ def test_meta_to_empty_own_init_seed_load_trains_as_one_process(reference, tmp_p
     assert_params_close(res["ours"], reference, PARITY_TOL, what="meta+to_empty+seed: ")
     assert_params_close(res["ours_dcp"], reference, PARITY_TOL, what="meta+to_empty+DCP seed: ")
     assert_params_close(res["fsdp2"], reference, PARITY_TOL, what="FSDP2 meta+to_empty+seed: ")
+
+
+# ---- Hugging Face export: torchtitan's last_save_in_hf, transformers' save_pretrained ----------
+def _adapter():
+    """The GPT's StateDictAdapter (torchtitan's protocol): HF names. torchtitan's Llama3
+    adapter also permutes q/k for RoPE's layout; this model has no RoPE, so names only."""
+    from torchtitan.protocols.state_dict_adapter import StateDictAdapter
+
+    class GPTAdapter(StateDictAdapter):
+        def __init__(self):
+            self.fqn_to_index_mapping, self.hf_assets_path = None, None
+
+        def to_hf(self, sd):
+            return {("lm_head.weight" if k == "head.weight" else f"model.{k}"): v for k, v in sd.items()}
+
+        def from_hf(self, hf):
+            return {("head.weight" if k == "lm_head.weight" else k.removeprefix("model.")): v
+                    for k, v in hf.items()}
+
+        def get_hf_storage_reader(self, path, from_quantized=False):
+            from torch.distributed.checkpoint import HuggingFaceStorageReader
+            return HuggingFaceStorageReader(path)
+
+    return GPTAdapter()
+
+
+def _hf_export(rank, world, folder, out):
+    """torchtitan's CheckpointManager, unchanged, saving the last step in HF format (its
+    model's state_dict, the adapter's to_hf, DCP with a HuggingFaceStorageWriter
+    consolidating into safetensors); and transformers' save_pretrained of torch's full
+    export (get_model_state_dict with full_state_dict and cpu_offload: rank 0's)."""
+    import transformers
+    from torchtitan.components.checkpoint import CheckpointManager
+    mesh = init_device_mesh("cpu", (world,))
+    model = _build("before_wrapper", mf.fully_shard, mesh)  # a compiled model, too
+    _ours_run(model, rank, world)
+    ckpt = CheckpointManager(
+        CheckpointManager.Config(enable=True, folder="titan", interval=1, keep_latest_k=0,
+                                 last_save_model_only=True, last_save_in_hf=True),
+        dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={},
+        sd_adapter=_adapter(), base_folder=folder)
+    ckpt.save(curr_step=STEPS, last_step=True)
+    ckpt.close()
+    full = mf.full_state_dict(model)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(cfg)
+    for block in llama.model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(llama, mesh=mesh)
+    exported = get_model_state_dict(llama, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        llama.save_pretrained(os.path.join(folder, "hf"), state_dict=exported)
+        torch.save({"full": full, "llama": mf.full_state_dict(llama)}, out)
+    else:
+        mf.full_state_dict(llama)
+
+
+def test_hf_export_loads_back_into_the_plain_model(reference, tmp_path):
+    """2 ranks: torchtitan's last_save_in_hf export of a trained (compiled) model loads back,
+    through the adapter's from_hf, into the plain GPT, equal to mf.full_state_dict and
+    within PARITY_TOL of one process; a transformers Llama exported through torch's
+    get_model_state_dict(full_state_dict, cpu_offload) and save_pretrained loads back
+    with from_pretrained, equal."""
+    import glob
+
+    import transformers
+    from safetensors.torch import load_file
+    out = str(tmp_path / "out.pt")
+    spawn(_hf_export, 2, str(tmp_path), out)
+    res = torch.load(out)
+    files = glob.glob(str(tmp_path / "titan" / "step-*" / "*.safetensors"))
+    hf = {k: v for f in files for k, v in load_file(f).items()}
+    assert "model.layers.0._orig_mod.attn.q.weight" in hf and "lm_head.weight" in hf, sorted(hf)[:4]
+    plain = GPT(GPTConfig(**ODD))
+    plain.load_state_dict({k.replace(ORIG, ""): v for k, v in _adapter().from_hf(hf).items()})
+    full = {k.replace(ORIG, ""): v for k, v in res["full"].items()}
+    assert all(torch.equal(p, full[n]) for n, p in plain.named_parameters())
+    assert_params_close(dict(plain.named_parameters()), reference, what="HF export: ")
+    back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert all(torch.equal(p, res["llama"][n]) for n, p in back.named_parameters())
