@@ -15,6 +15,11 @@ bit for bit from the rank holding it (a gather moves data, it adds nothing up):
 2. the data: a broadcast from the first rank holding the tensor whole (a Muon matrix on its
    owner, a 0-d ``step``), else one all-gather of every rank's rows padded to the longest
    piece, each piece then copied to its rows (HSDP's replicas hold equal copies).
+
+Under tensor or expert parallelism both steps run per group, one group after the other:
+the data-parallel ranks first (together they hold a range of rows: a tp rank's ``Shard(0)``
+rows, or a tp-split matrix whole where its owner sits), then the tp or ep group, whose ranks
+hold the other ranges, as DTensor gathers a 2-D placement dim by dim.
 """
 
 from __future__ import annotations
