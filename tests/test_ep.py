@@ -17,6 +17,7 @@ from collectives import Collectives
 from ep_models import VOCAB, apply_ep, build_moe
 from reference import assert_params_close, reference_ns_fp32
 from test_parity import ADAMW, MUON, _groups
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
@@ -107,7 +108,11 @@ def _ep_2x2(rank, world, ckpt):
         info = sharded_param(p)
         if info.placement.spec.is_experts:
             assert p.shape[1:] == info.placement.spec.shape[1:]
-    assert_params_close(mf.full_state_dict(model), ref[-1], what="ep 2x2 ")
+    full = mf.full_state_dict(model)
+    assert_params_close(full, ref[-1], what="ep 2x2 ")
+    # torch's full export: every expert gathered over dp_shard_mod_ep, then ep
+    exported = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    assert all(torch.equal(exported[n], t) for n, t in full.items())
     # the checkpoint, at dp 4 without expert parallelism
     plain = build_moe(seed=3)
     for block in plain.layers:
@@ -122,6 +127,6 @@ def _ep_2x2(rank, world, ckpt):
 
 def test_ep_2x2_matches_one_process(tmp_path):
     """EP 2 x dp_shard_mod_ep 2 on 4 ranks (torchtitan's layout): within 1e-5 of one
-    process, gradient norms equal, no collective in the step; its checkpoint loads at
-    dp 4 with the experts unsplit."""
-    spawn(_ep_2x2, 4, str(tmp_path / "ckpt"))
+    process, gradient norms equal, no collective in the step; torch's full export equals
+    ``mf.full_state_dict``; its checkpoint loads at dp 4 with the experts unsplit."""
+    spawn(_ep_2x2, 4, str(tmp_path / "ckpt"))  # torch's get_model_state_dict(full) too

@@ -131,18 +131,22 @@ def test_groups_need_use_muon(world1):
         mf.Muon([dict(params=[nn.Parameter(torch.zeros(2, 2))])])
 
 
-@pytest.mark.parametrize("change", ["to_empty", "double", "data"])
-def test_parameters_replaced_after_fully_shard(world1, change):
-    """model.to_empty() / .double() after fully_shard would leave the shards behind and
-    train stale weights silently: the next forward raises, naming the parameter."""
+def test_parameters_replaced_after_fully_shard(world1):
+    """A parameter's data replaced after fully_shard would leave the shard behind and train
+    stale weights silently: the next forward raises, naming the parameter. ``.double()``
+    is refused at the call, before anything moves; ``to_empty`` onto the shards' device
+    rebinds them (FSDP2's meta-device recipe: tests/test_titan_trainer.py)."""
     model = _shard(GPT(CFG))
     mf.muon_param_groups(model)  # plans
-    if change == "to_empty":
-        model.to_empty(device="cpu")
-    elif change == "double":
+    shards = list(model.parameters())
+    with pytest.raises(ValueError, match=r"torch.float64 on cpu after fully_shard is not supported"):
         model.double()
-    else:
-        model.layers[0].mlp.fc.weight.data = torch.zeros(24, 16)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    model.to_empty(device="cpu")
+    assert all(p is q for p, q in zip(model.parameters(), shards))
+    with torch.no_grad():  # an eval forward: the next one checks again
+        model(torch.zeros(1, 4, dtype=torch.long))  # still views the storage: runs
+    model.layers[0].mlp.fc.weight.data = torch.zeros(24, 16)
     with pytest.raises(RuntimeError, match=r"parameter '.*' no longer views MatrixFSDP's storage"):
         model(torch.zeros(1, 4, dtype=torch.long))
 

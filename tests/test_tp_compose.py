@@ -201,11 +201,37 @@ def _feature(rank, world, name, out):
         with reference_ns_fp32():  # torch's Muon, fp32 NS on the owners too
             counts = _train(model, opts, dp_rank, micro)
     else:
-        counts = _train(model, [mf.Muon(_groups(model, MUON, ADAMW, torch.float32))], dp_rank, micro)
+        opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+        counts = _train(model, [opt], dp_rank, micro)
+        if name == "torch_full_export":
+            extra.update(_torch_export(model, opt, mesh))
     _save(out, model, counts, **extra)
 
 
-FEATURES = ("checkpoint_wrapper", "no_sync", "meta_init", "matrix_optimizer")
+def _torch_export(model, opt, mesh) -> dict:
+    """torch's full export: get_model_state_dict / get_state_dict with full_state_dict (and
+    cpu_offload: rank 0 only), every rank's equal to mf.full_state_dict; FSDP2 + TP's, after
+    the same training, beside it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    full = StateDictOptions(full_state_dict=True)
+    on_0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    ours = mf.full_state_dict(model)
+    everywhere = get_model_state_dict(model, options=full)
+    assert all(torch.equal(everywhere[n], t) for n, t in ours.items()), "full_state_dict"
+    msd, osd = get_state_dict(model, opt, options=on_0)
+    if dist.get_rank():
+        assert msd == {} and osd == {}
+    else:
+        assert all(type(v) is torch.Tensor and v.device.type == "cpu" for v in msd.values())
+        assert all(torch.equal(msd[n], t) for n, t in ours.items()), "cpu_offload"
+        mats = [n for n in ours if n.endswith("wq.weight")]
+        assert all(tuple(osd["state"][n]["momentum_buffer"].shape) == tuple(ours[n].shape) for n in mats)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    fsdp2 = _fsdp2_tp(mesh, MixedPrecisionPolicy(), export=True)
+    return {"torch_full": msd, "fsdp2_full": fsdp2}
+
+
+FEATURES = ("checkpoint_wrapper", "no_sync", "meta_init", "matrix_optimizer", "torch_full_export")
 
 
 @pytest.mark.parametrize("name", FEATURES)
@@ -224,13 +250,17 @@ def test_feature_with_tp_matches_one_process(name, tmp_path):
         for n, p in build_llama().named_parameters():  # same seed, same one-process model
             assert torch.equal(ours["colwise_init"][n], p), f"Shard(1) meta init: {n} differs"
     assert_params_close(ours["params"], _reference("llama"), what=f"{name}: ")
+    if name == "torch_full_export":  # torch's full_state_dict, rank 0's, and FSDP2 + TP's
+        assert_params_close(ours["torch_full"], _reference("llama"), what="torch's full export: ")
+        assert_params_close(ours["fsdp2_full"], _reference("llama"), what="FSDP2 + TP's full export: ")
 
 
 # ---- bf16 mixed precision, against FSDP2 + TP ------------------------------------------------
-def _fsdp2_tp(mesh, mp):
+def _fsdp2_tp(mesh, mp, export: bool = False):
     """FSDP2 + TP with policy ``mp``. Each step its full gradients go to a plain replica
     (the same on every rank), stepped as :func:`_one_process` steps, and the replica's new
-    values back into the DTensor shards. Returns the replica after 3 steps."""
+    values back into the DTensor shards. Returns the replica after 3 steps (``export``:
+    torch's ``get_model_state_dict(full_state_dict=True)`` of the FSDP2 + TP model)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
     model = apply_tp(build_llama(), mesh["tp"])
@@ -250,7 +280,11 @@ def _fsdp2_tp(mesh, mp):
             for p, q in zip(model.parameters(), replica.parameters()):
                 p.to_local().copy_(distribute_tensor(q, p.device_mesh, p.placements).to_local())
 
-    return _one_process(build_llama(), _data(), grads, after)
+    replica = _one_process(build_llama(), _data(), grads, after)
+    if export:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return replica
 
 
 def _bf16(rank, world, out):

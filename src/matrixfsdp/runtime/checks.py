@@ -250,11 +250,16 @@ def _shown(value: Any) -> str:
     return str(value).replace("torch.", "")
 
 
+_OPTIONAL = "matrix optimizer "  # items a rank may lack (a rank that owns no matrix)
+
+
 def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> None:
     """Raise ``ValueError`` on every rank of ``group`` naming the first of ``items``
     (``(description, value)``, in the same order on every rank) whose value differs
     between ranks, with each rank's value; ``what`` says what was set up ("the model",
-    "the Muon optimizer"). One gather of the list: call it once, at
+    "the Muon optimizer"). Items whose description starts with "matrix optimizer " are
+    compared among the ranks that have them (an optimizer over ``matrix_params``, which a
+    rank owning no matrix may not have). One gather of the list: call it once, at
     set-up, never in a step. Values must compare with ``==`` (no tensors)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
@@ -263,7 +268,8 @@ def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> Non
     mine = dict(items)
     for key in dict.fromkeys(k for ranks_items in every for k, _ in ranks_items):
         values = [k.get(key, "(missing)") for k in keys]
-        if any(v != values[0] for v in values):
+        have = [v for v in values if not (key.startswith(_OPTIONAL) and v == "(missing)")]
+        if any(v != have[0] for v in have):
             by_value: dict[str, list[int]] = {}
             for r, v in enumerate(values):
                 by_value.setdefault(_shown(v), []).append(r)
@@ -325,9 +331,11 @@ def _comparable(value: Any) -> Any:
 
 
 def optimizer_setup(optimizer: torch.optim.Optimizer, with_params: bool = True) -> list[tuple[str, Any]]:
-    """An optimizer's settings, group by group: its class, every option of every group
-    (tensors as numbers) and, with ``with_params``, each group's parameters by name."""
-    items: list[tuple[str, Any]] = [("optimizer class", type(optimizer).__qualname__)]
+    """An optimizer's settings, group by group: its class, its number of param groups,
+    every option of every group (tensors as numbers) and, with ``with_params``, each
+    group's parameters by name."""
+    items: list[tuple[str, Any]] = [("optimizer class", type(optimizer).__qualname__),
+                                    ("param groups", len(optimizer.param_groups))]
     for i, group in enumerate(optimizer.param_groups):
         for key in sorted(k for k in group if k not in ("params", "param_names")):
             value = group[key]
@@ -340,6 +348,9 @@ def optimizer_setup(optimizer: torch.optim.Optimizer, with_params: bool = True) 
 
 
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers compared across ranks already
+# root -> settings of optimizers built by hand on matrix_params and stepped since the last
+# comparison (compared with the next optimizer a collective check runs for)
+_BY_HAND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _root_of_optimizer(optimizer: torch.optim.Optimizer) -> Any:
@@ -347,15 +358,29 @@ def _root_of_optimizer(optimizer: torch.optim.Optimizer) -> Any:
                  if (info := sharded_param(p)) is not None), None)
 
 
+def on_matrix_params(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` holds only whole Muon matrices this rank steps (one built on
+    ``matrix_params``: its parameter lists differ between ranks by design, and a rank that
+    owns no matrix may build none)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    infos = [sharded_param(p) for p in params]
+    return bool(params) and all(
+        i is not None and i.is_matrix and not i.placement.spec.is_experts and p.numel()
+        and p.numel() == i.placement.spec.numel and i.steps_here() for p, i in zip(params, infos))
+
+
 def check_same_optimizer(optimizer: torch.optim.Optimizer, with_params: bool = True,
                          root: Any = None) -> None:
     """Raise on every rank if ``optimizer``'s settings differ between the ranks of the
     model its parameters belong to (``root``, found from them if not given): one small
     collective, at construction, never in a step. Nothing to check for an optimizer over
-    no sharded parameter. ``matrixfsdp.check_optimizer`` is this function."""
+    no sharded parameter. An optimizer on ``matrix_params`` is compared by its settings
+    (class, group count, options), not by its parameters, which differ per rank.
+    ``matrixfsdp.check_optimizer`` is this function."""
     root = root if root is not None else _root_of_optimizer(optimizer)
     if root is not None:
-        check_same_setup(optimizer_setup(optimizer, with_params), root.groups.world,
+        items = optimizer_setup(optimizer, with_params and not on_matrix_params(optimizer))
+        check_same_setup(_BY_HAND.pop(root, []) + items, root.groups.world,
                          f"the {type(optimizer).__name__} optimizer")
     _CHECKED.add(optimizer)
 
@@ -365,12 +390,22 @@ def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Any) -> N
     ``model.parameters()`` or ``mf.shard_params``): compared across ranks at its first step,
     before it moves anything, by the step pre-hook of ``root`` (the root of its first sharded
     parameter). That one step issues the check's small gather; ``check_optimizer`` after
-    construction moves it out of the step."""
+    construction moves it out of the step.
+
+    One built by hand on ``matrix_params`` issues no collective of its own: a rank that
+    owns no matrix has none to step (``matrix_optimizer`` gives it a placeholder instead),
+    and such a rank steps nothing of it, so training is exact either way. Its settings
+    (class, group count, options) are compared, among the ranks that have it, with the next
+    optimizer this hook checks (typically the AdamW on ``shard_params`` stepped after it)."""
     if optimizer in _CHECKED:
         return
     found = _root_of_optimizer(optimizer)
     if found is None:
         _CHECKED.add(optimizer)  # over no sharded parameter: nothing to compare, ever
+    elif found is root and on_matrix_params(optimizer) and root.world_size > 1:
+        name = f"{_OPTIONAL}{type(optimizer).__qualname__} (on matrix_params)"
+        _BY_HAND.setdefault(root, []).extend(
+            (f"{name} {key}", value) for key, value in optimizer_setup(optimizer, False))
+        _CHECKED.add(optimizer)
     elif found is root:
         check_same_optimizer(optimizer, root=root)
-

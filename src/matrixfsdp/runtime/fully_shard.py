@@ -29,7 +29,15 @@ from ..planning.report import format_report
 from ..planning.types import MuonFilter, Plan
 from .collectives import CommStats
 from .debug import FORWARD_GATHER
-from .lazy_init import materialize, unit_modules, unshard_root
+from .lazy_init import (
+    check_apply,
+    is_unit,
+    materialize,
+    module_unit,
+    rebind_after_apply,
+    unit_modules,
+    unshard_root,
+)
 from .mesh_checks import check_args
 from .mixed_precision import MixedPrecisionPolicy
 from .param import mark_waiting, sharded_param, waiting_for
@@ -62,7 +70,7 @@ ON_NEW_ROOT: list[Callable[[Root], None]] = []
 
 
 def _check_callable(module: nn.Module) -> None:
-    if getattr(module, "_mf_unit", None) is not None:
+    if is_unit(module):
         raise ValueError(f"matrixfsdp: fully_shard was already called on this "
                          f"{type(module).__name__}")
     for name, p in module.named_parameters():
@@ -143,9 +151,11 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     check_args(mesh, reshard_after_forward, offload_policy, independent_replicas)
     unit = Unit(module, mesh, reshard_after_forward, muon_filter, mp_policy, debug, overlap,
                 sync_module_states)
-    module._mf_unit = unit
+    # in the module's own __dict__: a torch.compile wrapper's setattr would forward it to
+    # the wrapped block (module_unit)
+    module.__dict__["_mf_unit"] = unit
     make_fsdp_module(module)
-    for mod, attr, _ in unit_members(module, "", lambda m: getattr(m, "_mf_unit", None) is not None):
+    for mod, attr, _ in unit_members(module, "", is_unit):
         mark_waiting(mod._parameters[attr], unit)
     # Under ``module.compile()`` / ``torch.compile(module)`` the hooks run eagerly, as
     # FSDP2's do: the compiled graph is the module's forward alone, one per block, and the
@@ -180,7 +190,7 @@ def _outermost_pending(unit: Unit) -> Unit:
 
 def get_root(module: nn.Module) -> Root:
     """The root of ``module``'s model (sharding it now if needed)."""
-    unit = getattr(module, "_mf_unit", None)
+    unit = module_unit(module)
     if unit is None:
         raise ValueError(f"matrixfsdp: {type(module).__name__} is not a fully_shard unit; call "
                          "matrixfsdp.fully_shard on its blocks and then on it")
@@ -214,7 +224,7 @@ def plan_params(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _unit_of(module: nn.Module) -> Unit:
-    unit = getattr(module, "_mf_unit", None)
+    unit = module_unit(module)
     if unit is None:
         raise ValueError(f"matrixfsdp: {type(module).__name__} is not a fully_shard unit")
     return unit
@@ -260,7 +270,7 @@ def _units(module: nn.Module, recurse: bool) -> list[Unit]:
     get_root(module)  # shard now if the model was not sharded yet
     if not recurse:
         return [module._mf_unit]
-    return [m._mf_unit for m in module.modules() if getattr(m, "_mf_unit", None) is not None]
+    return [module_unit(m) for m in module.modules() if is_unit(m)]
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -280,6 +290,22 @@ class FSDPModule:
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
+
+    def _apply(self, fn, recurse: bool = True):
+        """torch's ``Module._apply`` (``to_empty``, ``.to``, ``.float()``, ``.cpu()``, ...), as
+        under FSDP2: the shards are registered first; a move or cast to another device or
+        dtype than the shards' is refused before anything moves; afterwards every parameter
+        torch replaced views this library's storage again (a meta-built model, then
+        ``to_empty(device)``, is materialised: its own init or a seed checkpoint fills it)."""
+        unit = module_unit(self)
+        if unit is None or unit.root is None:  # not sharded (yet): torch's own
+            return super()._apply(fn, recurse)
+        unit.reshard()
+        unit.register(unit.sharded)
+        check_apply(unit, fn)
+        out = super()._apply(fn, recurse)
+        rebind_after_apply(unit)
+        return out
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's unit (not recursive) and register its full parameters on

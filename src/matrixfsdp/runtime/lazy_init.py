@@ -49,12 +49,19 @@ from .tp import TPGroups, check_tp_mesh, global_placement, slice_shape, tp_param
 from .unit import Unit
 
 
+def module_unit(m: nn.Module) -> Unit | None:
+    """The unit ``fully_shard`` made of ``m`` itself (None otherwise), read from ``m``'s own
+    ``__dict__``: a ``torch.compile(block)`` wrapper forwards attribute look-ups to the
+    block it wraps, so ``getattr`` would find one unit on both, twice in one model."""
+    return m.__dict__.get("_mf_unit")
+
+
 def is_unit(m: nn.Module) -> bool:
-    return getattr(m, "_mf_unit", None) is not None
+    return module_unit(m) is not None
 
 
 def unit_modules(root_module: nn.Module) -> list[tuple[str, Unit]]:
-    return [(name, m._mf_unit) for name, m in root_module.named_modules() if is_unit(m)]
+    return [(name, module_unit(m)) for name, m in root_module.named_modules() if is_unit(m)]
 
 
 def _collect(named_units: list[tuple[str, Unit]], muon_filter: MuonFilter | None) -> Collected:
@@ -152,6 +159,49 @@ def rebind(p: nn.Parameter, data: torch.Tensor) -> None:
             info = dict(p.__dict__)
             torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
             p.__dict__.update(info)
+
+
+def check_apply(unit: Unit, fn) -> None:
+    """Before torch's ``Module._apply`` (``to_empty``, ``.to``, ``.float()``, ...) on a
+    sharded unit: refuse, before anything moves, a function that would move the shards to
+    another device or dtype than the unit's storage (probed on an empty slice of it);
+    ``to_empty`` or ``.to`` onto the device and dtype they have is rebound afterwards by
+    :func:`rebind_after_apply`."""
+    local = unit.storage.local
+    try:
+        probe = fn(local[:0])
+    except Exception:  # noqa: BLE001 (a function that cannot take the probe: torch's own error follows)
+        return
+    if isinstance(probe, torch.Tensor) and (probe.device != local.device or probe.dtype != local.dtype):
+        raise ValueError(
+            f"matrixfsdp: unit '{unit.name}' is sharded in {local.dtype} on {local.device}; "
+            f"moving or casting it to {probe.dtype} on {probe.device} after fully_shard is not "
+            "supported. Move or cast the model before fully_shard (or compute in another dtype "
+            "with a MixedPrecisionPolicy); to_empty(device=...) / .to(...) onto the device and "
+            "dtype of the shards work")
+
+
+@torch.no_grad()
+def rebind_after_apply(unit: Unit) -> None:
+    """After torch's ``Module._apply`` on a sharded unit: every parameter it replaced (a new
+    tensor under ``to_empty``, ``param.data = ...`` or a new ``nn.Parameter``) is copied into
+    this library's storage and the shard object, viewing it again, registered back at every
+    place it was; a unit built on meta counts as materialised (its own init, or a seed
+    checkpoint, fills it next, as under FSDP2)."""
+    for (mod, attr), i in zip(unit.refs, unit.ref_param):
+        shard, now = unit.sharded[i], mod._parameters.get(attr)
+        if now is None:
+            continue
+        view = unit.storage.shard_view(i)
+        data = now.detach()
+        if now is not shard or (view.numel() and data.data_ptr() != view.data_ptr()):
+            if view.numel() and data.data_ptr() != view.data_ptr():
+                view.copy_(data)
+            grad = shard.grad
+            rebind(shard, view)
+            shard.grad = grad
+            mod._parameters[attr] = shard
+    unit.needs_init = False
 
 
 class _EmptyGradToShard:

@@ -111,11 +111,12 @@ class RowsPlacement(DTensorPlacement):
 
 
 class _Ranks:
-    """The process group a :class:`RowShard` gathers over, held so that copies of the
-    ``RowShard`` (torch's stagers deep-copy its attributes) share it."""
+    """The process groups a :class:`RowShard` gathers over, one after the other (the
+    data-parallel group; under tensor or expert parallelism then the tp or ep group), held
+    so that copies of the ``RowShard`` (torch's stagers deep-copy its attributes) share them."""
 
-    def __init__(self, group: dist.ProcessGroup):
-        self.group = group
+    def __init__(self, group: dist.ProcessGroup | tuple[dist.ProcessGroup, ...]):
+        self.groups = group if isinstance(group, tuple) else (group,)
 
     def __deepcopy__(self, memo: dict) -> _Ranks:
         return self
@@ -240,7 +241,7 @@ class RowShard(DTensor):
             raise NotImplementedError(f"matrixfsdp.RowShard '{self.fqn}' was made without its "
                                       "ranks; it cannot be gathered")
         full = gather_rows(self.local, tuple(self.shape), self.offsets, self.fqn,
-                           self.ranks.group, self.seq)
+                           self.ranks.groups, self.seq)
         return DTensor.from_local(full, self._spec.mesh, [Replicate()] * self._spec.mesh.ndim,
                                   run_check=False)
 
@@ -283,7 +284,9 @@ class RowShard(DTensor):
         raise TypeError(
             f"matrixfsdp.RowShard '{self.fqn}' holds one rank's rows; pickling it (torch.save) "
             "would store them under the full name. Save with torch.distributed.checkpoint "
-            "(dcp.save), or save matrixfsdp.full_state_dict(model) for a plain file")
+            "(dcp.save), or, for a plain file, torch.save the full tensors of torch's "
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, "
+            "cpu_offload=True)) (rank 0 gets them) or of matrixfsdp.full_state_dict(model)")
 
     def __repr__(self, *, tensor_contents=None) -> str:
         start = self.offsets[0] if self.offsets else 0
@@ -293,18 +296,17 @@ class RowShard(DTensor):
 
 
 def where(p: torch.Tensor) -> dict[str, Any]:
-    """The ``mesh``, ``group`` and ``refusal`` of shard ``p``'s :class:`RowShard` s: its
-    ``fully_shard`` mesh and every rank of it; under tensor or expert parallelism a piece
-    also lies on other tp / ep ranks, which :meth:`RowShard.redistribute` does not gather
-    over, so there it refuses."""
+    """The ``mesh`` and ``group`` of shard ``p``'s :class:`RowShard` s: its ``fully_shard``
+    mesh, and the groups :meth:`RowShard.redistribute` gathers over: every rank of that
+    mesh, then, for a piece of a tensor- or expert-parallel ``Shard`` DTensor (a tp-split
+    matrix, a ``Shard(0)`` head or embedding, an expert stack), its tp or ep group, whose
+    ranks hold the other pieces. A plain or ``Replicate`` parameter is alike on every tp rank:
+    the data-parallel ranks hold it all."""
     info = sharded_param(p)
-    refusal = None
-    if info.tp is not None or info.root.tp is not None:
-        refusal = (f"matrixfsdp: '{info.name}' belongs to a model with tensor or expert "
-                   "parallelism, whose pieces lie on tp / ep ranks too; torch's full_state_dict "
-                   "gathers over the data-parallel ranks only. Use "
-                   "matrixfsdp.full_state_dict(model) for full tensors")
-    return dict(mesh=info.unit.domain.mesh, group=info.unit.domain.groups.world, refusal=refusal)
+    groups = (info.unit.domain.groups.world,)
+    if info.tp is not None and info.tp.shard_dim is not None and info.tp.mesh.size() > 1:
+        groups += (info.tp.mesh.get_group(),)
+    return dict(mesh=info.unit.domain.mesh, group=groups)
 
 
 # ---- staging for dcp.async_save ---------------------------------------------------------------

@@ -45,9 +45,16 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                             unit.storage.full_tensors(unit.domain.comm, unit.tp_params)):
             out[pl.spec.name] = full
     # The module's order and names, tied parameters under each of their names (as
-    # ``model.state_dict()`` holds them).
-    ordered = {name: out[root.aliases.get(name, name)]
-               for name, _ in model.named_parameters(remove_duplicate=False)}
+    # ``model.state_dict()`` holds them). Found by the parameter itself, not by name: a
+    # ``torch.compile(block)`` wrapper registered after fully_shard adds ``_orig_mod.`` to
+    # the module's names, not to the plan's.
+    plan_name = {id(q): pl.spec.name for u in root.units for pl, q in
+                 zip(u.layout.placements, u.unsharded)}
+    ordered = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        info = sharded_param(p)
+        key = info.name if info is not None else plan_name.get(id(p), root.aliases.get(name, name))
+        ordered[name] = out[key]
     for e in state_entries(model):
         if not e.is_param:
             ordered[e.name] = e.tensor.detach().clone()
