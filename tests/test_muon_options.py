@@ -5,6 +5,8 @@ momentum-cycling schedulers, a float ``step`` in a loaded state, and unknown opt
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.testing._internal.common_optimizers import optim_db
@@ -156,3 +158,30 @@ def test_float_step_in_loaded_state():
             st["step"] = float(st["step"])
         opt.load_state_dict(sd)
     assert _run(ours, ours_p, [ref], ref_p, steps=2) == 0.0
+
+
+# batch_ns: several matrices of each shape (layers' q, k, v, o), wide and tall
+SAME = ((16, 48),) * 5 + ((48, 16),) * 3 + ((24, 24),) * 2 + ((7, 9),)
+
+
+@pytest.mark.parametrize("kw", [dict(lr=0.02),
+                                dict(lr=0.02, nesterov=False, adjust_lr_fn="match_rms_adamw")])
+@pytest.mark.parametrize("seed", range(3))
+def test_batched_ns_is_torch_muon_on_each_matrix_within_rounding(kw, seed):
+    """batch_ns=True: the same-shape matrices a rank steps go through one batched NS
+    (bmm / baddbmm, each matrix its own norm). torch's batched matmuls do not always round
+    as its 2-D ones (seen here: one matrix of 11, one bf16 ulp of its NS output), so it is
+    opt-in and bounded: per step, lr x the largest lr scale x one bf16 ulp at 1 (2^-7) with
+    bf16 NS (measured worst 5.4e-5 over 5 steps, 6 seeds: the bound is 20x that), and x
+    NS_TOL with fp32 NS on both sides (measured 2.4e-7)."""
+    from reference import NS_TOL, reference_ns_fp32
+    scale = max(0.2 * max(s) ** 0.5 if kw.get("adjust_lr_fn") else max(1, s[0] / s[1]) ** 0.5
+                for s in SAME)
+    for ns_dtype, tol in ((torch.bfloat16, 2.0 ** -7), (torch.float32, NS_TOL)):
+        ours_p, ref_p = _tensors(seed, SAME), _tensors(seed, SAME)
+        ours = mf.Muon([dict(params=ours_p, use_muon=True, batch_ns=True, ns_dtype=ns_dtype, **kw)])
+        with reference_ns_fp32() if ns_dtype == torch.float32 else contextlib.nullcontext():
+            diff = _run(ours, ours_p, [torch.optim.Muon(ref_p, **kw)], ref_p)
+        assert diff <= STEPS * kw["lr"] * scale * tol, (ns_dtype, diff)
+    with pytest.raises(ValueError, match="batch_ns"):
+        mf.Muon([dict(params=_tensors(0, SAME), use_muon=True, batch_ns=1)])

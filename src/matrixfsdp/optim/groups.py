@@ -24,11 +24,13 @@ from ..runtime.param import placement_of, sharded_param, waiting_for
 # and the benchmark; tests/test_optim.py checks them against torch's signatures.
 MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                      ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
-                     adjust_lr_fn=None, ns_dtype=torch.bfloat16, num_heads=None)
-# Muon options of this library's own, beyond torch.optim.Muon's: the NS dtype, and per-head
+                     adjust_lr_fn=None, ns_dtype=torch.bfloat16, num_heads=None,
+                     batch_ns=False)
+# Muon options of this library's own, beyond torch.optim.Muon's: the NS dtype; per-head
 # (block) Muon: each matrix's rows split into num_heads equal blocks, each orthogonalised
-# as its own matrix (docs/optimizers.md#per-head-muon).
-MUON_EXTENSIONS = ("ns_dtype", "num_heads")
+# as its own matrix (docs/optimizers.md#per-head-muon); batch_ns: the matrices of one shape
+# that a rank steps in a group go through one batched NS (docs/optimizers.md#batched-ns).
+MUON_EXTENSIONS = ("ns_dtype", "num_heads", "batch_ns")
 ADAMW_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                       maximize=False, foreach=None, capturable=False, differentiable=False,
                       fused=None)
@@ -75,6 +77,8 @@ def check_muon_group(group: dict) -> None:
     heads = group["num_heads"]
     if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < 1):
         raise ValueError(f"num_heads={heads!r}: a positive int (row blocks per matrix) or None")
+    if not isinstance(group["batch_ns"], bool):
+        raise ValueError(f"batch_ns={group['batch_ns']!r}: True or False")
     for p in group["params"]:
         pl = placement_of(p)
         shape = tuple(pl.spec.shape) if pl is not None else tuple(p.shape)

@@ -93,6 +93,18 @@ def _newton_schulz_(x: torch.Tensor, coefficients: tuple[float, float, float], s
     return x if wide else x.mT
 
 
+def _apply(p: torch.Tensor, update: torch.Tensor, lr, group: dict, shape) -> None:
+    """torch.optim.Muon's decoupled weight decay, then the orthogonalised update at the
+    matrix shape's adjusted lr."""
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+
+
+# batch_ns: at most this many elements of same-shape matrices go through one batched NS
+# (64 MiB of bf16 input; NS's temporaries grow with it)
+BATCH_NS_NUMEL = 1 << 25
+
+
 def adjusted_lr(lr: float | torch.Tensor, adjust_lr_fn: str | None,
                 shape: torch.Size) -> float | torch.Tensor:
     """Muon's per-matrix lr: "original" ``lr*sqrt(max(1, m/n))``, "match_rms_adamw"
@@ -139,6 +151,7 @@ class Muon(torch.optim.Optimizer):
                  adjust_lr_fn: str | None = MUON_DEFAULTS["adjust_lr_fn"],
                  ns_dtype: torch.dtype = MUON_DEFAULTS["ns_dtype"],
                  num_heads: int | None = MUON_DEFAULTS["num_heads"],
+                 batch_ns: bool = MUON_DEFAULTS["batch_ns"],
                  adamw_lr: float | torch.Tensor = ADAMW_DEFAULTS["lr"],
                  adamw_betas: tuple[float, float] = ADAMW_DEFAULTS["betas"],
                  adamw_eps: float = ADAMW_DEFAULTS["eps"],
@@ -152,7 +165,8 @@ class Muon(torch.optim.Optimizer):
         self._kind_defaults = {
             True: dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                       adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, num_heads=num_heads),
+                       adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype, num_heads=num_heads,
+                       batch_ns=batch_ns),
             False: dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
                         weight_decay=adamw_weight_decay, amsgrad=adamw_amsgrad,
                         maximize=adamw_maximize, foreach=adamw_foreach,
@@ -175,10 +189,14 @@ class Muon(torch.optim.Optimizer):
         for install in STATE_DICT_HOOKS:
             install(self)
 
-    def _ns_input(self, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (tuple(like.shape), dtype, like.device)
+    def _ns_input(self, like: torch.Tensor, dtype: torch.dtype,
+                  device: torch.device | None = None) -> torch.Tensor:
+        """A buffer of ``like``'s shape in ``dtype`` (on ``device``, default ``like``'s),
+        kept across steps: the NS input."""
+        device = like.device if device is None else device
+        key = (tuple(like.shape), dtype, device)
         if key not in self._ns_buffers:
-            self._ns_buffers[key] = torch.empty(like.shape, dtype=dtype, device=like.device)
+            self._ns_buffers[key] = torch.empty(like.shape, dtype=dtype, device=device)
         return self._ns_buffers[key]
 
     def add_param_group(self, param_group: dict) -> None:
@@ -260,6 +278,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         lr = _to_scalar(group["lr"])  # a Tensor lr stays a (0-d) tensor, as in torch
+        batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p in group["params"]:
             if p.grad is None or not p.numel():  # a non-owner's placeholder, or empty
                 continue
@@ -271,20 +290,40 @@ class Muon(torch.optim.Optimizer):
                 _init_state(state, p, group)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - group["momentum"])
+            if group["batch_ns"] and p.dim() == 2 and not group["num_heads"]:
+                batches.setdefault((tuple(p.shape), p.device), []).append((p, grad))
+                continue
             # The Nesterov update is written straight in the NS dtype into a buffer reused
             # across steps: the lerp is computed in full precision and rounded once on
             # store, bit for bit torch's ``grad.lerp(buf, m).bfloat16()``, minus one
             # full-precision pass and a fresh matrix-sized allocation per step.
             x = self._ns_input(grad, group["ns_dtype"])
-            if group["nesterov"]:
-                torch.lerp(grad, buf, group["momentum"], out=x)
-            else:
-                x.copy_(buf)
+            self._nesterov(x, grad, buf, group)
             if group["num_heads"]:  # per-head: each row block its own matrix, one batched NS
                 x = x.view(-1, x.shape[-2] // group["num_heads"], x.shape[-1])
             update = _newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
-            p.mul_(1 - lr * group["weight_decay"])
-            p.add_(update.reshape(p.shape), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], x.shape))
+            _apply(p, update.reshape(p.shape), lr, group, x.shape)
+        for (shape, _), items in batches.items():
+            per = max(1, BATCH_NS_NUMEL // math.prod(shape))
+            for at in range(0, len(items), per):
+                chunk = items[at:at + per]
+                xs = self._ns_input(torch.empty((len(chunk), *shape), device="meta"),
+                                    group["ns_dtype"], chunk[0][1].device)
+                for x, (p, grad) in zip(xs, chunk):
+                    self._nesterov(x, grad, self.state[p]["momentum_buffer"], group)
+                update = _newton_schulz_(xs, group["ns_coefficients"], group["ns_steps"],
+                                         group["eps"])
+                for u, (p, _) in zip(update, chunk):
+                    _apply(p, u, lr, group, shape)
+
+    @staticmethod
+    def _nesterov(x: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
+        """The NS input into ``x`` (its dtype): torch.optim.Muon's Nesterov lerp, or the
+        momentum buffer."""
+        if group["nesterov"]:
+            torch.lerp(grad, buf, group["momentum"], out=x)
+        else:
+            x.copy_(buf)
 
     def _adamw_step(self, group: dict) -> None:
         # foreach/fused None: torch's functional ``adam`` makes torch.optim.AdamW's default
