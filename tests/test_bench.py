@@ -10,11 +10,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from _dist import spawn
 
 import matrixfsdp as mf
+from matrixfsdp.bench import grouped_gloo
+from matrixfsdp.bench.grouped_gloo import Link
 from matrixfsdp.bench.harness import main
-from matrixfsdp.bench.link import Link, LinkComm
-from matrixfsdp.runtime.collectives import Comm, CommStats, Load
 
 
 def test_bench_tiny_runs_and_checks_exactness(tmp_path):
@@ -56,7 +57,7 @@ def test_bench_link_sweep_runs(tmp_path):
     assert rc == 0
     result = json.loads((tmp_path / "link.json").read_text())
     assert [r["gbps"] for r in result["rows"]] == [0.1, 1.0]
-    keys = ("matrixfsdp_on_ms", "matrixfsdp_off_ms", "fsdp2_off_ms")
+    keys = ("matrixfsdp_on_ms", "matrixfsdp_off_ms", "matrixfsdp_on_gloo_path_ms", "fsdp2_off_ms")
     assert all(r[k] > 0 for r in result["rows"] for k in keys)
     # FSDP2 under the same link, charged alike: its all-gathers and reduce-scatters counted
     assert result["fsdp2_critical_bytes_per_step"] > 0 and result["critical_bytes_per_step"] > 0
@@ -64,22 +65,33 @@ def test_bench_link_sweep_runs(tmp_path):
     # rank that owns none of a matrix receives all of it, where FSDP2's holds half already)
     ratio = result["critical_bytes_per_step"] / result["fsdp2_critical_bytes_per_step"]
     assert 1.0 < ratio <= 1.05 * 2, ratio
+    # one call per unit and direction on NCCL's path: FSDP2's launches (one block, a root)
+    calls = result["launches_per_step"]
+    assert calls["matrixfsdp_on"] == calls["fsdp2_off"] <= calls["matrixfsdp_on_gloo_path"], calls
     assert result["machine"]["cpu_model"] and "Machine: " in (tmp_path / "link.md").read_text()
 
 
-def test_link_delay_lives_in_the_bench(world1):
-    """LinkComm installs the modelled link through Comm.pending alone: the runtime's Pending
-    is not done, and its wait() does not return, before the link carried the bytes; a
-    plain Comm's collective is not delayed."""
-    plain = Comm(dist.group.WORLD, CommStats())
-    comm = LinkComm(plain, Link(bytes_per_s=1e6))
-    load = Load(0, 0, 150_000, 0)  # 0.15 s on the link
+def _link_worker(rank, world_size):
+    """A group made after register(link=...) delays each call by its launch latency and its
+    most loaded rank's bytes; the world group (made before) is not delayed."""
+    grouped_gloo.register(link=Link(bytes_per_s=1e6, latency_s=0.05))
+    slow = dist.new_group(backend=grouped_gloo.NAME)
+    t = torch.zeros(150_000 // 4)  # a broadcast of 150 kB: the root's link carries it once
     t0 = time.perf_counter()
-    pending = comm.pending("all_gather", load, None, None, ())
-    assert not pending.done()
-    pending.wait()
-    assert time.perf_counter() - t0 >= 0.15 and pending.done()
-    assert plain.pending("all_gather", load, None, None, ()).done()
+    work = dist.broadcast(t, group_src=0, group=slow, async_op=True)
+    assert not work.is_completed()
+    work.wait()
+    assert time.perf_counter() - t0 >= 0.05 + 0.15 - 0.01
+    t0 = time.perf_counter()
+    dist.broadcast(t, src=0)
+    assert time.perf_counter() - t0 < 0.15
+
+
+def test_link_delay_wraps_the_process_group(tmp_path):
+    """The bench's link model lives in a process group wrapped around gloo (bench/grouped_gloo),
+    outside the runtime: a call on it is not done, and its wait() does not return, before the
+    launch latency and the bytes have passed."""
+    spawn(_link_worker, 2, backend="grouped_gloo")
 
 
 def test_bench_hsdp_mode_runs_and_matches_fsdp2_hsdp_bytes(tmp_path):

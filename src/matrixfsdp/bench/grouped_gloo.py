@@ -1,5 +1,6 @@
-"""``grouped_gloo``: gloo with NCCL's uneven all-gather and reduce-scatter, and a count of
-every process-group call, so the runtime's NCCL path runs (and is counted) on CPU.
+"""``grouped_gloo``: gloo with NCCL's uneven all-gather and reduce-scatter, a count of every
+process-group call, and optionally a modelled link, so the runtime's NCCL path runs (and is
+counted and timed) on CPU, wrapped around the process group from outside the runtime.
 
 torch's ``ProcessGroupNCCL`` runs ``dist.all_gather(list, t)`` with outputs of different
 sizes as one group of out-of-place broadcasts, one from each rank (``_broadcast_oop``
@@ -17,48 +18,80 @@ own call. Each call to it is one *launch* (NCCL issues a coalesced group as one)
     register()
     dist.init_process_group("grouped_gloo", ...)   # every group made after: grouped_gloo too
 
-``uneven=False`` (:func:`register`'s argument) makes it refuse uneven all-gathers as gloo
-does, for the same counts on the path gloo takes.
+``register(uneven=False)`` makes it refuse uneven all-gathers as gloo does (gloo's path,
+counted alike); ``register(link=Link(...))``: every call of the groups made after completes
+no earlier than its launch latency plus its most loaded rank's bytes (NCCL's algorithms,
+:mod:`matrixfsdp.planning.layout`'s load model) over the link, one transfer after the other
+on each rank (``bench/link.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..planning.layout import grouped_load, pipeline_load, ring_load
+
 NAME = "grouped_gloo"
 LAUNCHES: Counter = Counter()  # kind -> calls, over every group of this process
-_settings = {"uneven": True}
+_settings: dict = {"uneven": True, "link": None}
+
+
+class Link:
+    """One rank's network link: transfers one after the other, each ``latency_s`` (the
+    launch) plus its bytes at ``bytes_per_s``; ``charged``: the bytes put on it."""
+
+    def __init__(self, bytes_per_s: float, latency_s: float = 0.0):
+        self.bytes_per_s, self.latency_s = bytes_per_s, latency_s
+        self._free = 0.0
+        self.charged = 0
+
+    def ready_at(self, nbytes: int) -> float:
+        start = max(time.perf_counter(), self._free)
+        self._free = start + self.latency_s + nbytes / self.bytes_per_s
+        self.charged += nbytes
+        return self._free
 
 
 class _Works(dist.Work):
-    """Several of the inner group's works as one (a coalesced group)."""
+    """Several of the inner group's works as one (a coalesced group), done no earlier than
+    ``ready_at`` (``time.perf_counter()``; 0: at once)."""
 
-    def __init__(self, works: list):
+    def __init__(self, works: list, ready_at: float = 0.0):
         super().__init__()
-        self.works = works
+        self.works, self.ready_at = works, ready_at
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         for w in self.works:
             w.wait() if timeout is None else w.wait(timeout)
+        delay = self.ready_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
         return True
 
     def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
+        return all(w.is_completed() for w in self.works) and time.perf_counter() >= self.ready_at
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class GroupedGloo(dist.ProcessGroup):
-    """gloo, with NCCL's uneven all-gather / reduce-scatter and a launch count."""
+    """gloo, with NCCL's uneven all-gather / reduce-scatter, a launch count and a link."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.me, self.n = rank, size
+        self.uneven: bool = _settings["uneven"]
+        self.link: Link | None = _settings["link"]
         # torch's C++ side (functional collectives: DTensor's own) reaches the gloo group
-        # underneath; the Python calls above reach this class
+        # underneath; the Python calls below reach this class
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.inner)
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
@@ -72,30 +105,41 @@ class GroupedGloo(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
+    def _done(self, kind: str, works, critical: int) -> _Works:
+        """Count one launch of ``kind``; its works, delayed by the link if there is one."""
+        LAUNCHES[kind] += 1
+        works = works if isinstance(works, list) else [works]
+        ready = self.link.ready_at(critical) if self.link is not None and self.n > 1 else 0.0
+        return _Works(works, ready)
+
+    def _uneven(self, sizes: list[int], toward: bool) -> int:
+        return grouped_load(sizes.__getitem__, sum(sizes), min(sizes), self.n, self.me,
+                            toward).critical
+
     # ---- NCCL's uneven collectives ----------------------------------------------------------
     def allgather(self, output_lists, input_list, opts=None):
         outs, inp = output_lists[0], input_list[0]
-        if len({o.numel() for o in outs}) == 1:
-            LAUNCHES["all_gather"] += 1
-            return self.inner.allgather(output_lists, input_list, opts or dist.AllgatherOptions())
-        if not _settings["uneven"]:
+        sizes = [_nbytes(o) for o in outs]
+        if len(set(sizes)) == 1:
+            return self._done("all_gather", self.inner.allgather(
+                output_lists, input_list, opts or dist.AllgatherOptions()), self._uneven(sizes, False))
+        if not self.uneven:
             raise RuntimeError("ProcessGroupGloo::allgather: invalid tensor size (grouped_gloo "
                                "registered with uneven=False)")
-        LAUNCHES["all_gather_v"] += 1
         works = []
         for r, out in enumerate(outs):
             if r == self.me and out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             works.append(self.inner.broadcast([out], _bcast(r)))
-        return _Works(works)
+        return self._done("all_gather_v", works, self._uneven(sizes, False))
 
     def reduce_scatter(self, output_list, input_lists, opts=None):
         out, inps = output_list[0], input_lists[0]
         opts = opts or dist.ReduceScatterOptions()
-        if len({t.numel() for t in inps}) == 1:
-            LAUNCHES["reduce_scatter"] += 1
-            return self.inner.reduce_scatter(output_list, input_lists, opts)
-        LAUNCHES["reduce_scatter_v"] += 1
+        sizes = [_nbytes(t) for t in inps]
+        if len(set(sizes)) == 1:
+            return self._done("reduce_scatter", self.inner.reduce_scatter(
+                output_list, input_lists, opts), self._uneven(sizes, True))
         works = []
         for r, t in enumerate(inps):
             if r == self.me:
@@ -107,66 +151,72 @@ class GroupedGloo(dist.ProcessGroup):
             ro = dist.ReduceOptions()
             ro.rootRank, ro.reduceOp = r, opts.reduceOp
             works.append(self.inner.reduce([target], ro))
-        return _Works(works)
+        return self._done("reduce_scatter_v", works, self._uneven(sizes, True))
 
     # ---- everything else: gloo's own --------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):
-        LAUNCHES["all_gather"] += 1
-        return self.inner._allgather_base(output, input, opts or dist.AllgatherOptions())
+        return self._done("all_gather", self.inner._allgather_base(
+            output, input, opts or dist.AllgatherOptions()), ring_load(_nbytes(output), self.n).critical)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        LAUNCHES["reduce_scatter"] += 1
-        return self.inner._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
+        return self._done("reduce_scatter", self.inner._reduce_scatter_base(
+            output, input, opts or dist.ReduceScatterOptions()),
+            ring_load(_nbytes(input), self.n).critical)
 
     def broadcast(self, tensors, opts=None):
-        LAUNCHES["broadcast"] += 1
-        return self.inner.broadcast(tensors, opts or dist.BroadcastOptions())
+        opts = opts or dist.BroadcastOptions()
+        load = pipeline_load(_nbytes(tensors[0]), self.n, self.me, opts.rootRank, False)
+        return self._done("broadcast", self.inner.broadcast(tensors, opts), load.critical)
 
     def reduce(self, tensors, opts=None):
-        LAUNCHES["reduce"] += 1
-        return self.inner.reduce(tensors, opts or dist.ReduceOptions())
+        opts = opts or dist.ReduceOptions()
+        load = pipeline_load(_nbytes(tensors[0]), self.n, self.me, opts.rootRank, True)
+        return self._done("reduce", self.inner.reduce(tensors, opts), load.critical)
 
     def allreduce(self, tensors, opts=None):
-        LAUNCHES["all_reduce"] += 1
-        return self.inner.allreduce(tensors, opts or dist.AllreduceOptions())
+        return self._done("all_reduce", self.inner.allreduce(tensors, opts or dist.AllreduceOptions()),
+                          ring_load(sum(map(_nbytes, tensors)), self.n, 2).critical)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        LAUNCHES["all_reduce"] += 1
-        return self.inner.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
+        return self._done("all_reduce", self.inner.allreduce_coalesced(
+            tensors, opts or dist.AllreduceCoalescedOptions()),
+            ring_load(sum(map(_nbytes, tensors)), self.n, 2).critical)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
-        LAUNCHES["all_to_all"] += 1
-        return self.inner.alltoall_base(output, input, output_split_sizes or [],
-                                        input_split_sizes or [], opts or dist.AllToAllOptions())
+        # this rank's own bytes (the others' splits are not known here)
+        mine = max(_nbytes(output), _nbytes(input)) * (self.n - 1) // max(self.n, 1)
+        return self._done("all_to_all", self.inner.alltoall_base(
+            output, input, output_split_sizes or [], input_split_sizes or [],
+            opts or dist.AllToAllOptions()), mine)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        LAUNCHES["all_to_all"] += 1
-        return self.inner.alltoall(output_tensors, input_tensors, opts or dist.AllToAllOptions())
+        return self._done("all_to_all", self.inner.alltoall(
+            output_tensors, input_tensors, opts or dist.AllToAllOptions()),
+            max(sum(map(_nbytes, output_tensors)), sum(map(_nbytes, input_tensors))))
 
     def gather(self, output_lists, input_list, opts=None):
-        LAUNCHES["gather"] += 1
-        return self.inner.gather(output_lists, input_list, opts or dist.GatherOptions())
+        return self._done("gather", self.inner.gather(output_lists, input_list,
+                                                      opts or dist.GatherOptions()),
+                          sum(map(_nbytes, input_list)))
 
     def scatter(self, output_list, input_lists, opts=None):
-        LAUNCHES["scatter"] += 1
-        return self.inner.scatter(output_list, input_lists, opts or dist.ScatterOptions())
+        return self._done("scatter", self.inner.scatter(output_list, input_lists,
+                                                        opts or dist.ScatterOptions()),
+                          sum(map(_nbytes, output_list)))
 
     def barrier(self, opts=None):
-        LAUNCHES["barrier"] += 1
-        return self.inner.barrier(opts or dist.BarrierOptions())
+        return self._done("barrier", self.inner.barrier(opts or dist.BarrierOptions()), 0)
 
     def send(self, tensors, dst: int, tag: int = 0):
-        LAUNCHES["send"] += 1
-        return self.inner.send(tensors, dst, tag)
+        return self._done("send", self.inner.send(tensors, dst, tag), sum(map(_nbytes, tensors)))
 
     def recv(self, tensors, src: int, tag: int = 0):
-        LAUNCHES["recv"] += 1
-        return self.inner.recv(tensors, src, tag)
+        return self._done("recv", self.inner.recv(tensors, src, tag), sum(map(_nbytes, tensors)))
 
     def recv_anysource(self, tensors, tag: int = 0):
-        LAUNCHES["recv"] += 1
-        return self.inner.recv_anysource(tensors, tag)
+        return self._done("recv", self.inner.recv_anysource(tensors, tag),
+                          sum(map(_nbytes, tensors)))
 
 
 def _bcast(root: int) -> dist.BroadcastOptions:
@@ -179,16 +229,14 @@ def _create(store, rank: int, size: int, timeout: timedelta) -> GroupedGloo:
     return GroupedGloo(store, rank, size, timeout)
 
 
-def register(uneven: bool = True) -> None:
+def register(uneven: bool = True, link: Link | None = None) -> None:
     """Make ``grouped_gloo`` a backend name (CPU tensors) for ``init_process_group`` /
-    ``new_group``; ``uneven`` False: refuse uneven all-gathers, as gloo."""
-    _settings["uneven"] = uneven
+    ``new_group``; the groups made after it take these settings: ``uneven`` False refuses
+    uneven all-gathers, as gloo does; ``link`` delays every call (module docstring)."""
+    _settings.update(uneven=uneven, link=link)
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, devices=["cpu"])
 
 
 def reset_launches() -> None:
     LAUNCHES.clear()
-
-
-

@@ -1,151 +1,62 @@
-"""Step time against link speed, with and without overlap.
+"""Step time against link speed and launch latency, with and without overlap.
 
 ``matrixfsdp bench --link 0.25,0.5,1,2,4`` (or ``python -m matrixfsdp.bench.link``) trains
-the benchmark model on local ranks under a model of a slower network (:func:`use_link`):
-every collective completes no earlier than ``issue + its most loaded rank's bytes / link
-speed`` (a collective ends when its most loaded rank is done; the bytes are
-:class:`~matrixfsdp.runtime.collectives.CommStats`' NCCL model, sent and received), on one link per rank:
-a transfer starts when the previous one ended.
-For each speed (GB/s) it times forward+backward of MatrixFSDP with overlap on (prefetched
-gathers, asynchronous reduces) and off, and of FSDP2 under the same link model
-(:func:`torch_link` wraps torch.distributed's collectives, charged alike), and reports the
-fraction of the added communication time that overlap hides:
-``1 - (t_on - t_on_free) / (t_off - t_off_free)``, with ``*_free`` the step without any
-delay. Each time is the fastest of the timed steps on the slowest rank.
-Where the communication adds less than a quarter of the step, the fraction is not
-reported (on a shared machine that is within the noise). Writes ``link.json``,
+the benchmark model on local CPU ranks over process groups that model a slower network
+(:mod:`matrixfsdp.bench.grouped_gloo`'s ``Link``, wrapped around the process group from
+outside the runtime, so MatrixFSDP and FSDP2 pass through the same one): every call
+completes no earlier than its issue plus the launch latency (``--latency-us``) plus its
+most loaded rank's bytes (NCCL's algorithms) over the link speed, one transfer after the
+other on each rank. For each speed (GB/s) it times forward+backward of MatrixFSDP on NCCL's
+path (one uneven call per unit and direction) with overlap on (prefetched gathers,
+asynchronous reduces) and off, of MatrixFSDP on gloo's path (a broadcast and a reduce per
+matrix: a launch each), and of FSDP2, and reports the fraction of the added communication
+time that overlap hides: ``1 - (t_on - t_on_free) / (t_off - t_off_free)``, with
+``*_free`` the step without any delay. Each time is the fastest of the timed steps on the
+slowest rank. Where the communication adds less than a quarter of the step, the fraction is
+not reported (on a shared machine that is within the noise). Writes ``link.json``,
 ``link.md`` and ``link.png`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
-import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 import matrixfsdp as mf
 from matrixfsdp.bench.measure import machine_info, machine_line
 
-from ..runtime.collectives import Comm, Load, Pending, ring_load
-from ..train.launch import device_for, launch, sync
+from ..train.launch import launch
 from ..train.models import GPT, GPTConfig
+from . import grouped_gloo
+from .grouped_gloo import Link
+
+# (system, overlap, uneven collectives): what each column times
+KEYS = (("matrixfsdp", True, True), ("matrixfsdp", False, True), ("matrixfsdp", True, False),
+        ("fsdp2", False, True))
+COLUMN = {k: f"{k[0]}_{'on' if k[1] else 'off'}{'' if k[2] else '_gloo_path'}" for k in KEYS}
 
 
-class Link:
-    """One rank's network link: transfers one at a time, ``bytes_per_s`` each."""
-
-    def __init__(self, bytes_per_s: float, latency_s: float = 0.0):
-        self.bytes_per_s, self.latency_s = bytes_per_s, latency_s
-        self._free = 0.0
-        self.charged = 0  # bytes put on the link
-
-    def ready_at(self, nbytes: int) -> float:
-        start = max(time.perf_counter(), self._free)
-        self._free = start + self.latency_s + nbytes / self.bytes_per_s
-        return self._free
+def _mesh(gbps: float | None, latency_s: float, uneven: bool) -> tuple[DeviceMesh, Link]:
+    """A 1-D mesh over a new group of every rank whose calls go through ``Link`` (speed
+    ``gbps``, None: no delay, only the bytes charged)."""
+    link = Link(gbps * 1e9 if gbps else math.inf, latency_s if gbps else 0.0)
+    grouped_gloo.register(uneven=uneven, link=link)
+    return DeviceMesh.from_group(dist.new_group(backend=grouped_gloo.NAME), "cpu"), link
 
 
-class LinkComm(Comm):
-    """A :class:`~matrixfsdp.runtime.collectives.Comm` whose collectives are not done before ``link``
-    has carried their most loaded rank's bytes: its :meth:`pending` hook hands the runtime's
-    :class:`~matrixfsdp.runtime.collectives.Pending` a delayed work (the runtime does not know)."""
-
-    def __init__(self, inner: Comm, link: Link):
-        super().__init__(inner.group, inner.stats, inner.prefix)
-        self.link = link
-
-    def pending(self, kind: str, load: Load, work, epilogue, keep: tuple) -> Pending:
-        return Pending(_DelayedWork(work, self.link.ready_at(load.critical)), epilogue, keep)
-
-
-def use_link(root, gbps: float | None) -> None:
-    """Put every collective of ``root`` (shard and replicate dims) behind one modelled link
-    of ``gbps`` GB/s per rank; None: the real collectives alone."""
-    if gbps is None:
-        return
-    link = Link(gbps * 1e9)
-    root.comm = LinkComm(root.comm, link)
-    if root.replication.comm is not None:
-        root.replication.comm = LinkComm(root.replication.comm, link)
-
-
-
-class _DelayedWork(dist.Work):
-    """An asynchronous collective's work (torch's own, or a :class:`LinkComm`'s) that is not
-    done before ``ready_at``: ``wait()`` sleeps until then, ``is_completed()`` is False before."""
-
-    def __init__(self, inner, ready_at: float):
-        super().__init__()
-        self.inner, self.ready_at = inner, ready_at
-
-    def wait(self, timeout=None) -> bool:
-        done = self.inner.wait() if self.inner is not None else True
-        _sleep_until(self.ready_at)
-        return done
-
-    def is_completed(self) -> bool:
-        return ((self.inner is None or self.inner.is_completed())
-                and time.perf_counter() >= self.ready_at)
-
-
-def _sleep_until(t: float) -> None:
-    delay = t - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
-
-
-# torch.distributed's collectives FSDP2 issues, and their ring factor (CommStats' model)
-_TORCH_OPS = {"all_gather_single": 1, "all_gather_into_tensor": 1, "reduce_scatter_single": 1,
-              "reduce_scatter_tensor": 1, "all_reduce": 2}
-
-
-@contextmanager
-def torch_link(gbps: float | None):
-    """torch.distributed's collectives (looked up at call time, as FSDP2 does) behind one
-    modelled link of ``gbps`` GB/s per rank, charged as ours are: ring all-gather /
-    reduce-scatter / all-reduce of the larger buffer (:func:`~matrixfsdp.runtime.collectives.ring_load`).
-    A synchronous call returns once the link has carried its bytes; an asynchronous one
-    returns a work whose ``wait()`` does. Yields the :class:`Link` (``charged`` bytes)."""
-    link = Link(gbps * 1e9 if gbps else math.inf)
-    saved = {name: getattr(dist, name) for name in _TORCH_OPS if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        def delayed(*args, **kwargs):
-            n = max(t.numel() * t.element_size() for t in (*args, *kwargs.values())
-                    if isinstance(t, torch.Tensor))
-            critical = ring_load(n, dist.get_world_size(kwargs.get("group")), _TORCH_OPS[name]).critical
-            link.charged += critical
-            ready = link.ready_at(critical)
-            work = fn(*args, **kwargs)
-            if kwargs.get("async_op"):
-                return _DelayedWork(work, ready)
-            _sleep_until(ready)
-            return work
-        return delayed
-    for name, fn in saved.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield link
-    finally:
-        for name, fn in saved.items():
-            setattr(dist, name, fn)
-
-
-def _build(args, system: str, overlap: bool, device: torch.device):
+def _build(args, system: str, overlap: bool, mesh: DeviceMesh):
     """The benchmark GPT, sharded by ``system`` ("matrixfsdp" or "fsdp2"), and its optimizers."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, d_model=args.d_model, n_heads=args.heads, n_layers=args.layers,
                     d_mlp=4 * args.d_model, seq_len=args.seq)
-    model = GPT(cfg).to(device)
-    mesh = torch.distributed.device_mesh.init_device_mesh(device.type, (dist.get_world_size(),))
+    model = GPT(cfg)
     if system == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for block in model.layers:
@@ -159,75 +70,75 @@ def _build(args, system: str, overlap: bool, device: torch.device):
     return model, mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32))
 
 
-def _time_steps(args, system: str, overlap: bool, gbps: float | None) -> tuple[float, int]:
+def _time_steps(args, key: tuple, gbps: float | None) -> tuple[float, int, int]:
     """Fastest forward+backward over the timed steps (the sample least disturbed by other
-    work on a shared machine), in seconds, and critical-path bytes per step."""
-    device = device_for(int(os.environ.get("LOCAL_RANK", dist.get_rank())))  # as launch chose
-    model, opt = _build(args, system, overlap, device)
-    if system == "matrixfsdp":
-        root = mf.get_root(model)
-        use_link(root, gbps)
+    work on a shared machine), in seconds; critical-path bytes and launches per step."""
+    system, overlap, uneven = key
+    mesh, link = _mesh(gbps, args.latency_us * 1e-6, uneven)
+    model, opt = _build(args, system, overlap, mesh)
     g = torch.Generator().manual_seed(dist.get_rank())
-    times, sent = [], 0
-    with torch_link(gbps) if system == "fsdp2" else contextlib.nullcontext() as link:
-        charged = (lambda: link.charged) if link is not None else (
-            lambda: root.stats.total("critical_bytes"))
-        for _ in range(args.warmup + args.steps):
-            x = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(device)
-            dist.barrier()
-            before = charged()
-            t0 = time.perf_counter()
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            sync(device)
-            times.append(time.perf_counter() - t0)
-            sent = charged() - before
-            opt.step()
-            opt.zero_grad()
-    return min(times[args.warmup:]), sent
+    times, sent, launches = [], 0, 0
+    for _ in range(args.warmup + args.steps):
+        x = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g)
+        dist.barrier()
+        before, calls = link.charged, sum(grouped_gloo.LAUNCHES.values())
+        t0 = time.perf_counter()
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        times.append(time.perf_counter() - t0)
+        sent, launches = link.charged - before, sum(grouped_gloo.LAUNCHES.values()) - calls
+        opt.step()
+        opt.zero_grad()
+    return min(times[args.warmup:]), sent, launches
 
 
 def _measure(args) -> tuple[dict, list[dict]]:
     """Every configuration's time on this rank, then the slowest rank's (rank 0 only)."""
-    keys = [("matrixfsdp", True), ("matrixfsdp", False), ("fsdp2", False)]
-    free = {k: _time_steps(args, *k, None) for k in keys}
-    rows = [dict(gbps=gbps, **{f"{s}_{'on' if o else 'off'}_ms": _time_steps(args, s, o, gbps)[0] * 1e3
-                               for s, o in keys}) for gbps in args.link]
-    device = device_for(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    flat = torch.tensor([free[k][0] * 1e3 for k in keys] + [v for r in rows for k, v in r.items()
-                                                           if k != "gbps"], device=device)
+    free = {k: _time_steps(args, k, None) for k in KEYS}
+    rows = [dict(gbps=gbps, **{f"{COLUMN[k]}_ms": _time_steps(args, k, gbps)[0] * 1e3 for k in KEYS})
+            for gbps in args.link]
+    flat = torch.tensor([free[k][0] * 1e3 for k in KEYS] + [v for r in rows for k, v in r.items()
+                                                           if k != "gbps"])
     every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flat)  # the slowest rank's times decide a step
     worst = iter(torch.stack(every).max(dim=0).values.tolist())
-    base = dict(free_on_ms=next(worst), free_off_ms=next(worst), fsdp2_free_ms=next(worst),
-                critical_bytes_per_step=free[keys[0]][1], fsdp2_critical_bytes_per_step=free[keys[2]][1])
+    base = {f"{COLUMN[k]}_free_ms": next(worst) for k in KEYS}
+    base.update(critical_bytes_per_step=free[KEYS[0]][1],
+                fsdp2_critical_bytes_per_step=free[KEYS[3]][1],
+                launches_per_step={COLUMN[k]: free[k][2] for k in KEYS})
     for r in rows:
         for k in [k for k in r if k != "gbps"]:
             r[k] = next(worst)
-        added = r["matrixfsdp_off_ms"] - base["free_off_ms"]  # the time overlap could hide
-        r["hidden"] = (1 - (r["matrixfsdp_on_ms"] - base["free_on_ms"]) / added
-                       if added > 0.25 * base["free_off_ms"] else None)
+        on, off = COLUMN[KEYS[0]], COLUMN[KEYS[1]]
+        added = r[f"{off}_ms"] - base[f"{off}_free_ms"]  # the time overlap could hide
+        r["hidden"] = (1 - (r[f"{on}_ms"] - base[f"{on}_free_ms"]) / added
+                       if added > 0.25 * base[f"{off}_free_ms"] else None)
     return base, rows
 
 
 def _table(args, base: dict, rows: list[dict], machine: dict) -> list[str]:
+    calls = base["launches_per_step"]
     lines = [f"{dist.get_world_size()} ranks, GPT {args.layers} layers, d_model {args.d_model}, "
-             f"seq {args.seq}, batch {args.batch}/rank. Critical path per step (each collective's "
-             f"most loaded rank, NCCL's algorithms): MatrixFSDP "
-             f"{base['critical_bytes_per_step'] / 2**20:.2f} MiB, FSDP2 "
-             f"{base['fsdp2_critical_bytes_per_step'] / 2**20:.2f} MiB. Forward+backward without "
-             f"any delay: MatrixFSDP {base['free_on_ms']:.0f} ms with overlap, "
-             f"{base['free_off_ms']:.0f} ms without; FSDP2 {base['fsdp2_free_ms']:.0f} ms "
-             f"(slowest rank, fastest of {args.steps} steps). FSDP2 overlaps only through CUDA "
-             "streams, so on CPU its collectives are synchronous: compare it with overlap off.",
+             f"seq {args.seq}, batch {args.batch}/rank; launch latency {args.latency_us:g} us. "
+             "Critical path per forward+backward (each collective's most loaded rank, NCCL's "
+             f"algorithms): MatrixFSDP {base['critical_bytes_per_step'] / 2**20:.2f} MiB, FSDP2 "
+             f"{base['fsdp2_critical_bytes_per_step'] / 2**20:.2f} MiB; process-group calls: "
+             f"MatrixFSDP {calls['matrixfsdp_on']} (gloo's path: "
+             f"{calls['matrixfsdp_on_gloo_path']}), FSDP2 {calls['fsdp2_off']}. Forward+backward "
+             f"without any delay: MatrixFSDP {base['matrixfsdp_on_free_ms']:.0f} ms with overlap, "
+             f"{base['matrixfsdp_off_free_ms']:.0f} ms without; FSDP2 "
+             f"{base['fsdp2_off_free_ms']:.0f} ms (slowest rank, fastest of {args.steps} steps). "
+             "FSDP2 overlaps only through CUDA streams, so on CPU its collectives are "
+             "synchronous: compare it with overlap off.",
              "", machine_line(machine), "",
-             "| link GB/s | MatrixFSDP, overlap on ms | overlap off ms | FSDP2 ms "
-             "| FSDP2 / MatrixFSDP (off) | communication hidden by overlap |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| link GB/s | MatrixFSDP, overlap on ms | overlap off ms | gloo's path (a launch "
+             "per matrix), overlap on ms | FSDP2 ms | FSDP2 / MatrixFSDP (off) | communication "
+             "hidden by overlap |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         hidden = f"{r['hidden']:.0%}" if r["hidden"] is not None else "within noise"
         lines.append(f"| {r['gbps']:g} | {r['matrixfsdp_on_ms']:.0f} | {r['matrixfsdp_off_ms']:.0f} "
-                     f"| {r['fsdp2_off_ms']:.0f} | {r['fsdp2_off_ms'] / r['matrixfsdp_off_ms']:.2f}x "
-                     f"| {hidden} |")
+                     f"| {r['matrixfsdp_on_gloo_path_ms']:.0f} | {r['fsdp2_off_ms']:.0f} "
+                     f"| {r['fsdp2_off_ms'] / r['matrixfsdp_off_ms']:.2f}x | {hidden} |")
     return lines
 
 
@@ -243,9 +154,11 @@ def _plot(out: Path, base: dict, rows: list[dict]) -> None:
     speeds = [r["gbps"] for r in rows]
     for key, style, label in (("matrixfsdp_on_ms", "o-", "MatrixFSDP, overlap on"),
                               ("matrixfsdp_off_ms", "s-", "MatrixFSDP, overlap off"),
+                              ("matrixfsdp_on_gloo_path_ms", "d:", "MatrixFSDP, a launch per matrix"),
                               ("fsdp2_off_ms", "^--", "FSDP2")):
         ax.plot(speeds, [r[key] for r in rows], style, label=label)
-    ax.axhline(base["free_on_ms"], color="gray", ls="--", label="no communication delay")
+    ax.axhline(base["matrixfsdp_on_free_ms"], color="gray", ls="--",
+               label="no communication delay")
     ax.set_xscale("log")
     ax.set_xlabel("link speed per rank (GB/s, modelled)")
     ax.set_ylabel("forward + backward (ms)")
@@ -281,10 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--latency-us", type=float, default=25.0,
+                   help="each call's launch latency (NCCL: ~14 us plus a hop per ring step)")
     p.add_argument("--out", default="runs/link")
     args = p.parse_args(argv)
-    if args.ranks < 2 or any(v <= 0 for v in args.link) or args.steps < 1:
-        p.error("--ranks >= 2, link speeds > 0 and --steps >= 1")
+    if args.ranks < 2 or any(v <= 0 for v in args.link) or args.steps < 1 or args.latency_us < 0:
+        p.error("--ranks >= 2, link speeds > 0, --latency-us >= 0 and --steps >= 1")
+    if torch.cuda.is_available():
+        p.error("the modelled link wraps gloo groups of CPU ranks; on GPUs, time the real links")
     launch(_rank, args, args.ranks)
     return 0
 

@@ -14,9 +14,9 @@ ranks, in the same run and on the same data:
 Each system trains ``--warmup`` steps (lazy initialisation), then one measured step
 (forward, backward, ``optimizer.step()``) during which every call a rank makes to
 ``torch.distributed``'s collectives is recorded (:func:`.record.recording`: the functions
-are wrapped, as ``bench/link.py``'s ``torch_link`` and ``tests/test_scale.py`` do; FSDP2 and
-the runtime look them up at call time), with its process group. Each call is charged by
-NCCL's algorithms, the model of :mod:`matrixfsdp.runtime.collectives` (and of the main
+are wrapped, as ``tests/test_scale.py`` does; FSDP2 and the runtime look them up at call
+time), with its process group. Each call is charged by NCCL's algorithms, the model of
+:mod:`matrixfsdp.planning.layout` (and of the main
 bench's critical-path table): ring all-gather / reduce-scatter ``(P-1)/P`` of the buffer per
 rank, ring all-reduce twice that, pipelined broadcast / reduce the buffer once (the root
 only sends or only receives), all-to-all what a rank sends to and receives from the others.

@@ -146,7 +146,7 @@ class Pending:
     It holds the tensors the collective reads or writes (``keep``) until then, so a
     transient send buffer lives as long as the transfer (the FSDP2 rule on CUDA too).
     ``work`` is anything with ``wait()`` and ``is_completed()`` (a ``torch.distributed``
-    work, or a wrapper of one: :meth:`Comm.pending`). ``watch`` (set by :class:`Comm` on a
+    work). ``watch`` (set by :class:`Comm` on a
     gloo group): a collective that times out names the ranks that did not arrive
     (:mod:`matrixfsdp.runtime.arrival`).
     """
@@ -206,15 +206,9 @@ class Comm:
     def _issue(self, kind: str, payload: int, load: Load, work, epilogue=None,
                keep: tuple = ()) -> Pending:
         self.stats.add(self.prefix + kind, payload, load)
-        pending = self.pending(kind, load, work, epilogue, keep)
+        pending = Pending(work, epilogue, keep)
         pending.watch = arrival.issued(self.group, self.prefix + kind)  # numbered as issued
         return pending
-
-    def pending(self, kind: str, load: Load, work, epilogue, keep: tuple) -> Pending:
-        """Wrap one issued collective of ``kind`` moving ``load``: the one hook on every
-        collective issued. A subclass may hand :class:`Pending` a wrapper of ``work`` instead
-        (one that completes later models a slower link)."""
-        return Pending(work, epilogue, keep)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
         """``out`` (``P x inp``) = every rank's ``inp``, rank-major."""
