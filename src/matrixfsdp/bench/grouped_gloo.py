@@ -38,6 +38,7 @@ from ..planning.layout import grouped_load, pipeline_load, ring_load
 
 NAME = "grouped_gloo"
 LAUNCHES: Counter = Counter()  # kind -> calls, over every group of this process
+PAYLOAD: Counter = Counter()  # kind -> bytes handed over (all-gather: the output; others: the input)
 _settings: dict = {"uneven": True, "link": None}
 
 
@@ -105,9 +106,11 @@ class GroupedGloo(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def _done(self, kind: str, works, critical: int) -> _Works:
-        """Count one launch of ``kind``; its works, delayed by the link if there is one."""
+    def _done(self, kind: str, works, critical: int, payload: int = 0) -> _Works:
+        """Count one launch of ``kind`` handing over ``payload`` bytes; its works, delayed by
+        the link (``critical``: its most loaded rank's bytes) if there is one."""
         LAUNCHES[kind] += 1
+        PAYLOAD[kind] += payload
         works = works if isinstance(works, list) else [works]
         ready = self.link.ready_at(critical) if self.link is not None and self.n > 1 else 0.0
         return _Works(works, ready)
@@ -122,7 +125,8 @@ class GroupedGloo(dist.ProcessGroup):
         sizes = [_nbytes(o) for o in outs]
         if len(set(sizes)) == 1:
             return self._done("all_gather", self.inner.allgather(
-                output_lists, input_list, opts or dist.AllgatherOptions()), self._uneven(sizes, False))
+                output_lists, input_list, opts or dist.AllgatherOptions()),
+                self._uneven(sizes, False), sum(sizes))
         if not self.uneven:
             raise RuntimeError("ProcessGroupGloo::allgather: invalid tensor size (grouped_gloo "
                                "registered with uneven=False)")
@@ -131,7 +135,7 @@ class GroupedGloo(dist.ProcessGroup):
             if r == self.me and out.data_ptr() != inp.data_ptr():
                 out.copy_(inp)
             works.append(self.inner.broadcast([out], _bcast(r)))
-        return self._done("all_gather_v", works, self._uneven(sizes, False))
+        return self._done("all_gather_v", works, self._uneven(sizes, False), sum(sizes))
 
     def reduce_scatter(self, output_list, input_lists, opts=None):
         out, inps = output_list[0], input_lists[0]
@@ -139,7 +143,7 @@ class GroupedGloo(dist.ProcessGroup):
         sizes = [_nbytes(t) for t in inps]
         if len(set(sizes)) == 1:
             return self._done("reduce_scatter", self.inner.reduce_scatter(
-                output_list, input_lists, opts), self._uneven(sizes, True))
+                output_list, input_lists, opts), self._uneven(sizes, True), sum(sizes))
         works = []
         for r, t in enumerate(inps):
             if r == self.me:
@@ -151,31 +155,35 @@ class GroupedGloo(dist.ProcessGroup):
             ro = dist.ReduceOptions()
             ro.rootRank, ro.reduceOp = r, opts.reduceOp
             works.append(self.inner.reduce([target], ro))
-        return self._done("reduce_scatter_v", works, self._uneven(sizes, True))
+        return self._done("reduce_scatter_v", works, self._uneven(sizes, True), sum(sizes))
 
     # ---- everything else: gloo's own --------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):
         return self._done("all_gather", self.inner._allgather_base(
-            output, input, opts or dist.AllgatherOptions()), ring_load(_nbytes(output), self.n).critical)
+            output, input, opts or dist.AllgatherOptions()), ring_load(_nbytes(output), self.n).critical,
+            _nbytes(output))
 
     def reduce_scatter_single(self, output, input, opts=None):
         return self._done("reduce_scatter", self.inner._reduce_scatter_base(
             output, input, opts or dist.ReduceScatterOptions()),
-            ring_load(_nbytes(input), self.n).critical)
+            ring_load(_nbytes(input), self.n).critical, _nbytes(input))
 
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         load = pipeline_load(_nbytes(tensors[0]), self.n, self.me, opts.rootRank, False)
-        return self._done("broadcast", self.inner.broadcast(tensors, opts), load.critical)
+        return self._done("broadcast", self.inner.broadcast(tensors, opts), load.critical,
+                          _nbytes(tensors[0]))
 
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         load = pipeline_load(_nbytes(tensors[0]), self.n, self.me, opts.rootRank, True)
-        return self._done("reduce", self.inner.reduce(tensors, opts), load.critical)
+        return self._done("reduce", self.inner.reduce(tensors, opts), load.critical,
+                          _nbytes(tensors[0]))
 
     def allreduce(self, tensors, opts=None):
+        n = sum(map(_nbytes, tensors))
         return self._done("all_reduce", self.inner.allreduce(tensors, opts or dist.AllreduceOptions()),
-                          ring_load(sum(map(_nbytes, tensors)), self.n, 2).critical)
+                          ring_load(n, self.n, 2).critical, n)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self._done("all_reduce", self.inner.allreduce_coalesced(
@@ -188,7 +196,7 @@ class GroupedGloo(dist.ProcessGroup):
         mine = max(_nbytes(output), _nbytes(input)) * (self.n - 1) // max(self.n, 1)
         return self._done("all_to_all", self.inner.alltoall_base(
             output, input, output_split_sizes or [], input_split_sizes or [],
-            opts or dist.AllToAllOptions()), mine)
+            opts or dist.AllToAllOptions()), mine, _nbytes(input))
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         return self._done("all_to_all", self.inner.alltoall(
@@ -240,3 +248,4 @@ def register(uneven: bool = True, link: Link | None = None) -> None:
 
 def reset_launches() -> None:
     LAUNCHES.clear()
+    PAYLOAD.clear()

@@ -195,6 +195,10 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     p.add_argument("--out", default="runs/bench", help="output directory")
     p.add_argument("--timeout", type=positive_float, default=PG_TIMEOUT_S, metavar="SECONDS",
                    help=f"process-group timeout (default {PG_TIMEOUT_S})")
+    p.add_argument("--backend", choices=["gloo", "grouped_gloo"], default=None,
+                   help="CPU ranks' process groups: gloo (default), or grouped_gloo, gloo with "
+                        "NCCL's uneven all-gather / reduce-scatter (MatrixFSDP takes NCCL's "
+                        "path: one call per unit and direction); CUDA runs NCCL")
     p.add_argument("--mp", choices=["fp32", "bf16"], default="fp32",
                    help="bf16: every system gathers and computes in bf16 and reduces in fp32 "
                         "(torch's MixedPrecisionPolicy), fp32 master weights")
@@ -207,6 +211,8 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     preset = a.preset or "cpu"
     if preset == "gpu" and not cuda:
         p.error("--preset gpu needs CUDA")
+    if cuda and a.backend is not None:
+        p.error("--backend is for CPU ranks; CUDA runs NCCL")
     default = SYSTEMS if a.replicas == 1 else HSDP_SYSTEMS
     known = default + OPTIONAL_SYSTEMS if a.replicas == 1 else HSDP_SYSTEMS
     systems = [s.strip() for s in (a.systems or ",".join(default)).split(",") if s.strip()]
@@ -228,7 +234,8 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
         p.error(f"--d-model {sizes['d_model']} is not divisible by --heads {sizes['heads']}")
     return BenchConfig(world_size=world, steps=a.steps, warmup=a.warmup,
                        systems=[s for s in known if s in systems], out=a.out, preset=preset,
-                       device_type="cuda" if cuda else "cpu", backend="nccl" if cuda else "gloo",
+                       device_type="cuda" if cuda else "cpu",
+                       backend="nccl" if cuda else a.backend or "gloo",
                        timeout_s=a.timeout, mp=a.mp, replicas=a.replicas,
                        **sizes)
 

@@ -257,7 +257,9 @@ def _replicate_table(v: _View) -> list[str]:
 # reduce-scatter (P-1)/P, all-reduce 2(P-1)/P (FSDP2's collectives are all of these kinds)
 _RING_OPS = {"c10d::_allgather_base_": 1, "c10d::allgather_into_tensor_coalesced_": 1,
              "c10d::_reduce_scatter_base_": 1, "c10d::reduce_scatter_tensor_coalesced_": 1,
-             "c10d::allreduce_": 2}
+             "c10d::allreduce_": 2,
+             # grouped_gloo's own count (bench --backend grouped_gloo): its even calls
+             "all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
 
 
 def critical_path(res: dict[str, Any], name: str, P: int) -> dict[str, float] | None:

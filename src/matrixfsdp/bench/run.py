@@ -27,6 +27,7 @@ import matrixfsdp as mf
 
 from ..train.exit import exit_rank
 from ..train.launch import device_for
+from . import grouped_gloo
 from .config import BASELINE, BenchConfig
 from .measure import (
     analyse_profile,
@@ -151,10 +152,18 @@ def _profiled_step(name: str, cfg: BenchConfig, system: System, device: torch.de
     stats = mf.comm_stats(system.model) if name == "matrixfsdp" else None
     own_counts: dict[str, Any] = {}
 
+    wrapped: dict[str, dict[str, Any]] = {}  # grouped_gloo: its own count of every call
+
     def phase_hook(ph: str, when: str) -> None:
         if when == "start":
-            stats.reset()
-        else:
+            grouped_gloo.reset_launches()
+            if stats is not None:
+                stats.reset()
+            return
+        ops = {k: {"calls": n, "bytes": grouped_gloo.PAYLOAD[k]} for k, n in grouped_gloo.LAUNCHES.items()}
+        wrapped[ph] = {"calls": sum(grouped_gloo.LAUNCHES.values()),
+                       "bytes": sum(grouped_gloo.PAYLOAD.values()), "ops": ops}
+        if stats is not None:
             own_counts[ph] = stats.summary()
 
     state: dict[str, int] = {}
@@ -173,9 +182,11 @@ def _profiled_step(name: str, cfg: BenchConfig, system: System, device: torch.de
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
                  profile_memory=device.type == "cpu") as prof:
         train_step(system, *batch, device, annotate=True, after_step=after_step,
-                   phase_hook=phase_hook if stats is not None else None)
+                   phase_hook=phase_hook)
     # all-gathers and reduce-scatters run in the shard group (every rank under HSDP too)
     res.update(analyse_profile(prof, cfg.shard_size, device))
+    if cfg.backend == grouped_gloo.NAME:  # a Python process group: the profiler sees none of
+        res["collectives"] = wrapped  # its calls, which it counts itself
     del prof
     res["state_bytes"] = state.get("bytes", 0)
     if device.type == "cpu":
@@ -191,6 +202,8 @@ def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> 
     ``result_file`` (JSON)."""
     torch.set_num_threads(1)
     device = device_for(rank) if cfg.device_type == "cuda" else torch.device("cpu")
+    if cfg.backend == grouped_gloo.NAME:
+        grouped_gloo.register()
     dist.init_process_group(cfg.backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=cfg.world_size, timeout=timedelta(seconds=cfg.timeout_s))
     try:
