@@ -119,8 +119,10 @@ def test_skipped_steps_name_the_ranks(tmp_path):
 def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
     """Rank 1 hangs at the start of step 2 under --timeout 3. Before: without --debug, rank
     0's own gloo error ("Timed out waiting 5000ms for send operation to complete"), no word
-    of rank 1; with --debug, "waited 30 s" (the check's default, not what it waited).
-    Now rank 0 names rank 1 and the seconds it waited, measured."""
+    of rank 1; with --debug, "waited 30 s" (the check's default, not what it waited); and
+    the launcher said "rank 0 failed". Now rank 0 names rank 1, where it was last seen (the
+    last collective rank 0 completed with it: step 1's step check) and the seconds it
+    waited, measured; the launcher names rank 1 as the one that hung, and no rank failed."""
     t0 = time.monotonic()
     run = _train("--steps", "4", "--timeout", "3", "--out", str(tmp_path), *(["--debug"] if debug else []),
                  fault="hang@1:2")
@@ -128,17 +130,20 @@ def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
     assert run.returncode == 1, run.stderr[-3000:]
     line = _launcher_line(run)
     if debug:
-        pattern = (r"matrixfsdp train: rank 0 failed: RuntimeError: matrixfsdp debug: rank 1 did not "
+        pattern = (r"matrixfsdp train: rank 1 hung: matrixfsdp debug: rank 1 did not "
                    r"arrive \(its last collective: step 1, .*\); rank 0 waited (\d+\.\d) s for it at "
                    r"step 2, unit '<root>', forward gather .*")
     else:
-        pattern = (r"matrixfsdp train: rank 0 failed: CollectiveTimeout: rank 1 did not arrive at the "
-                   r"\w+ #\d+ on ranks 0-1 \(it hangs, is slower than the timeout, or left the training "
-                   r"loop; debug mode says where each rank is\); rank 0 waited (\d+\.\d) s for it "
-                   r"\(the process group's timeout is 3 s\); the other ranks were stopped")
+        pattern = (r"matrixfsdp train: rank 1 hung: rank 1 did not arrive at the \w+ #\d+ on ranks 0-1 "
+                   r"\(step 2, forward and backward\): last seen at the step check all_gather #\d+ "
+                   r"\(step 1, step check\), the last collective rank 0 completed with it \(it hangs, "
+                   r"is slower than the timeout, or left the training loop; debug mode says where each "
+                   r"rank is\); rank 0 waited (\d+\.\d) s for it \(the process group's timeout is 3 "
+                   r"s\); every rank was stopped \(SIGTERM, then SIGKILL after 5 s\)")
     found = re.fullmatch(pattern, line)
     assert found, line
     assert 2.5 <= float(found.group(1)) < HANG_GUARD_S, line
+    assert "failed" not in run.stderr and "rank 0 stopped: " in run.stderr, run.stderr[-3000:]
 
 
 def _three_ranks(rank, world, tmp):
@@ -169,8 +174,8 @@ def test_a_collective_timeout_names_the_missing_rank_and_those_that_arrived(tmp_
     for rank, other in ((0, 1), (1, 0)):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         found = re.fullmatch(
-            r"rank 2 did not arrive at the all_gather #2 on ranks 0-2 \(it hangs, .*\); "
-            rf"rank {rank} waited (\d+\.\d) s for it \(the process group's timeout is 2 s\); "
+            r"rank 2 did not arrive at the all_gather #2 on ranks 0-2: last seen at the all_gather #1, the "
+            rf"last collective rank {rank} completed with it \(it hangs, .*\); rank {rank} waited (\d+\.\d) s for it \(the process group's timeout is 2 s\); "
             rf"rank {other} arrived and waited too", message)
         assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert (tmp_path / "rank2.txt").read_text() == "no error"
@@ -204,8 +209,9 @@ def test_a_hang_in_the_gradient_norm_names_the_missing_rank(tmp_path):
     names rank 1 and the time it waited (before: gloo's own receive timeout)."""
     spawn(_clip_hang, 2, str(tmp_path), timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
-    found = re.fullmatch(r"rank 1 did not arrive at the gradient norm all_reduce #\d+ on ranks 0-1 "
-                         r"\(it hangs, .*\); rank 0 waited (\d+\.\d) s for it \(the process group's "
+    found = re.fullmatch(r"rank 1 did not arrive at the gradient norm all_reduce #\d+ on ranks 0-1: "
+                         r"last seen at the gradient flags all_reduce #\d+, the last collective rank 0 "
+                         r"completed with it \(it hangs, .*\); rank 0 waited (\d+\.\d) s for it \(the process group's "
                          r"timeout is 2 s\)", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
 
@@ -269,8 +275,8 @@ def test_a_rank_missing_at_a_checkpoint_save_is_named(tmp_path):
     is written."""
     spawn(_save_hang, 2, str(tmp_path), timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
-    found = re.fullmatch(r"rank 1 did not arrive at the checkpoint save barrier #\d+ on ranks 0-1 "
-                         r"\(it hangs, .*\); rank 0 waited (\d+\.\d) s for it .*", message)
+    found = re.fullmatch(r"rank 1 did not arrive at the checkpoint save barrier #\d+ on ranks 0-1: "
+                         r"not seen at any collective of this group \(it hangs, .*\); rank 0 waited (\d+\.\d) s for it .*", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert sorted(os.listdir(tmp_path)) == ["rank0.txt", "rank1.txt"]  # no checkpoint directory
 
@@ -311,9 +317,10 @@ def test_a_rank_whose_storage_hangs_inside_dcp_is_named(tmp_path, async_save):
     spawn(_write_hang, 2, str(tmp_path), async_save, timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
     found = re.fullmatch(
-        rf"matrixfsdp\.save_checkpoint: writing {re.escape(str(tmp_path / 'step_1'))} timed out: rank 1 "
-        r"did not finish writing its part of the checkpoint \(its storage hangs, or is slower than the "
-        r"process group's timeout of 2 s\); rank 0 waited (\d+\.\d) s for it after finishing its own; "
-        r"nothing was committed, no earlier checkpoint exists", message)
+        rf"matrixfsdp\.save_checkpoint: saving {re.escape(str(tmp_path / 'step_1'))} timed out: rank 1 "
+        rf"did not arrive at the end of writing its part of {re.escape(str(tmp_path / 'step_1'))}: still "
+        r"in it after \d+\.\d s \(it hangs, or is slower than the timeout\); rank 0 waited (\d+\.\d) s "
+        r"for it \(the process group's timeout is 2 s\); nothing was committed, no earlier checkpoint "
+        r"exists", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert not (tmp_path / "step_1").exists()
