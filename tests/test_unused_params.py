@@ -248,6 +248,7 @@ def test_a_hang_at_the_gradient_flags_names_the_missing_rank(tmp_path):
     """The flags' all-reduce is watched like the runtime's collectives: rank 0 names rank 1."""
     spawn(_flags_hang, WORLD, str(tmp_path), timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
-    assert re.fullmatch(r"rank 1 did not arrive at the gradient flags all_reduce #\d+ on ranks 0-1 "
+    assert re.fullmatch(r"rank 1 did not arrive at the gradient flags all_reduce #\d+ on ranks 0-1: "
+                        r"last seen at the \w+ #\d+, the last collective rank 0 completed with it "
                         r"\(it hangs, .*\); rank 0 waited \d+\.\d s for it \(the process group's "
                         r"timeout is 2 s\)", message), message

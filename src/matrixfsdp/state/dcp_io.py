@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.futures import Future
 
 from ..runtime import arrival
 from ..runtime.arrival import CollectiveTimeout
