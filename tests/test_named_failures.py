@@ -175,7 +175,8 @@ def test_a_collective_timeout_names_the_missing_rank_and_those_that_arrived(tmp_
         message = (tmp_path / f"rank{rank}.txt").read_text()
         found = re.fullmatch(
             r"rank 2 did not arrive at the all_gather #2 on ranks 0-2: last seen at the all_gather #1, the "
-            rf"last collective rank {rank} completed with it \(it hangs, .*\); rank {rank} waited (\d+\.\d) s for it \(the process group's timeout is 2 s\); "
+            rf"last collective rank {rank} completed with it \(it hangs, .*\); rank {rank} waited "
+            r"(\d+\.\d) s for it \(the process group's timeout is 2 s\); "
             rf"rank {other} arrived and waited too", message)
         assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert (tmp_path / "rank2.txt").read_text() == "no error"
@@ -211,8 +212,8 @@ def test_a_hang_in_the_gradient_norm_names_the_missing_rank(tmp_path):
     message = (tmp_path / "rank0.txt").read_text()
     found = re.fullmatch(r"rank 1 did not arrive at the gradient norm all_reduce #\d+ on ranks 0-1: "
                          r"last seen at the gradient flags all_reduce #\d+, the last collective rank 0 "
-                         r"completed with it \(it hangs, .*\); rank 0 waited (\d+\.\d) s for it \(the process group's "
-                         r"timeout is 2 s\)", message)
+                         r"completed with it \(it hangs, .*\); rank 0 waited (\d+\.\d) s for it "
+                         r"\(the process group's timeout is 2 s\)", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
 
 
@@ -276,7 +277,8 @@ def test_a_rank_missing_at_a_checkpoint_save_is_named(tmp_path):
     spawn(_save_hang, 2, str(tmp_path), timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
     found = re.fullmatch(r"rank 1 did not arrive at the checkpoint save barrier #\d+ on ranks 0-1: "
-                         r"not seen at any collective of this group \(it hangs, .*\); rank 0 waited (\d+\.\d) s for it .*", message)
+                         r"not seen at any collective of this group \(it hangs, .*\); rank 0 waited "
+                         r"(\d+\.\d) s for it .*", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert sorted(os.listdir(tmp_path)) == ["rank0.txt", "rank1.txt"]  # no checkpoint directory
 

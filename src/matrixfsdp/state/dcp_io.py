@@ -199,3 +199,18 @@ def load(state: dict, path: Path, process_group=None) -> None:
                                     hung.missing, hung.rank) from e
         raise
     watched.done()
+
+
+def load_alone(state: dict, path: Path) -> None:
+    """``dcp.load(state)`` from ``path`` in this process alone (no process group: the
+    launcher reading a checkpoint's own entries), a file that cannot be read named, and any
+    other failure said as a :class:`~matrixfsdp.state.integrity.CheckpointError` naming the
+    checkpoint."""
+    try:
+        dcp.load(state, storage_reader=LoadReader(path, Watched(None, str(path))), no_dist=True)
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+            raise
+        named = read_error(e)
+        raise CheckpointError(str(named) if named is not None else
+                              f"checkpoint {path} cannot be read: {first_failure(e)}") from e

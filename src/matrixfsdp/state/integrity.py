@@ -144,6 +144,10 @@ def _check_sizes(path: Path, digests: dict[str, str], sizes: dict[str, int]) -> 
             return f"{f} is missing"
         want, size = sizes.get(name), f.stat().st_size
         if want is not None and size != want:
+            if size in [sizes.get(n) for n in digests if n != name]:  # another file's size: its bytes?
+                swapped = _check_files(path, [name], digests)
+                if swapped is not None and "holds the bytes" in swapped:
+                    return swapped
             how = "truncated" if size < want else "longer than saved"
             return f"{f} is {how}: {size} bytes, the save wrote {want}"
     return None
@@ -162,7 +166,7 @@ def check_structure(path: str | os.PathLike, listed: dict[str, str] | None = Non
         for info in storage.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     except Exception as e:  # noqa: BLE001 (anything unpickling garbage may raise)
-        return f"{path / METADATA} is damaged: it is not DCP's metadata ({first_failure(e)})"
+        return f"{path / METADATA} is not DCP's metadata ({first_failure(e)})"
     for name, end in sorted(ends.items()):
         f = path / name
         if not f.is_file():
