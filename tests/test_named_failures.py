@@ -16,6 +16,7 @@ import resource
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import matrixfsdp as mf
 from matrixfsdp.runtime.arrival import CollectiveTimeout
 from matrixfsdp.runtime.collectives import Comm, CommStats
+from matrixfsdp.state import dcp_io
 from matrixfsdp.state.files import is_complete
 from matrixfsdp.state.integrity import CheckpointError, write_failure
 from matrixfsdp.train.models import GPT, GPTConfig
@@ -326,3 +328,64 @@ def test_a_rank_whose_storage_hangs_inside_dcp_is_named(tmp_path, async_save):
         r"exists", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert not (tmp_path / "step_1").exists()
+
+
+def _part_hangs(rank, world, tmp, where):
+    """One rank blocks (until the other has given up) in a part of a save or a load that
+    runs between collectives: rank 0 in the commit (``os.rename`` of the partial directory)
+    or in DCP's global save planning, rank 1 in DCP's load planning (a 2 s group)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    store = dist.distributed_c10d._get_default_store()
+    path = os.path.join(tmp, "step_1")
+    if where == "load planning":
+        mf.save_checkpoint({"x": torch.zeros(3)}, path, process_group=group)
+    target = {"commit": (os, "rename"), "global planning": (DefaultSavePlanner, "create_global_plan"),
+              "load planning": (dcp.FileSystemReader, "prepare_local_plan")}[where]
+    original = getattr(*target)
+    stuck = 1 if where == "load planning" else 0
+
+    def blocked(*args, **kwargs):
+        if where != "commit" or str(args[0]).endswith(".partial"):  # not DCP's own metadata rename
+            store.wait(["gave-up"], timedelta(seconds=60))
+        return original(*args, **kwargs)
+    if rank == stuck:
+        setattr(*target, blocked)
+    message = "no error"
+    try:
+        if where == "load planning":
+            dcp_io.load({"x": torch.zeros(3)}, Path(path), group)
+        else:
+            mf.save_checkpoint({"x": torch.zeros(3)}, path, process_group=group)
+    except CollectiveTimeout as e:
+        message = str(e)
+    except Exception as e:  # noqa: BLE001 (the blocked rank, once let go: its peer has left)
+        message = f"{type(e).__name__}"
+    finally:
+        setattr(*target, original)
+        if rank != stuck:
+            store.set("gave-up", "1")
+    with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+@pytest.mark.parametrize("where", ["commit", "global planning", "load planning"])
+def test_a_rank_stuck_between_the_collectives_of_a_save_or_load_is_named(tmp_path, where):
+    """Rank 0 stuck in the commit (the library's own broadcast then waits; before: gloo's
+    bare timeout, naming no rank) or in DCP's global planning (the coordinator's part), rank
+    1 stuck in DCP's load planning: the other rank names it and where it was last seen."""
+    spawn(_part_hangs, 2, str(tmp_path), where, timeout=120)
+    stuck, other = (1, 0) if where == "load planning" else (0, 1)
+    message = (tmp_path / f"rank{other}.txt").read_text()
+    path = re.escape(str(tmp_path / "step_1"))
+    expected = {
+        "commit": rf"rank 0 did not arrive at the broadcast of the commit of {path} #\d+ on ranks 0-1: "
+                  rf"last seen in rank 0's part of the commit of {path}, \d+\.\d s before",
+        "global planning": rf"matrixfsdp\.save_checkpoint: saving {path} timed out: rank 0 did not arrive "
+                           rf"at the end of DCP's save planning of {path}: last seen in DCP's global save "
+                           rf"planning \(the coordinator\) of {path}, \d+\.\d s before",
+        "load planning": rf"matrixfsdp\.load_checkpoint: loading {path} timed out: rank 1 did not arrive "
+                         rf"at the end of DCP's load planning of {path}: still in it after \d+\.\d s"}[where]
+    found = re.fullmatch(expected + rf" \(it hangs, or is slower than the timeout\); rank {other} waited "
+                         r"(\d+\.\d) s for it \(the process group's timeout is 2 s\).*", message)
+    assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
