@@ -306,6 +306,7 @@ def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
     blocking = time.perf_counter() - t0
 
     def finish() -> SavedCheckpoint:
+        arrival.at(*watched.place)  # this thread's points say the step of the call
         _write(written.result, tmp, path, group, watched)
         if before_commit is not None:
             before_commit()
