@@ -33,7 +33,7 @@ def pytest_collection_finish(session):
 # cores), run first: `make test` hands whole files to two workers in collection order
 # (`--dist loadfile --no-loadscope-reorder`), so that longest-first leaves only short files
 # for the end, where one worker would otherwise run a long one alone.
-LONGEST_FIRST = ("test_cli_launch.py", "test_tp_compose.py", "test_named_failures.py",
+LONGEST_FIRST = ("test_cli_hangs.py", "test_cli_launch.py", "test_tp_compose.py", "test_named_failures.py",
                  "test_pipelining.py", "test_docs_examples.py", "test_cli_install.py",
                  "test_cli_run_lock.py", "test_parity.py", "test_bench.py", "test_compile.py",
                  "test_checkpoint_cli.py", "test_hsdp.py", "test_matrix_optimizers.py",

@@ -16,6 +16,7 @@ import resource
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import matrixfsdp as mf
 from matrixfsdp.runtime.arrival import CollectiveTimeout
 from matrixfsdp.runtime.collectives import Comm, CommStats
+from matrixfsdp.state import dcp_io
 from matrixfsdp.state.files import is_complete
 from matrixfsdp.state.integrity import CheckpointError, write_failure
 from matrixfsdp.train.models import GPT, GPTConfig
@@ -119,8 +121,10 @@ def test_skipped_steps_name_the_ranks(tmp_path):
 def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
     """Rank 1 hangs at the start of step 2 under --timeout 3. Before: without --debug, rank
     0's own gloo error ("Timed out waiting 5000ms for send operation to complete"), no word
-    of rank 1; with --debug, "waited 30 s" (the check's default, not what it waited).
-    Now rank 0 names rank 1 and the seconds it waited, measured."""
+    of rank 1; with --debug, "waited 30 s" (the check's default, not what it waited); and
+    the launcher said "rank 0 failed". Now rank 0 names rank 1, where it was last seen (the
+    last collective rank 0 completed with it: step 1's step check) and the seconds it
+    waited, measured; the launcher names rank 1 as the one that hung, and no rank failed."""
     t0 = time.monotonic()
     run = _train("--steps", "4", "--timeout", "3", "--out", str(tmp_path), *(["--debug"] if debug else []),
                  fault="hang@1:2")
@@ -128,17 +132,20 @@ def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
     assert run.returncode == 1, run.stderr[-3000:]
     line = _launcher_line(run)
     if debug:
-        pattern = (r"matrixfsdp train: rank 0 failed: RuntimeError: matrixfsdp debug: rank 1 did not "
+        pattern = (r"matrixfsdp train: rank 1 hung: matrixfsdp debug: rank 1 did not "
                    r"arrive \(its last collective: step 1, .*\); rank 0 waited (\d+\.\d) s for it at "
                    r"step 2, unit '<root>', forward gather .*")
     else:
-        pattern = (r"matrixfsdp train: rank 0 failed: CollectiveTimeout: rank 1 did not arrive at the "
-                   r"\w+ #\d+ on ranks 0-1 \(it hangs, is slower than the timeout, or left the training "
-                   r"loop; debug mode says where each rank is\); rank 0 waited (\d+\.\d) s for it "
-                   r"\(the process group's timeout is 3 s\); the other ranks were stopped")
+        pattern = (r"matrixfsdp train: rank 1 hung: rank 1 did not arrive at the \w+ #\d+ on ranks 0-1 "
+                   r"\(step 2, forward and backward\): last seen at the step check all_gather #\d+ "
+                   r"\(step 1, step check\), the last collective rank 0 completed with it \(it hangs, "
+                   r"is slower than the timeout, or left the training loop; debug mode says where each "
+                   r"rank is\); rank 0 waited (\d+\.\d) s for it \(the process group's timeout is 3 "
+                   r"s\); every rank was stopped \(SIGTERM, then SIGKILL after 5 s\)")
     found = re.fullmatch(pattern, line)
     assert found, line
     assert 2.5 <= float(found.group(1)) < HANG_GUARD_S, line
+    assert "failed" not in run.stderr and "rank 0 stopped: " in run.stderr, run.stderr[-3000:]
 
 
 def _three_ranks(rank, world, tmp):
@@ -169,8 +176,9 @@ def test_a_collective_timeout_names_the_missing_rank_and_those_that_arrived(tmp_
     for rank, other in ((0, 1), (1, 0)):
         message = (tmp_path / f"rank{rank}.txt").read_text()
         found = re.fullmatch(
-            r"rank 2 did not arrive at the all_gather #2 on ranks 0-2 \(it hangs, .*\); "
-            rf"rank {rank} waited (\d+\.\d) s for it \(the process group's timeout is 2 s\); "
+            r"rank 2 did not arrive at the all_gather #2 on ranks 0-2: last seen at the all_gather #1, the "
+            rf"last collective rank {rank} completed with it \(it hangs, .*\); rank {rank} waited "
+            r"(\d+\.\d) s for it \(the process group's timeout is 2 s\); "
             rf"rank {other} arrived and waited too", message)
         assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert (tmp_path / "rank2.txt").read_text() == "no error"
@@ -204,9 +212,10 @@ def test_a_hang_in_the_gradient_norm_names_the_missing_rank(tmp_path):
     names rank 1 and the time it waited (before: gloo's own receive timeout)."""
     spawn(_clip_hang, 2, str(tmp_path), timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
-    found = re.fullmatch(r"rank 1 did not arrive at the gradient norm all_reduce #\d+ on ranks 0-1 "
-                         r"\(it hangs, .*\); rank 0 waited (\d+\.\d) s for it \(the process group's "
-                         r"timeout is 2 s\)", message)
+    found = re.fullmatch(r"rank 1 did not arrive at the gradient norm all_reduce #\d+ on ranks 0-1: "
+                         r"last seen at the gradient flags all_reduce #\d+, the last collective rank 0 "
+                         r"completed with it \(it hangs, .*\); rank 0 waited (\d+\.\d) s for it "
+                         r"\(the process group's timeout is 2 s\)", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
 
 
@@ -269,8 +278,9 @@ def test_a_rank_missing_at_a_checkpoint_save_is_named(tmp_path):
     is written."""
     spawn(_save_hang, 2, str(tmp_path), timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
-    found = re.fullmatch(r"rank 1 did not arrive at the checkpoint save barrier #\d+ on ranks 0-1 "
-                         r"\(it hangs, .*\); rank 0 waited (\d+\.\d) s for it .*", message)
+    found = re.fullmatch(r"rank 1 did not arrive at the checkpoint save barrier #\d+ on ranks 0-1: "
+                         r"not seen at any collective of this group \(it hangs, .*\); rank 0 waited "
+                         r"(\d+\.\d) s for it .*", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert sorted(os.listdir(tmp_path)) == ["rank0.txt", "rank1.txt"]  # no checkpoint directory
 
@@ -311,9 +321,71 @@ def test_a_rank_whose_storage_hangs_inside_dcp_is_named(tmp_path, async_save):
     spawn(_write_hang, 2, str(tmp_path), async_save, timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
     found = re.fullmatch(
-        rf"matrixfsdp\.save_checkpoint: writing {re.escape(str(tmp_path / 'step_1'))} timed out: rank 1 "
-        r"did not finish writing its part of the checkpoint \(its storage hangs, or is slower than the "
-        r"process group's timeout of 2 s\); rank 0 waited (\d+\.\d) s for it after finishing its own; "
-        r"nothing was committed, no earlier checkpoint exists", message)
+        rf"matrixfsdp\.save_checkpoint: saving {re.escape(str(tmp_path / 'step_1'))} timed out: rank 1 "
+        rf"did not arrive at the end of writing its part of {re.escape(str(tmp_path / 'step_1'))}: still "
+        r"in it after \d+\.\d s \(it hangs, or is slower than the timeout\); rank 0 waited (\d+\.\d) s "
+        r"for it \(the process group's timeout is 2 s\); nothing was committed, no earlier checkpoint "
+        r"exists", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
     assert not (tmp_path / "step_1").exists()
+
+
+def _part_hangs(rank, world, tmp, where):
+    """One rank blocks (until the other has given up) in a part of a save or a load that
+    runs between collectives: rank 0 in the commit (``os.rename`` of the partial directory)
+    or in DCP's global save planning, rank 1 in DCP's load planning (a 2 s group)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    group = dist.new_group(timeout=timedelta(seconds=2))
+    store = dist.distributed_c10d._get_default_store()
+    path = os.path.join(tmp, "step_1")
+    if where == "load planning":
+        mf.save_checkpoint({"x": torch.zeros(3)}, path, process_group=group)
+    target = {"commit": (os, "rename"), "global planning": (DefaultSavePlanner, "create_global_plan"),
+              "load planning": (dcp.FileSystemReader, "prepare_local_plan")}[where]
+    original = getattr(*target)
+    stuck = 1 if where == "load planning" else 0
+
+    def blocked(*args, **kwargs):
+        if where != "commit" or str(args[0]).endswith(".partial"):  # not DCP's own metadata rename
+            store.wait(["gave-up"], timedelta(seconds=60))
+        return original(*args, **kwargs)
+    if rank == stuck:
+        setattr(*target, blocked)
+    message = "no error"
+    try:
+        if where == "load planning":
+            dcp_io.load({"x": torch.zeros(3)}, Path(path), group)
+        else:
+            mf.save_checkpoint({"x": torch.zeros(3)}, path, process_group=group)
+    except CollectiveTimeout as e:
+        message = str(e)
+    except Exception as e:  # noqa: BLE001 (the blocked rank, once let go: its peer has left)
+        message = f"{type(e).__name__}"
+    finally:
+        setattr(*target, original)
+        if rank != stuck:
+            store.set("gave-up", "1")
+    with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+        f.write(message)
+
+
+@pytest.mark.parametrize("where", ["commit", "global planning", "load planning"])
+def test_a_rank_stuck_between_the_collectives_of_a_save_or_load_is_named(tmp_path, where):
+    """Rank 0 stuck in the commit (the library's own broadcast then waits; before: gloo's
+    bare timeout, naming no rank) or in DCP's global planning (the coordinator's part), rank
+    1 stuck in DCP's load planning: the other rank names it and where it was last seen."""
+    spawn(_part_hangs, 2, str(tmp_path), where, timeout=120)
+    stuck, other = (1, 0) if where == "load planning" else (0, 1)
+    message = (tmp_path / f"rank{other}.txt").read_text()
+    path = re.escape(str(tmp_path / "step_1"))
+    expected = {
+        "commit": rf"rank 0 did not arrive at the broadcast of the commit of {path} #\d+ on ranks 0-1: "
+                  rf"last seen in rank 0's part of the commit of {path}, \d+\.\d s before",
+        "global planning": rf"matrixfsdp\.save_checkpoint: saving {path} timed out: rank 0 did not arrive "
+                           rf"at the end of DCP's save planning of {path}: last seen in DCP's global save "
+                           rf"planning \(the coordinator\) of {path}, \d+\.\d s before",
+        "load planning": rf"matrixfsdp\.load_checkpoint: loading {path} timed out: rank 1 did not arrive "
+                         rf"at the end of DCP's load planning of {path}: still in it after \d+\.\d s"}[where]
+    found = re.fullmatch(expected + rf" \(it hangs, or is slower than the timeout\); rank {other} waited "
+                         r"(\d+\.\d) s for it \(the process group's timeout is 2 s\).*", message)
+    assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message

@@ -1,4 +1,5 @@
-"""Which rank did not arrive at a collective that timed out, said without debug mode.
+"""Which rank did not arrive at a collective that timed out, and where it was last seen,
+said without debug mode.
 
 Collectives pair up by order alone. When one rank never issues its part (it hangs, is
 slower than the timeout, or left the training loop), the others fail at the process
@@ -6,17 +7,23 @@ group's timeout with the backend's own error, which names only their own send or
 (gloo: ``Timed out waiting 5000ms for send operation to complete``), never the rank that
 is missing. To name it, at no cost per collective beyond a counter and a clock read:
 
-* each collective the runtime issues on a gloo group (every
-  :class:`~matrixfsdp.runtime.collectives.Comm` collective, and the training loop's
-  per-step gather) is numbered when issued: the n-th on its group is the same collective
-  on every rank, since collectives pair by order;
-* its wait runs in two parts: a wait that lasts longer than :data:`SLOW_S` posts
-  ``(n, kind, when it was issued)`` under this rank to the default process group's store
-  (one write, only for a slow wait; one more when it ends);
+* every *point* that a group's ranks pass in the same order is numbered on that group, the
+  same number on every rank: each collective the runtime issues on a gloo group (every
+  :class:`~matrixfsdp.runtime.collectives.Comm` collective, the training loop's per-step
+  gather, the gradient norm: :func:`issued`), each collective a checkpoint drives through
+  torch's object collectives (:class:`Point`), and each stretch of local work between
+  collectives that someone else issues (DCP's planning, write and read inside a save or a
+  load: :class:`Stage`);
+* a rank posts where it is to the default process group's store only where that is cheap
+  or may matter: a wait longer than :data:`SLOW_S` (``waiting``, then ``done``), a stage
+  (``busy`` when entered, ``waiting`` for what follows when left), a checkpoint's
+  collective; a quick runtime collective posts nothing;
 * a rank whose wait fails at the timeout reads every peer's post: a peer waiting at the
-  same collective arrived; one not waiting, or waiting at another collective, did not.
-  Its :class:`CollectiveTimeout` names those ranks and the time it actually waited,
-  measured from the issue (not the configured timeout).
+  same point arrived; one busy in a stage, behind, or silent did not. Its
+  :class:`CollectiveTimeout` names those ranks, where each was last seen (its own post, or
+  the last collective this rank completed with it, whichever is later, with the training
+  step and phase the loop set: :func:`at`) and the time this rank actually waited,
+  measured (not the configured timeout).
 
 Only gloo groups: an NCCL ``wait()`` does not block the host (NCCL's watchdog ends a stuck
 collective), and a wait with a timeout would make it block. Debug mode
@@ -26,6 +33,7 @@ collective), and a wait with a timeout would make it block. Debug mode
 from __future__ import annotations
 
 import json
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -39,11 +47,56 @@ from .process_groups import group_timeout
 SLOW_S = 1.0  # a wait longer than this (or a quarter of the group's timeout) is posted
 _KEY = "matrixfsdp-wait/"
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its _Group
+_here = threading.local()  # this thread's training step and phase (:func:`at`)
+# What a collective says when a peer's process ended: a consequence, not the hang itself.
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote process exited", "communicator was aborted")
+
+
+def at(step: int | None = None, phase: str | None = None) -> None:
+    """Say where this thread is: the training step and its phase (``matrixfsdp train``'s
+    loop says it at each phase: a local write). Every point passed afterwards records it,
+    so that a timeout can say where a rank that did not arrive was last seen."""
+    _here.step, _here.phase = step, phase
+
+
+def where() -> tuple[int | None, str | None]:
+    """This thread's ``(step, phase)`` as :func:`at` last set it."""
+    return getattr(_here, "step", None), getattr(_here, "phase", None)
+
+
+def _at_text(step: int | None, phase: str | None) -> str:
+    parts = [p for p in (None if step is None else f"step {step}", phase) if p]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``rank 1`` / ``ranks 1, 2``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class CollectiveTimeout(RuntimeError):
-    """A collective that timed out, naming the ranks that did not arrive at it and the time
-    this rank actually waited. The backend's own error is its ``__cause__``."""
+    """A collective that timed out, naming the ranks that did not arrive (``missing``),
+    where each was last seen, and the time this rank (``rank``) actually waited. The
+    backend's own error is its ``__cause__``."""
+
+    def __init__(self, message: str = "", missing: list[int] | tuple = (), rank: int | None = None):
+        super().__init__(message)
+        self.missing, self.rank = list(missing), rank
+
+    def __reduce__(self):
+        return type(self), (str(self), self.missing, self.rank)
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` (a backend error, or DCP's exception holding every rank's) says a
+    wait timed out."""
+    return "timed out" in str(exc).lower()
+
+
+def lost_peer(exc: BaseException) -> bool:
+    """Whether ``exc`` says a peer's process ended under a collective."""
+    return any(p in str(exc) for p in LOST_PEER)
 
 
 class _Group:
@@ -59,11 +112,23 @@ class _Group:
         self.timeout = limit.total_seconds() if limit is not None else None
         self.slow = timedelta(seconds=min(SLOW_S, self.timeout / 4) if self.timeout else SLOW_S)
         self.store: Any = None
+        self.last: dict | None = None  # the latest point completed here, with every peer in it
 
     def key(self, rank: int) -> str:
         return f"{_KEY}{self.name}/{rank}"
 
-    def post(self, value: dict) -> bool:
+    def completed(self, index: int, kind: str, place: tuple, stage: bool = False) -> None:
+        if self.last is None or index > self.last["index"]:
+            self.last = {"index": index, "kind": kind, "step": place[0], "phase": place[1],
+                         "stage": stage}
+
+    def post(self, index: int, kind: str, state: str, place: tuple, since: float | None = None,
+             stage: bool = False) -> bool:
+        """Post this rank's place: at point ``index`` (``kind``; a ``stage`` of local work or a
+        collective), ``state`` one of ``waiting`` (for the collective at that point, or that
+        follows the stage), ``done`` or ``busy`` (in the stage)."""
+        value = {"index": index, "kind": kind, "state": state, "since": since or time.time(),
+                 "step": place[0], "phase": place[1], "stage": stage}
         try:
             if self.store is None:
                 self.store = dist.distributed_c10d._get_default_store()
@@ -74,22 +139,13 @@ class _Group:
 
     def read(self, rank: int) -> dict | None:
         try:
-            if self.store is None or not self.store.check([self.key(rank)]):
+            if self.store is None:
+                self.store = dist.distributed_c10d._get_default_store()
+            if not self.store.check([self.key(rank)]):
                 return None
             return json.loads(self.store.get(self.key(rank)))
         except Exception:  # noqa: BLE001 (a store that cannot answer: say what we know)
             return None
-
-
-@dataclass
-class Watch:
-    """One issued collective: its group, its number there, its kind, when it was issued."""
-
-    group: _Group
-    index: int
-    kind: str
-    issued: float  # time.monotonic()
-    wall: float  # time.time(), comparable with a peer's post
 
 
 def _group(group: dist.ProcessGroup) -> _Group:
@@ -97,6 +153,19 @@ def _group(group: dist.ProcessGroup) -> _Group:
     if g is None:
         g = _groups[group] = _Group(group)
     return g
+
+
+@dataclass
+class Watch:
+    """One issued collective: its group, its number there, its kind, when it was issued and
+    where this thread was (:func:`at`)."""
+
+    group: _Group
+    index: int
+    kind: str
+    issued: float  # time.monotonic()
+    wall: float  # time.time(), comparable with a peer's post
+    place: tuple = (None, None)
 
 
 def issued(group: dist.ProcessGroup, kind: str) -> Watch | None:
@@ -107,7 +176,7 @@ def issued(group: dist.ProcessGroup, kind: str) -> Watch | None:
     if not g.watched:
         return None
     g.count += 1
-    return Watch(g, g.count, kind, time.monotonic(), time.time())
+    return Watch(g, g.count, kind, time.monotonic(), time.time(), where())
 
 
 def wait(work: Any, watch: Watch | None) -> None:
@@ -116,104 +185,188 @@ def wait(work: Any, watch: Watch | None) -> None:
     if watch is None or not isinstance(work, dist.Work):
         work.wait()
         return
+    g = watch.group
     try:
-        work.wait(timeout=watch.group.slow)
+        work.wait(timeout=g.slow)
+        g.completed(watch.index, watch.kind, watch.place)
         return
     except RuntimeError:
         pass  # still running ("Operation timed out!"), or failed: the full wait says which
-    posted = not work.is_completed() and watch.group.post(
-        {"index": watch.index, "kind": watch.kind, "since": watch.wall, "waiting": True})
+    posted = not work.is_completed() and g.post(watch.index, watch.kind, "waiting", watch.place,
+                                                watch.wall)
     try:
         work.wait()
     except RuntimeError as e:
-        if "timed out" not in str(e).lower():
+        found = failure(g, watch.index, f"the {watch.kind} #{watch.index}{_on(g)}", watch.issued,
+                        watch.place, e)
+        if found is None:
             raise
-        raise CollectiveTimeout(explain(watch)) from e
+        raise found from e
+    g.completed(watch.index, watch.kind, watch.place)
     if posted:
-        watch.group.post({"index": watch.index, "kind": watch.kind, "since": watch.wall,
-                          "waiting": False})
+        g.post(watch.index, watch.kind, "done", watch.place)
 
 
-def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+def _on(g: _Group) -> str:
+    r = g.ranks
+    return f" on ranks {r[0]}-{r[-1]}" if r == list(range(r[0], r[-1] + 1)) else f" on {ranks_text(r)}"
 
 
-def explain(watch: Watch) -> str:
-    """Why ``watch``'s collective timed out, from the peers' posts: who did not arrive,
-    who waits elsewhere, who arrived; and how long this rank waited."""
-    g = watch.group
-    waited = time.monotonic() - watch.issued
-    missing, elsewhere, arrived = [], [], []
+def _last_seen(seen: dict | None, last: dict | None, me: int, stage: str | None = None) -> str:
+    """Where a rank that did not arrive was last seen: its own post, or the last point this
+    rank completed with it, whichever is later. ``stage``: the stage this rank left."""
+    if seen is not None and (last is None or seen.get("index", 0) >= last["index"]):
+        at_ = _at_text(seen.get("step"), seen.get("phase"))
+        age = time.time() - float(seen.get("since", time.time()))
+        state, kind = seen.get("state"), seen.get("kind")
+        if state == "busy" and kind == stage:
+            return f"still in it after {age:.1f} s"
+        if state == "busy":
+            return f"last seen in {kind}{at_}, {age:.1f} s before"
+        if seen.get("stage"):
+            return f"last seen {'after' if state == 'waiting' else 'at the end of'} {kind}{at_}"
+        return f"last seen {'waiting ' if state == 'waiting' else ''}at the {kind} #{seen.get('index')}{at_}"
+    if last is not None:
+        what = f"the end of {last['kind']}" if last["stage"] else f"the {last['kind']} #{last['index']}"
+        return (f"last seen at {what}{_at_text(last['step'], last['phase'])}, the last collective "
+                f"rank {me} completed with it")
+    return "not seen at any collective of this group"
+
+
+def failure(g: _Group, index: int, what: str, started: float, place: tuple,
+            exc: BaseException, stage: str | None = None) -> CollectiveTimeout | None:
+    """The :class:`CollectiveTimeout` of this rank's wait at point ``index`` (``what`` it
+    waited at, since ``time.monotonic()`` ``started``; after leaving ``stage``) that failed
+    with ``exc``, from the peers' posts; None where ``exc`` is no timeout (or a lost peer
+    with no peer seen stuck in a stage: the peer that ended is the story)."""
+    if not g.watched or not (timed_out(exc) or lost_peer(exc)):
+        return None
+    waited = time.monotonic() - started
+    missing: list[tuple[int, str]] = []
+    elsewhere, arrived = [], []
     for r in g.ranks:
         if r == g.me:
             continue
         seen = g.read(r)
-        if seen is None or not seen.get("waiting"):
-            missing.append(r)
-        elif seen.get("index") == watch.index:
+        i, state = (seen or {}).get("index", -1), (seen or {}).get("state")
+        if seen is not None and (i > index or (i == index and state in ("waiting", "done"))):
             arrived.append(r)
+        elif seen is not None and state == "waiting" and (g.last is None or i > g.last["index"]):
+            its = (f"the collectives after {seen.get('kind')}" if seen.get("stage")
+                   else f"its {seen.get('kind')} #{i}")
+            elsewhere.append(f"rank {r} waits at another collective ({its}, for "
+                             f"{time.time() - float(seen.get('since', 0)):.1f} s)")
         else:
-            elsewhere.append(f"rank {r} waits at another collective (its {seen.get('kind')} "
-                             f"#{seen.get('index')}, for {time.time() - seen.get('since', 0):.1f} s)")
+            missing.append((r, _last_seen(seen, g.last, g.me, stage)))
+    if not timed_out(exc):  # a lost peer: only a rank seen stuck in a stage is named
+        missing = [(r, s) for r, s in missing if s.startswith(("last seen in ", "still in it"))]
+        if not missing:
+            return None
     limit = f"the process group's timeout is {g.timeout:g} s" if g.timeout else "at the backend's timeout"
-    what = f"the {watch.kind} #{watch.index} on ranks {g.ranks[0]}-{g.ranks[-1]}" \
-        if g.ranks == list(range(g.ranks[0], g.ranks[-1] + 1)) else \
-        f"the {watch.kind} #{watch.index} on {_ranks(g.ranks)}"
     parts = []
     if missing:
-        they = "they hang, are" if len(missing) > 1 else "it hangs, is"
-        parts.append(f"{_ranks(missing)} did not arrive at {what} ({they} slower than the "
-                     "timeout, or left the training loop; debug mode says where each rank is)")
+        ranks = [r for r, _ in missing]
+        they = "they hang, are" if len(ranks) > 1 else "it hangs, is"
+        inside = all(t.startswith(("last seen in ", "still in it")) for _, t in missing)
+        why = (f"{'they hang, or are' if len(ranks) > 1 else 'it hangs, or is'} slower than the "
+               "timeout" if inside else
+               f"{they} slower than the timeout, or left the training loop; debug mode says where "
+               "each rank is")
+        seen_text = "; ".join(f"rank {r} {s}" if len(ranks) > 1 else s for r, s in missing)
+        parts.append(f"{ranks_text(ranks)} did not arrive at {what}{_at_text(*place)}: {seen_text} "
+                     f"({why})")
     parts += elsewhere
     if elsewhere:
         parts[-1] += " (the ranks issue different collectives; debug mode says which)"
     if not parts:
-        parts.append(f"every rank arrived at {what}, but it did not complete")
+        parts.append(f"every rank arrived at {what}{_at_text(*place)}, but it did not complete")
     parts.append(f"rank {g.me} waited {waited:.1f} s for it ({limit})")
     if arrived:
-        parts.append(f"{_ranks(arrived)} arrived and waited too")
-    return "; ".join(parts)
+        parts.append(f"{ranks_text(arrived)} arrived and waited too")
+    return CollectiveTimeout("; ".join(parts), [r for r, _ in missing], g.me)
+
+
+class Point:
+    """A collective every rank of ``group`` runs that the runtime does not issue itself
+    (torch's object collectives, a checkpoint's commit): numbered, posted as ``waiting``
+    when entered and ``done`` when left; a timeout inside raises the
+    :class:`CollectiveTimeout` naming the ranks that did not arrive. A context manager."""
+
+    def __init__(self, group: dist.ProcessGroup, kind: str):
+        self.g = _group(group)
+        self.kind, self.place = kind, where()
+        if self.g.watched:
+            self.g.count += 1
+        self.index = self.g.count
+
+    def __enter__(self) -> Point:
+        self.started = time.monotonic()
+        if self.g.watched:
+            self.g.post(self.index, self.kind, "waiting", self.place)
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if not self.g.watched:
+            return False
+        if exc is None:
+            self.g.completed(self.index, self.kind, self.place)
+            self.g.post(self.index, self.kind, "done", self.place)
+            return False
+        if isinstance(exc, Exception):
+            found = failure(self.g, self.index, f"the {self.kind} #{self.index}{_on(self.g)}",
+                            self.started, self.place, exc)
+            if found is not None:
+                raise found from exc
+        return False
 
 
 class Stage:
-    """A stretch of local work that runs between collectives someone else issues (each
-    rank's write of its files inside DCP's save, between DCP's planning and its gather of
-    the results), posted when it starts and when it ends on a watched gloo group. A peer
-    whose next collective times out then names the ranks still inside the stage
-    (:meth:`explain`), where the backend's error names none."""
+    """A stretch of local work that runs between collectives someone else issues (a rank's
+    planning, write or read inside DCP's save or load), posted ``busy`` when it starts
+    (:meth:`enter`) and ``waiting`` when it ends (:meth:`leave`: the rank now waits in the
+    collectives that follow), on a watched gloo group. Every rank enters its stages in the
+    same order as its collectives, so a stage is numbered like them; a ``solo`` stage is one
+    rank's (DCP's coordinator) and takes the number of the point before it. A peer whose
+    collective after the stage fails at the timeout names the ranks still inside a stage,
+    or behind (:meth:`failure`)."""
 
-    def __init__(self, group: dist.ProcessGroup, kind: str):
-        g = _group(group)
-        self.group, self.kind, self.left = g, kind, None
-        if g.watched:
-            g.count += 1  # every rank enters its stages in the same order as its collectives
-        self.index = g.count
+    def __init__(self, group: dist.ProcessGroup, kind: str, solo: bool = False,
+                 place: tuple | None = None):
+        self.g, self.kind, self.solo = _group(group), kind, solo
+        self.place = place if place is not None else where()
+        self.index, self.left = self.g.count, None
 
-    def __enter__(self) -> Stage:
-        self._post(busy=True)
+    def enter(self) -> Stage:
+        if self.g.watched:
+            if not self.solo:
+                self.g.count += 1
+            self.index = self.g.count
+            self.g.post(self.index, self.kind, "busy", self.place, stage=True)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def leave(self) -> None:
         self.left = time.monotonic()
-        self._post(busy=False)
+        if self.g.watched:
+            self.g.post(self.index, self.kind, "waiting", self.place, stage=True)
 
-    def _post(self, busy: bool) -> None:
-        if self.group.watched:
-            self.group.post({"index": self.index, "kind": self.kind, "since": time.time(),
-                             "waiting": False, "busy": busy})
+    def done(self) -> None:
+        """The collectives that follow the stage completed (the DCP call returned): posted,
+        so that a later timeout does not take this rank for one still waiting there."""
+        if self.g.watched:
+            self.g.completed(self.index, self.kind, self.place, stage=True)
+            self.g.post(self.index, self.kind, "done", self.place, stage=True)
 
-    def explain(self) -> str | None:
-        """After this rank left the stage and a later collective timed out: the ranks still
-        inside it and the time this rank waited since leaving it; None if no rank is."""
-        g = self.group
-        if not g.watched or self.left is None:
+    def __enter__(self) -> Stage:
+        return self.enter()
+
+    def __exit__(self, *exc) -> None:
+        self.leave()
+
+    def failure(self, exc: BaseException) -> CollectiveTimeout | None:
+        """After this rank left the stage, a collective that follows it failed with ``exc``:
+        the :class:`CollectiveTimeout` naming the ranks still inside a stage or behind, and
+        the time this rank waited since leaving; None if ``exc`` is no timeout."""
+        if self.left is None:
             return None
-        inside = [r for r in g.ranks if r != g.me and (seen := g.read(r)) is not None
-                  and seen.get("index") == self.index and seen.get("busy")]
-        if not inside:
-            return None
-        limit = f"the process group's timeout of {g.timeout:g} s" if g.timeout else "the timeout"
-        they = "their" if len(inside) > 1 else "its"
-        return (f"{_ranks(inside)} did not finish {self.kind} ({they} storage hangs, or is "
-                f"slower than {limit}); rank {g.me} waited {time.monotonic() - self.left:.1f} s "
-                "for it after finishing its own")
+        return failure(self.g, self.index, f"the end of {self.kind}", self.left, self.place, exc,
+                       self.kind)

@@ -12,6 +12,9 @@
 * :func:`check_same_setup` / :func:`check_same_optimizer`: the model's shapes, dtypes,
   buffers and mixed-precision policies, and an optimizer's settings, alike on every rank
   (compared once at set-up; a checkpoint's names are checked by ``state/entries.py``).
+* :func:`agree_on_local_checks`: what one rank's own checks found (a unit of mixed dtypes
+  on that rank only) raised on every rank of the mesh, naming the rank, before the first
+  collective that rank would miss.
 """
 
 from __future__ import annotations
@@ -251,6 +254,32 @@ def _shown(value: Any) -> str:
 
 
 _OPTIONAL = "matrix optimizer "  # items a rank may lack (a rank that owns no matrix)
+
+
+def agree_on_local_checks(problem: Exception | None, mesh: Any) -> None:
+    """Raise, on every rank of ``mesh``, the first error (lowest rank) that a rank's own
+    set-up checks found (``problem`` on this rank, None if none): the same type and
+    message everywhere, naming that rank. One all-gather per mesh dim, at set-up only.
+    Before, the rank that found it raised alone and the others went on into the next
+    collective, where they saw "Connection closed by peer"."""
+    if not dist.is_initialized() or mesh.size() == 1:
+        if problem is not None:
+            raise problem
+        return
+    found = {dist.get_rank(): (type(problem).__name__, str(problem))} if problem is not None else {}
+    for dim in range(mesh.ndim):  # every rank of the mesh: along one dim, then the next
+        merged: dict[int, tuple[str, str]] = {}
+        for seen in all_gather_object(found, mesh.get_group(dim)):
+            merged.update(seen)
+        found = merged
+    if not found:
+        return
+    rank = min(found)
+    kind, text = found[rank]
+    error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError,
+             "TypeError": TypeError}.get(kind, RuntimeError)
+    raise error(f"{text} (found on rank {rank} of the mesh {mesh.mesh.tolist()}; every rank of it "
+                "raises this)") from problem
 
 
 def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> None:

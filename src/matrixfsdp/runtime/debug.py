@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from .arrival import CollectiveTimeout
 from .collectives import all_gather_single
 from .process_groups import group_timeout
 
@@ -73,7 +74,8 @@ class CollectiveCheck:
             work.wait(timeout=timedelta(seconds=self.timeout))
         except Exception as e:  # noqa: BLE001 - the backend's own timeout error, re-raised
             # the time actually waited: the group's own timeout may end the wait sooner
-            raise RuntimeError(self.missing(mine, time.monotonic() - t0)) from e
+            text = self.missing(mine, time.monotonic() - t0)  # names the ranks behind (a hang)
+            raise CollectiveTimeout(text, self.behind, self.rank) from e
         rows = out.view(self.world_size, len(mine)).tolist()
         if any(r != rows[0] for r in rows):
             where = "; ".join(f"rank {r}: {self.describe(s)}" for r, s in enumerate(rows))
@@ -87,7 +89,7 @@ class CollectiveCheck:
         """The error after waiting in vain at ``mine`` for ``waited`` seconds (default: the
         configured timeout): the ranks that did not arrive first (where each last was, from
         the store), then who waited and how long."""
-        behind = []
+        behind, self.behind = [], []
         for r in range(self.world_size):
             if r == self.rank:
                 continue
@@ -96,6 +98,7 @@ class CollectiveCheck:
                 behind.append(f"rank {r} never reached a MatrixFSDP collective")
             elif seen[0] < self.count:
                 behind.append(f"rank {r} did not arrive (its last collective: {self.describe(seen[1])})")
+            self.behind += [r] if seen is None or seen[0] < self.count else []
         who = "; ".join(behind) or "some rank never issued this collective"
         return (f"matrixfsdp debug: {who}; rank {self.rank} waited "
                 f"{self.timeout if waited is None else waited:.1f} s for it at "

@@ -23,6 +23,7 @@ from ..planning.layout import unit_layout
 from ..planning.planner import Collected, collect_params, make_plan
 from ..planning.types import MuonFilter, Plan
 from .checks import (
+    agree_on_local_checks,
     check_same_init,
     check_same_setup,
     guard_unit,
@@ -286,9 +287,14 @@ def materialize(root_unit: Unit) -> Root:
     mesh = root_unit.mesh
     named_units = unit_modules(root_unit.module)
     units = [u for _, u in named_units]
-    _check_units(named_units, root_unit)
-    collected = _collect(named_units, root_unit.muon_filter)
-    tp_mesh = _tp_mesh(units, collected.specs, mesh)
+    problem = None
+    try:  # this rank's own checks (a unit of mixed dtypes, a parameter that cannot be sharded)
+        _check_units(named_units, root_unit)
+        collected = _collect(named_units, root_unit.muon_filter)
+        tp_mesh = _tp_mesh(units, collected.specs, mesh)
+    except (ValueError, NotImplementedError, TypeError) as e:
+        problem = e
+    agree_on_local_checks(problem, mesh)  # every rank stops here, naming the rank, or none
     if not sliced_from_named_world(mesh):
         _warn_partial_mesh(mesh.size() * (tp_mesh.size() if tp_mesh is not None else 1))
     for u in units:  # the default, resolved anew: a unit that was a root before (a method of

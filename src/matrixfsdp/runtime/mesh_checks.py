@@ -1,5 +1,6 @@
-"""Checks of the meshes ``fully_shard`` is given: its arguments, and which data-parallel
-dims of the parent mesh a mesh covers (torchtitan's meshes: size-1 and flattened dims)."""
+"""Checks of the meshes ``fully_shard`` is given: its arguments, that the mesh holds the
+calling rank, and which data-parallel dims of the parent mesh a mesh covers (torchtitan's
+meshes: size-1 and flattened dims)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,22 @@ def check_args(mesh: DeviceMesh, reshard_after_forward: object, offload_policy: 
             + (f" ({_sizes(mesh.mesh_dim_names, mesh.shape)}): pass its data-parallel sub-mesh, "
                "e.g. mesh['fsdp'], or mesh['dp_replicate', 'fsdp'] for HSDP (size-1 dims count "
                "for nothing)" if mesh.mesh_dim_names else ""))
+    check_member(mesh)
     check_mesh(mesh, independent_replicas)
+
+
+def check_member(mesh: DeviceMesh) -> None:
+    """Refuse a mesh that does not hold this rank, naming the rank and the mesh (before:
+    ``IndexError: list index out of range`` from torch, deep in the set-up of its groups)."""
+    if not dist.is_initialized() or mesh.get_coordinate() is not None:
+        return
+    names = f" ({', '.join(mesh.mesh_dim_names)})" if mesh.mesh_dim_names else ""
+    raise ValueError(
+        f"matrixfsdp: rank {dist.get_rank()} is not in the mesh it was given: a "
+        f"{'x'.join(map(str, mesh.shape))} {mesh.device_type} mesh{names} of ranks "
+        f"{mesh.mesh.tolist()}. Every rank that calls fully_shard must be in its mesh: build the "
+        "part of the model it trains on its own mesh (a pipeline stage's), or pass a mesh that "
+        "holds it")
 
 
 # Dim names the mesh check reads (lower case). Ranks along a data-parallel dim train the same

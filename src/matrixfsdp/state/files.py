@@ -5,6 +5,12 @@
   ``COMPLETE`` marker and renames it once every rank is done; ``async_save=True`` stages to
   CPU and writes and commits in the background.
 * :func:`latest_checkpoint` / :func:`is_complete`: find the newest complete one.
+* :func:`load_checkpoint`: a damaged checkpoint refused naming the file, before anything
+  is loaded.
+
+Every collective of a save and a load is an arrival point (:mod:`matrixfsdp.runtime.arrival`,
+DCP's own through :mod:`.dcp_io`): a rank that hangs in one is named by the others, with
+where it was last seen.
 """
 
 from __future__ import annotations
@@ -28,11 +34,15 @@ from torch import nn
 from ..runtime import arrival
 from ..runtime.collectives import broadcast_object
 from ..runtime.process_groups import twin_group
+from . import dcp_io
 from .dcp import RowShardStager
+from .dcp_io import SavePlanner, SaveWriter, Watched
 from .entries import check_names
 from .integrity import (
     CHECKSUMS,
+    COMPLETE,
     CheckpointError,
+    check_structure,
     gather_digests,
     verify_checkpoint,
     write_checksums,
@@ -41,7 +51,6 @@ from .integrity import (
 from .state_dict import get_state_dict, set_state_dict
 
 # ---- complete-or-ignored checkpoint directories ---------------------------------------------
-COMPLETE = "COMPLETE"  # marker file rank 0 writes into a checkpoint directory before renaming it
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
@@ -71,19 +80,20 @@ def _on_rank0(fn: Callable[[], Any], group, what: str) -> Any:
     rank's failure (an unwritable directory, a full disk) raises the same error on every
     rank instead of leaving the others in the next collective. Also a barrier. A
     :class:`CheckpointError` of ``fn`` is raised as it is (its message is for the user)."""
-    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    if not dist.is_initialized():
+        return fn()
+    group = group if group is not None else dist.group.WORLD
+    told = arrival.Point(group, f"broadcast of {what}")  # numbered on every rank
     info: list[Any] = [None, None, False]
-    if rank == 0:
+    if dist.get_rank(group) == 0:
         try:
-            info[0] = fn()
+            with arrival.Stage(group, f"rank 0's part of {what}", solo=True):
+                info[0] = fn()
         except Exception as e:  # noqa: BLE001 (told to every rank, then raised)
-            if not dist.is_initialized():
-                raise
             info[1], info[2] = (str(e), True) if isinstance(e, CheckpointError) \
                 else (f"{type(e).__name__}: {e}", False)
-    if dist.is_initialized():
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        info = broadcast_object(info, src, group)
+    with told:
+        info = broadcast_object(info, dist.get_global_rank(group, 0), group)
     if info[1] is not None:
         if info[2]:
             raise CheckpointError(info[1])
@@ -96,7 +106,7 @@ def _commit(tmp: Path, path: Path, group, t0: float, keep_last: int | None) -> i
     the rest, writes ``CHECKSUMS.json``, then the marker, fsyncs, renames ``tmp`` to
     ``path``, and (``keep_last``) deletes the older complete checkpoints beyond the newest
     ``keep_last``. Returns the bytes written, on every rank."""
-    digests = gather_digests(tmp, group)  # also the barrier: every rank has written
+    digests = gather_digests(tmp, group, str(path))  # also the barrier: every rank has written
 
     def commit() -> int:
         try:
@@ -267,9 +277,10 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
             raise write_failure(e, tmp, latest_checkpoint(path.parent, warn=False)) from e
     _on_rank0(make_dir, process_group, f"creating {tmp}")
     if not async_save:
-        writer = _Writer(tmp, process_group)
-        _write(lambda: dcp.save(state, storage_writer=writer, process_group=process_group),
-               tmp, path, process_group, writer)
+        watched = Watched(process_group, str(path))
+        _write(lambda: dcp.save(state, storage_writer=SaveWriter(tmp, watched),
+                                planner=SavePlanner(watched), process_group=process_group),
+               tmp, path, process_group, watched)
         if before_commit is not None:
             before_commit()
         nbytes = _commit(tmp, path, process_group, t0, keep_last)
@@ -288,13 +299,15 @@ def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
     group = _save_group(process_group) if dist.is_initialized() else None
     # per_thread_copy_ahead=0: the staged tensors are on CPU already, and DCP's writer then
     # reads them directly instead of through an accelerator stream of the background thread.
-    writer = _Writer(tmp, group, per_thread_copy_ahead=0)
-    written = dcp.async_save(state, storage_writer=writer, process_group=group,
+    watched = Watched(group, str(path))
+    written = dcp.async_save(state, storage_writer=SaveWriter(tmp, watched, per_thread_copy_ahead=0),
+                             planner=SavePlanner(watched), process_group=group,
                              async_stager=RowShardStager(), no_dist=not dist.is_initialized())
     blocking = time.perf_counter() - t0
 
     def finish() -> SavedCheckpoint:
-        _write(written.result, tmp, path, group, writer)
+        arrival.at(*watched.place)  # this thread's points say the step of the call
+        _write(written.result, tmp, path, group, watched)
         if before_commit is not None:
             before_commit()
         nbytes = _commit(tmp, path, group, t0, keep_last)
@@ -306,27 +319,11 @@ def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
     return pending
 
 
-class _Writer(dcp.FileSystemWriter):
-    """DCP's file writer, this rank's write posted as an arrival stage on the save's group
-    (:class:`~matrixfsdp.runtime.arrival.Stage`): when a rank's storage hangs, the peers
-    whose DCP collective then times out name it (DCP's own error names no rank)."""
-
-    def __init__(self, path: Path, group, **kwargs):
-        super().__init__(str(path), **kwargs)
-        self.group, self.stage = group, None
-
-    def write_data(self, plan, planner):
-        if not dist.is_initialized():
-            return super().write_data(plan, planner)
-        group = self.group if self.group is not None else dist.group.WORLD
-        with arrival.Stage(group, "writing its part of the checkpoint") as self.stage:
-            return super().write_data(plan, planner)
-
-
-def _write(write: Callable[[], Any], tmp: Path, path: Path, group, writer: _Writer) -> None:
-    """Run DCP's write; a failure on any rank (DCP raises it on every rank) becomes one
+def _write(write: Callable[[], Any], tmp: Path, path: Path, group, watched: Watched) -> None:
+    """Run DCP's save; a failure on any rank (DCP raises it on every rank) becomes one
     :class:`CheckpointError` line on every rank, the partial directory removed by rank 0;
-    a timeout names the ranks whose write had not finished."""
+    a timeout names the ranks that did not arrive and where each was last seen (its
+    planning, its write, the coordinator's parts: :mod:`.dcp_io`)."""
     try:
         write()
     except BaseException as e:  # DCP's CheckpointException is a BaseException
@@ -335,8 +332,8 @@ def _write(write: Callable[[], Any], tmp: Path, path: Path, group, writer: _Writ
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        stuck = writer.stage.explain() if writer.stage is not None and "timed out" in str(e).lower() else None
-        raise write_failure(e, path, latest_checkpoint(path.parent, warn=False), stuck) from e
+        raise write_failure(e, path, latest_checkpoint(path.parent, warn=False), watched.failure(e)) from e
+    watched.done()
 
 
 # ---- finding checkpoints -------------------------------------------------------------------
@@ -398,6 +395,9 @@ def latest_checkpoint(root: str | os.PathLike, *, warn: bool = True) -> Path | N
 def saved_names(path: str | os.PathLike, prefix: str = "model") -> set[str]:
     """The names under ``prefix`` (``"model"``: the model's entries) that the checkpoint at
     ``path`` holds, from DCP's metadata (no tensor read)."""
+    problem = check_structure(path)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; refusing to load it")
     meta = dcp.FileSystemReader(str(path)).read_metadata()
     cut = len(prefix) + 1
     return {k[cut:] for k in meta.state_dict_metadata if k.startswith(prefix + ".")}
@@ -410,12 +410,16 @@ def load_checkpoint(model: nn.Module, optimizer=None, path: str | os.PathLike = 
     sharded ``model`` and ``optimizer`` (None: the model only), at any world size.
 
     In order: the directory must be complete; with ``verify`` every file is checked against
-    its checksum (:func:`~matrixfsdp.state.integrity.verify_checkpoint`, each file read by one rank);
-    the saved model names must equal the model's, both ways; then ``dcp.load`` and
+    its checksum and DCP's metadata (:func:`~matrixfsdp.state.integrity.verify_checkpoint`,
+    each file read by one rank; without, DCP's metadata and the sizes of the files it names:
+    :func:`~matrixfsdp.state.integrity.check_structure`); the saved model names must equal
+    the model's, both ways; then ``dcp.load`` (a file that cannot be read is named) and
     :func:`~matrixfsdp.set_state_dict`. ``extra``: more entries to load along (e.g. an lr
     scheduler's ``state_dict()``), filled in place. Returns the loaded state dict. A
-    collective. Raises :class:`~matrixfsdp.state.integrity.CheckpointError` (incomplete or corrupt)
-    or ``ValueError`` (names that differ), the same on every rank, before anything is loaded.
+    collective. Raises :class:`~matrixfsdp.state.integrity.CheckpointError` (incomplete or
+    damaged) or ``ValueError`` (names that differ), the same on every rank, before anything
+    is loaded; a rank that hangs in the load is named by the others
+    (:class:`~matrixfsdp.state.integrity.CheckpointTimeout`).
     """
 
     path = Path(path)
@@ -427,6 +431,6 @@ def load_checkpoint(model: nn.Module, optimizer=None, path: str | os.PathLike = 
     state = get_state_dict(model, optimizer)
     check_names(state["model"], saved_names(path), f"checkpoint {path}")
     state.update(extra or {})
-    dcp.load(state, checkpoint_id=str(path), process_group=process_group)
+    dcp_io.load(state, path, process_group)
     set_state_dict(model, optimizer, state)
     return state

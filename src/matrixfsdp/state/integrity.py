@@ -1,11 +1,16 @@
-"""Checksums of a checkpoint's files, and the errors a user sees about checkpoint files.
+"""Checksums of a checkpoint's files, the checks that refuse a damaged checkpoint in
+words, and the errors a user sees about checkpoint files.
 
-:func:`~matrixfsdp.state.files.save_checkpoint` records a SHA-256 per file in
-``CHECKSUMS.json`` before it writes the completion marker: each rank hashes the files it
-wrote (DCP names them ``__<rank>_<n>.distcp``), read back from disk after DCP closed them,
-and rank 0 hashes the rest (DCP's ``.metadata``). :func:`verify_checkpoint` re-reads them,
-each file on one rank, and raises the same :class:`CheckpointError` on every rank naming
-the first file that differs or is missing.
+:func:`~matrixfsdp.state.files.save_checkpoint` records a SHA-256 and the size of each file
+in ``CHECKSUMS.json`` before it writes the completion marker (which records that it did):
+each rank hashes the files it wrote (DCP names them ``__<rank>_<n>.distcp``), read back
+from disk after DCP closed them, and rank 0 hashes the rest (DCP's ``.metadata``).
+:func:`verify_checkpoint` checks, in order of cost, and raises the same
+:class:`CheckpointError` on every rank naming the first damaged file and how it is damaged:
+the listing itself (missing where the marker says the save wrote one), every file's size,
+DCP's ``.metadata`` (readable, and every file it places data in present and long enough:
+:func:`check_structure`, which also covers checkpoints saved without checksums), then every
+file's bytes, each file read by one rank.
 """
 
 from __future__ import annotations
@@ -23,15 +28,28 @@ try:
 except ImportError:  # not on Windows: no file-size limit to report
     resource = None  # type: ignore[assignment]
 
+from ..runtime import arrival
+from ..runtime.arrival import CollectiveTimeout
 from ..runtime.collectives import all_gather_object
 
-CHECKSUMS = "CHECKSUMS.json"  # {file name: sha256 hex}, written and fsynced before the marker
+CHECKSUMS = "CHECKSUMS.json"  # {"files": {name: sha256 hex}, "sizes": {name: bytes}}, before the marker
+COMPLETE = "COMPLETE"  # marker file rank 0 writes into a checkpoint directory before renaming it
+METADATA = ".metadata"  # DCP's index of the checkpoint: which bytes of which file hold what
 _CHUNK = 1 << 20
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written, found or trusted. The message is one line that
     names the file or directory and what to do; the same on every rank."""
+
+
+class CheckpointTimeout(CheckpointError, CollectiveTimeout):
+    """A save or load that timed out waiting for a rank: one line for the user (a
+    :class:`CheckpointError`) that names the ranks that did not arrive and where each was
+    last seen (a :class:`~matrixfsdp.runtime.arrival.CollectiveTimeout`, ``missing``)."""
+
+    def __init__(self, message: str = "", missing: list[int] | tuple = (), rank: int | None = None):
+        CollectiveTimeout.__init__(self, message, missing, rank)
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -50,29 +68,117 @@ def own_digests(directory: Path, group_rank: int) -> dict[str, str]:
             if f.is_file() and f.name.startswith(prefix)}
 
 
-def gather_digests(directory: Path, group) -> dict[str, str]:
+def gather_digests(directory: Path, group, what: str) -> dict[str, str]:
     """Every rank's :func:`own_digests`, merged, on every rank of ``group`` (a collective,
-    and a barrier: every rank has written). Without a process group, all files' digests."""
+    and a barrier: every rank has written); the hashing and the gather are arrival points
+    of the save of ``what``. Without a process group, all files' digests."""
     if not dist.is_initialized():
         return {}
-    rank = dist.get_rank(group)
-    mine = own_digests(directory, rank)
-    everyone = all_gather_object(mine, group)
+    group = group if group is not None else dist.group.WORLD
+    with arrival.Stage(group, f"hashing its files of {what}"):
+        mine = own_digests(directory, dist.get_rank(group))
+    with arrival.Point(group, f"gather of the checksums of {what}"):
+        everyone = all_gather_object(mine, group)
     return {k: v for d in everyone for k, v in d.items()}
 
 
 def write_checksums(directory: Path, digests: dict[str, str], skip: tuple[str, ...]) -> int:
     """Rank 0: complete ``digests`` with every other file in ``directory`` (but ``skip``),
-    write ``CHECKSUMS.json`` and fsync it. Returns the bytes of the files listed."""
+    write ``CHECKSUMS.json`` (digests and sizes) and fsync it. Returns the bytes of the
+    files listed."""
     digests = dict(digests)
     for f in sorted(directory.iterdir()):
         if f.is_file() and f.name not in digests and f.name not in skip and f.name != CHECKSUMS:
             digests[f.name] = file_digest(f)
+    sizes = {name: (directory / name).stat().st_size for name in digests}
     with open(directory / CHECKSUMS, "w") as f:
-        json.dump({"algorithm": "sha256", "files": digests}, f, indent=0)
+        json.dump({"algorithm": "sha256", "files": digests, "sizes": sizes}, f, indent=0)
         f.flush()
         os.fsync(f.fileno())
-    return sum((directory / name).stat().st_size for name in digests)
+    return sum(sizes.values())
+
+
+def records_checksums(path: Path) -> bool:
+    """Whether the ``COMPLETE`` marker of ``path`` records that its save wrote
+    ``CHECKSUMS.json`` (every save since checksums exist); raises :class:`CheckpointError`
+    for a marker that is not the JSON object a save writes."""
+    try:
+        marker = json.loads((path / COMPLETE).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: {path / COMPLETE} is not the marker "
+                              f"a save writes ({type(e).__name__}: {e}); refusing to load it") from None
+    if not isinstance(marker, dict):
+        raise CheckpointError(f"checkpoint {path} is damaged: {path / COMPLETE} is not the marker "
+                              "a save writes; refusing to load it")
+    return marker.get("checksums") == CHECKSUMS
+
+
+def read_listing(path: Path) -> tuple[dict[str, str], dict[str, int]] | None:
+    """``(digests, sizes)`` of ``path``'s ``CHECKSUMS.json`` (sizes empty in a listing from
+    before sizes were recorded); None for a checkpoint saved without checksums. Raises
+    :class:`CheckpointError` for a listing that is unreadable, or missing where the marker
+    says the save wrote it."""
+    listing = path / CHECKSUMS
+    if not listing.is_file():
+        if records_checksums(path):
+            raise CheckpointError(f"checkpoint {path} is damaged: {listing} is missing (its {COMPLETE} "
+                                  "marker records that the save wrote it), so its files cannot be "
+                                  "verified; refusing to load it")
+        return None
+    try:
+        data = json.loads(listing.read_text())
+        digests, sizes = data["files"], data.get("sizes", {})
+        if not isinstance(digests, dict) or not isinstance(sizes, dict):
+            raise ValueError("not a listing of files")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {CHECKSUMS} is unreadable ({e}); "
+                              "the checkpoint cannot be trusted") from None
+    return digests, sizes
+
+
+def _check_sizes(path: Path, digests: dict[str, str], sizes: dict[str, int]) -> str | None:
+    """The first listed file that is missing or whose size is not the one saved."""
+    for name in sorted(digests):
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        want, size = sizes.get(name), f.stat().st_size
+        if want is not None and size != want:
+            if size in [sizes.get(n) for n in digests if n != name]:  # another file's size: its bytes?
+                swapped = _check_files(path, [name], digests)
+                if swapped is not None and "holds the bytes" in swapped:
+                    return swapped
+            how = "truncated" if size < want else "longer than saved"
+            return f"{f} is {how}: {size} bytes, the save wrote {want}"
+    return None
+
+
+def check_structure(path: str | os.PathLike, listed: dict[str, str] | None = None) -> str | None:
+    """What is wrong with checkpoint ``path``'s layout, read from DCP's ``.metadata`` alone
+    (no tensor is read), or None: the metadata must unpickle to DCP's index, and every file
+    it places data in must be present and long enough; with ``listed`` (the checksums'
+    file names) every such file must be listed. Checksums or not."""
+    import torch.distributed.checkpoint as dcp  # DCP imports numpy and more: only when checking
+    path = Path(path)
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+        ends: dict[str, int] = {}
+        for info in storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    except Exception as e:  # noqa: BLE001 (anything unpickling garbage may raise)
+        return f"{path / METADATA} is not DCP's metadata ({first_failure(e)})"
+    for name, end in sorted(ends.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing (DCP's {METADATA} places data in it)"
+        if f.stat().st_size < end:
+            return (f"{f} is truncated: {f.stat().st_size} bytes, DCP's {METADATA} places data up "
+                    f"to byte {end}")
+    unlisted = sorted(set(ends) - set(listed)) if listed is not None else []
+    if unlisted:
+        return (f"{path / unlisted[0]} is not listed in {CHECKSUMS}, though DCP's {METADATA} "
+                "places data in it (the listing was replaced after the save)")
+    return None
 
 
 def _check_files(path: Path, names: list[str], expected: dict[str, str]) -> str | None:
@@ -80,37 +186,55 @@ def _check_files(path: Path, names: list[str], expected: dict[str, str]) -> str 
         f = path / name
         if not f.is_file():
             return f"{f} is missing"
-        if file_digest(f) != expected[name]:
+        digest = file_digest(f)
+        if digest != expected[name]:
+            twin = next((n for n, d in expected.items() if d == digest and n != name), None)
+            if twin is not None:
+                return (f"{f} holds the bytes the save wrote into {twin} (the files were swapped "
+                        "or copied over each other)")
             return f"{f} does not match its checksum (the file changed after the save)"
     return None
 
 
+def _problem(path: Path, rank: int, world: int) -> str | None:
+    """This rank's share of :func:`verify_checkpoint`'s checks, cheapest first: the
+    listing, the sizes and (rank 0) the structure on every rank alike, then the bytes of
+    files ``rank``, ``rank + world``, ..."""
+    try:
+        found = read_listing(path)
+    except CheckpointError as e:
+        return str(e)
+    digests, sizes = found if found is not None else ({}, {})
+    problem = _check_sizes(path, digests, sizes)
+    if problem is None and rank == 0:
+        problem = check_structure(path, digests if found is not None else None)
+    if problem is None:
+        problem = _check_files(path, sorted(digests)[rank::world], digests)
+    return None if problem is None else f"checkpoint {path} is damaged: {problem}; refusing to load it"
+
+
 def verify_checkpoint(path: str | os.PathLike, *, process_group=None) -> bool:
-    """Check every file of checkpoint ``path`` against its ``CHECKSUMS.json``.
+    """Check checkpoint ``path`` against its ``CHECKSUMS.json`` and DCP's ``.metadata``
+    (see the module's docstring for the order), without loading it.
 
     A collective when a process group is initialised: rank i of ``process_group`` (default:
     the world) reads files i, i + W, ... so each file is read once, and every rank raises
-    the same :class:`CheckpointError` naming the first bad file. Returns False (nothing
-    checked) for a checkpoint saved before checksums existed, True when all match."""
+    the same :class:`CheckpointError` naming the first damaged file and how. Returns False
+    for a checkpoint saved before checksums existed (its structure checked, its bytes
+    not), True when every file matches."""
     path = Path(path)
-    listing = path / CHECKSUMS
-    if not listing.is_file():
-        return False
-    try:
-        expected = json.loads(listing.read_text())["files"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path}: {CHECKSUMS} is unreadable ({e}); "
-                              "the checkpoint cannot be trusted") from None
-    names = sorted(expected)
     if dist.is_initialized():
-        rank, world = dist.get_rank(process_group), dist.get_world_size(process_group)
-        problem = _check_files(path, names[rank::world], expected)
-        problem = next((p for p in all_gather_object(problem, process_group) if p), None)
+        group = process_group if process_group is not None else dist.group.WORLD
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        with arrival.Stage(group, f"checking the files of {path}"):
+            problem = _problem(path, rank, world)
+        with arrival.Point(group, f"gather of the checks of {path}"):
+            problem = next((p for p in all_gather_object(problem, group) if p), None)
     else:
-        problem = _check_files(path, names, expected)
+        problem = _problem(path, 0, 1)
     if problem:
-        raise CheckpointError(f"checkpoint {path} is corrupt: {problem}; refusing to load it")
-    return True
+        raise CheckpointError(problem)
+    return (path / CHECKSUMS).is_file()
 
 
 def disk_error(exc: BaseException) -> OSError | None:
@@ -153,14 +277,17 @@ def file_size_limit() -> int | None:
 
 
 def write_failure(exc: BaseException, path: Path, previous: Path | None,
-                  stuck: str | None = None) -> CheckpointError:
+                  stuck: CollectiveTimeout | None = None) -> CheckpointError:
     """The one-line error of a save that failed writing ``path``: the disk error first (a
-    full disk says so), or ``stuck`` (the ranks whose write had not finished when this
-    rank's wait timed out), and that ``previous`` (the newest complete checkpoint) is intact."""
-    os_err = disk_error(exc)
+    full disk says so), or ``stuck`` (the ranks that did not arrive when this rank's wait
+    timed out, and where each was last seen: a :class:`CheckpointTimeout`), and that
+    ``previous`` (the newest complete checkpoint) is intact."""
+    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     if stuck is not None:
-        what = f"writing {path} timed out: {stuck}"
-    elif os_err is not None and os_err.errno == errno.ENOSPC:
+        return CheckpointTimeout(f"matrixfsdp.save_checkpoint: saving {path} timed out: {stuck}; "
+                                 f"nothing was committed, {kept}", stuck.missing, stuck.rank)
+    os_err = disk_error(exc)
+    if os_err is not None and os_err.errno == errno.ENOSPC:
         what = f"no space left on the device writing {path}"
     elif os_err is not None:
         # an OSError from a write has no file name (None), one from open() has it
@@ -175,5 +302,4 @@ def write_failure(exc: BaseException, path: Path, previous: Path | None,
         limit = file_size_limit()
         if limit is not None:  # a short write may be all the backend says of it
             what += f" (this process's file-size limit is {limit} bytes: ulimit -f)"
-    kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
     return CheckpointError(f"matrixfsdp.save_checkpoint: {what}; nothing was committed, {kept}")

@@ -10,7 +10,9 @@ import argparse
 import ctypes
 import json
 import math
+import multiprocessing.connection
 import os
+import pickle
 import signal
 import sys
 import tempfile
@@ -23,10 +25,12 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from ..runtime.arrival import CollectiveTimeout, lost_peer, ranks_text
 from ..state.integrity import CheckpointError
 from .exit import exit_rank
 from .nonfinite import NonFiniteError
 from .rank_process import FromLauncher, ranks_started
+from .report import SummaryError
 
 DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of `train`, spawned and under torchrun alike
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to end before SIGKILL
@@ -67,6 +71,13 @@ def positive_float(text: str) -> float:
 
 # ---- launching ---------------------------------------------------------------------------
 REPORT_DIR_ENV = "MATRIXFSDP_RANK_REPORTS"  # where spawned ranks leave their failure reports
+# A rank that timed out waiting for a peer that hung stays this long before it leaves, so that
+# the other ranks waiting there time out on their own and name the peer, rather than lose
+# the connection to this rank first.
+LINGER_S = 1.0
+# After the first rank ends in failure, how long the others may take to end on their own
+# (the ranks that waited with it, about to report the same hang) before they are stopped.
+END_GRACE_S = 2.0
 
 
 def failure_line(rank: int, exc: BaseException) -> str:
@@ -78,7 +89,8 @@ def failure_line(rank: int, exc: BaseException) -> str:
 def run_rank(fn, args, rank: int) -> NoReturn:
     """``fn(args)`` on this rank, then leave (see train/exit.py). On an exception the rank says
     so first (``rank R failed: ...``, then the traceback; a
-    :class:`~matrixfsdp.state.integrity.CheckpointError`'s one line needs none), leaves a report
+    :class:`~matrixfsdp.state.integrity.CheckpointError`'s one line needs none; a rank that
+    waited for a peer that hung says ``rank R stopped: ...`` naming the peer), leaves a report
     for the launcher (the time it failed, so the launcher names the first rank to fail,
     not a peer that failed because of it) and exits 1 at once through ``exit_rank``: the
     interpreter's normal exit after a failure (torch's error file, finalization with gloo's
@@ -89,37 +101,41 @@ def run_rank(fn, args, rank: int) -> NoReturn:
         if isinstance(e, SystemExit) and e.code in (0, None):
             dist.destroy_process_group()
             exit_rank(0)
-        _report_failure(rank, e)
+        if _report_failure(rank, e):
+            time.sleep(LINGER_S)
         exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
     dist.destroy_process_group()
     exit_rank(0)  # finished: leave without interpreter finalization (see train/exit.py)
 
 
-# What a rank's collective says when a peer died: a consequence, not a cause.
-_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "remote process exited", "communicator was aborted")
-
-
-def _report_failure(rank: int, exc: BaseException) -> None:
-    secondary = any(p in str(exc) for p in _LOST_PEER)
+def _report_failure(rank: int, exc: BaseException) -> bool:
+    """Say why this rank stops (stderr, and a report for the launcher); True for a rank
+    that waited for a peer that hung (it failed nothing itself)."""
+    hung = exc.missing if isinstance(exc, CollectiveTimeout) else []
+    secondary = not hung and lost_peer(exc)
     line = failure_line(rank, exc)
-    if secondary:  # one line: the peer that died is the story
+    if hung:  # the peer that hung is the story, and this rank is not "failed" for waiting
+        line = f"rank {rank} stopped: {str(exc).strip()}"
+    elif secondary:  # one line: the peer that died is the story
         line = f"rank {rank} stopped: it lost a peer ({line.split(': ', 1)[-1][:160]})"
-    one_line = isinstance(exc, (CheckpointError, NonFiniteError))  # their message says it all
-    tb = "" if secondary or one_line else "".join(traceback.format_exception(exc))
+    one_line = hung or secondary or isinstance(exc, (CheckpointError, NonFiniteError, SummaryError))
+    tb = "" if one_line else "".join(traceback.format_exception(exc))
     print(f"\n{line}\n{tb}", end="", file=sys.stderr, flush=True)
     where = os.environ.get(REPORT_DIR_ENV)
     if where:
         try:
             with open(os.path.join(where, f"rank{rank}.json"), "w") as f:
-                json.dump({"rank": rank, "time": time.time(), "line": line, "secondary": secondary}, f)
+                json.dump({"rank": rank, "time": time.time(), "line": line, "secondary": secondary,
+                           "hung": hung, "message": str(exc).strip()}, f)
         except OSError:
             pass  # the launcher falls back to torch's exit status
+    return bool(hung)
 
 
 def first_failure(report_dir: str) -> dict | None:
-    """The report of the rank that failed first (earliest) of its own accord, or None if
-    none did (reports of ranks that only lost a peer do not count)."""
+    """The report of the rank that failed first (earliest) of its own accord, or that first
+    timed out waiting for a peer that hung; None if none did (reports of ranks that only
+    lost a peer do not count)."""
     reports = []
     for name in os.listdir(report_dir):
         if name.startswith("rank") and name.endswith(".json"):
@@ -191,11 +207,28 @@ class _Stopped(BaseException):
         self.signum = signum
 
 
-def _stop_ranks(processes) -> None:
-    """SIGTERM every live rank, SIGKILL those still alive after :data:`STOP_GRACE_S`, reap all."""
+def _terminate(p) -> None:
+    """SIGTERM, with SIGCONT so that a stopped rank handles it at once (as systemd does)."""
+    if p.is_alive():
+        p.terminate()
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _stop_ranks(processes, grace: float = 0.0, hung: tuple[int, ...] = ()) -> None:
+    """SIGTERM the ranks ``hung`` at once; let the others end on their own for ``grace``
+    seconds, then SIGTERM each one still alive; SIGKILL those still alive after
+    :data:`STOP_GRACE_S`, and reap all."""
+    for i in hung:
+        if 0 <= i < len(processes):
+            _terminate(processes[i])
+    deadline = time.monotonic() + grace
     for p in processes:
-        if p.is_alive():
-            p.terminate()
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        _terminate(p)
     deadline = time.monotonic() + STOP_GRACE_S
     for p in processes:
         p.join(max(0.0, deadline - time.monotonic()))
@@ -205,12 +238,49 @@ def _stop_ranks(processes) -> None:
         p.join()
 
 
+def _first_to_fail(processes) -> int | None:
+    """Wait until every rank has ended (None) or one ends with a non-zero status (its index)."""
+    live = {p.sentinel: i for i, p in enumerate(processes)}
+    while live:
+        for sentinel in multiprocessing.connection.wait(list(live), timeout=1.0):
+            i = live.pop(sentinel)
+            processes[i].join()
+            if processes[i].exitcode != 0:
+                return i
+    return None
+
+
+def _failure_line(ctx, failed: int, killed, report_dir: str | None) -> str:
+    """The launcher's one line: the first rank to end, where a signal ended it; else the
+    rank that failed first by its report, or the rank that hung (named by those that
+    waited for it); else a rank a signal ended (``killed``), or the exit status."""
+    p = ctx.processes[failed]
+    first = first_failure(report_dir) if report_dir and p.exitcode > 0 else None
+    if first is not None and first.get("hung"):
+        return (f"{ranks_text(first['hung'])} hung: {first['message']}; every rank was stopped "
+                f"(SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s)")
+    if first is not None:
+        return f"{first['line']}; the other ranks were stopped"
+    if killed is not None:
+        return (f"rank {killed[0]} (pid {killed[1]}) was killed by signal {killed[2]}; the other "
+                "ranks were stopped")
+    error_file = ctx.error_files[failed]
+    if os.access(error_file, os.R_OK):  # it raised before run_rank (torch's process wrapper)
+        with open(error_file, "rb") as f:
+            trace = pickle.load(f).strip()
+        print(trace, file=sys.stderr)
+        last = trace.splitlines()[-1] if trace else "an exception"
+        return f"rank {failed} (pid {p.pid}) failed: {last}; the other ranks were stopped"
+    return f"rank {failed} (pid {p.pid}) exited with code {p.exitcode}; the other ranks were stopped"
+
+
 def _join_ranks(ctx, prog: str, report_dir: str | None = None) -> None:
-    """Wait for every rank. The first rank to fail ends the others (torch's ``join`` does
-    that) and this launcher with a one-line error naming it (the earliest report of a rank
-    that raised; a rank killed by a signal by that signal); SIGTERM or Ctrl-C to the
-    launcher ends every rank before the launcher exits, so no rank outlives it."""
-    from torch.multiprocessing import ProcessExitedException, ProcessRaisedException
+    """Wait for every rank. The first rank to fail ends the others (those still running
+    after :data:`END_GRACE_S` get SIGTERM, then SIGKILL: :func:`_stop_ranks`, about
+    :data:`STOP_GRACE_S` + 2 s at most) and this launcher with a one-line error naming it
+    (the earliest report of a rank that raised, or of one that timed out waiting for a rank
+    that hung, which it names; a rank killed by a signal by that signal); SIGTERM or Ctrl-C
+    to the launcher ends every rank before the launcher exits, so no rank outlives it."""
 
     def on_sigterm(signum, frame):
         raise _Stopped(signum)
@@ -218,24 +288,15 @@ def _join_ranks(ctx, prog: str, report_dir: str | None = None) -> None:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, on_sigterm) if main_thread else None
     try:
-        while not ctx.join(timeout=1.0):
-            pass
-    except ProcessRaisedException as e:
-        print(e.msg.strip(), file=sys.stderr)  # the rank's own traceback
-        last = e.msg.strip().splitlines()[-1] if e.msg.strip() else "an exception"
-        raise SystemExit(f"{prog}: rank {e.error_index} (pid {e.error_pid}) failed: {last}; "
-                         "the other ranks were stopped") from None
-    except ProcessExitedException as e:
-        first = first_failure(report_dir) if report_dir and not e.signal_name else None
-        if first is not None:
-            raise SystemExit(f"\n{prog}: {first['line']}; the other ranks were stopped") from None
-        index, pid, how = e.error_index, e.error_pid, (
-            f"was killed by signal {e.signal_name}" if e.signal_name else f"exited with code {e.exit_code}")
-        killed = None if e.signal_name else _killed(ctx.processes)
-        if killed is not None:  # this rank only lost that peer
-            index, pid, how = killed[0], killed[1], f"was killed by signal {killed[2]}"
-        raise SystemExit(f"\n{prog}: rank {index} (pid {pid}) {how}; "
-                         "the other ranks were stopped") from None
+        failed = _first_to_fail(ctx.processes)
+        if failed is None:
+            return
+        exited = ctx.processes[failed].exitcode
+        killed = (failed, ctx.processes[failed].pid, signal.Signals(-exited).name) if exited < 0 \
+            else _killed(ctx.processes)
+        first = first_failure(report_dir) if report_dir else None
+        _stop_ranks(ctx.processes, END_GRACE_S, tuple((first or {}).get("hung") or ()))
+        raise SystemExit(f"\n{prog}: {_failure_line(ctx, failed, killed, report_dir)}")
     except (KeyboardInterrupt, _Stopped) as e:
         _stop_ranks(ctx.processes)
         signum = e.signum if isinstance(e, _Stopped) else signal.SIGINT

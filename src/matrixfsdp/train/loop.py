@@ -20,6 +20,7 @@ from torch import nn
 from ..optim.groups import muon_param_groups
 from ..optim.muon import Muon
 from ..optim.qk_clip import QKClip
+from ..runtime import arrival
 from ..runtime.fully_shard import comm_stats, plan_of, plan_report
 from ..state.files import (
     AsyncCheckpoint,
@@ -111,6 +112,7 @@ def _resume(run: Run) -> tuple[int, dict, Path | None]:
     found = getattr(run.args, "resume_from", None)
     if found is None:
         return 0, {}, None
+    arrival.at(getattr(run.args, "resume_step", None), "resume")  # where a hang here is seen
     state = load_checkpoint(run.model, run.opt, found, verify=False,
                                extra={"sched": run.sched.state_dict(), "train": ""})
     run.sched.load_state_dict(state["sched"])
@@ -217,6 +219,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
     faults = _faults(run.rank, step) if FAULT_ENV in os.environ else set()
+    arrival.at(step, "forward and backward")  # each phase said, for a hang's "last seen"
     for k in range(accum):  # K micro-batches, each (loss / K).backward()
         x = batch_at(run.corpus, step * accum + k, run.dp_rank, run.dp_size, args.batch, args.seq,
                      args.seed)
@@ -229,6 +232,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
         grad = next(p.grad for p in run.model.parameters() if p.grad is not None and p.grad.numel())
         grad.view(-1)[0] = math.nan
     # every rank's loss (for the log) and a non-finite check, before anything is scaled or stepped
+    arrival.at(step, "step check")
     checked = clip_and_check(run.model, args.clip, args.skip_nonfinite, loss_sum)
     norm, nonfinite = checked.norm, checked.nonfinite
     if nonfinite is not None and not args.skip_nonfinite:
@@ -238,6 +242,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
         raise NonFiniteError(stop_message(step, nonfinite, newest, bool(every)))
     sync(device)
     t1 = time.perf_counter()
+    arrival.at(step, "optimizer step")
     if nonfinite is None:
         run.opt.step()
         run.sched.step()  # a skipped step does not advance the lr schedule
@@ -270,6 +275,7 @@ def _maybe_save(run: Run, step: int, hist: History, pending, bar):
     every = getattr(run.args, "save_every", 0)
     if not every or ((step + 1) % every and step + 1 != run.args.steps):
         return pending
+    arrival.at(step, "checkpoint save")
     if pending is not None:  # the previous asynchronous save: wait for it (the next save would)
         hist.saves.append(pending.result())
         _report_save(bar, hist.saves[-1])
@@ -301,6 +307,9 @@ def train(args) -> None:
         if run.rank == 0:
             print(f"the checkpoint is at step {start}, --steps is {args.steps}: nothing to train")
         return
+    # a thread lock, not tqdm's default multiprocessing one: a rank ended by a signal would
+    # leave its semaphore to the launcher's resource tracker ("leaked semaphore" at exit)
+    tqdm.set_lock(threading.RLock())
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, disable=run.rank != 0,
                unit="step", file=sys.stdout)
     pending = None  # an asynchronous save in flight
@@ -315,10 +324,12 @@ def train(args) -> None:
     if pending is not None:  # the last asynchronous save: committed before the run ends
         hist.saves.append(pending.result())
         _report_save(bar, hist.saves[-1])
+    arrival.at(args.steps, "evaluation and summary")
     with torch.no_grad():
         x = batch_at(run.corpus, 0, run.dp_rank, run.dp_size, args.batch, args.seq, args.seed, "val")
         val = run.loss_fn(x.to(run.device)).detach().float()
-        dist.all_reduce(val)
+        with arrival.Point(dist.group.WORLD, "held-out loss all_reduce"):
+            dist.all_reduce(val)
     where = None if resumed is None else {"path": str(resumed), "step": start,
                                            "world_size": history.get("world_size")}
     write_summary(run, hist, val.item() / run.world, where)

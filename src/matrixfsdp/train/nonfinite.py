@@ -172,7 +172,9 @@ def nonfinite_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) 
     if not dist.is_initialized():
         return {n: [0] for n in bad}
     found: dict[str, list[int]] = {}
-    for r, names_r in enumerate(all_gather_object(bad)):  # numpy-free, unlike torch's
+    with arrival.Point(dist.group.WORLD, "non-finite state all_gather"):
+        every = all_gather_object(bad)  # numpy-free, unlike torch's
+    for r, names_r in enumerate(every):
         for n in names_r:
             found.setdefault(n, []).append(r)
     return found

@@ -87,12 +87,42 @@ def _holder_text(fd: int) -> str:
     return text + (f": {command[:200]}" if command else "")
 
 
+def enclosing_run(out: str | os.PathLike) -> str | None:
+    """The live run whose folder holds ``out`` (a parent directory whose lock is held), as
+    ``<folder> (<holder>)``, or None. Probed with a shared lock taken and dropped at once,
+    which a live run's exclusive lock refuses; nothing is written."""
+    if fcntl is None:
+        return None
+    for parent in Path(os.path.abspath(out)).parents:
+        lock = parent / LOCK_NAME
+        try:
+            fd = os.open(lock, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        except BlockingIOError:
+            return f"{parent} ({_holder_text(fd)})"
+        except OSError:
+            pass  # no locks on that filesystem: nothing to tell
+        finally:
+            os.close(fd)
+    return None
+
+
 def lock_out(out: str | os.PathLike, command: list[str] | None = None) -> RunLock:
     """Take the lock of directory ``out`` (created if missing) for this process, or raise
-    :class:`OutInUse` naming the holder. ``OSError``: ``out`` or the lock file cannot be
-    created. A filesystem without locks (``ENOLCK``, ``ENOSYS``, ``EOPNOTSUPP``) gives a
-    :class:`RunLock` with ``fd`` None and the reason in ``unsupported``."""
+    :class:`OutInUse` naming the holder, or the live run whose folder ``out`` lies in
+    (:func:`enclosing_run`: a run nested in another's folder would write among its files).
+    ``OSError``: ``out`` or the lock file cannot be created. A filesystem without locks
+    (``ENOLCK``, ``ENOSYS``, ``EOPNOTSUPP``) gives a :class:`RunLock` with ``fd`` None and
+    the reason in ``unsupported``."""
     path = Path(out)
+    around = enclosing_run(path)
+    if around is not None:
+        raise OutInUse(f"--out {out} is inside the folder of a live run, {around}; a run there "
+                       "would write among that run's files. Choose an --out outside it")
     path.mkdir(parents=True, exist_ok=True)
     lock = path / LOCK_NAME
     fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)

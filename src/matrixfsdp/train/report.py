@@ -3,14 +3,43 @@ printed summary (rank 0), from every rank's figures."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..runtime import arrival
+
+
+class SummaryError(RuntimeError):
+    """``summary.json`` could not be written: one line naming the file and why."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` into ``path`` through a temporary file beside it, flushed to disk and
+    then renamed over ``path``: ``path`` holds either what it held before or all of
+    ``text``, never a part (before: a full disk left a 0-byte summary.json and a bare
+    ENOSPC). Raises :class:`SummaryError` naming ``path``; the temporary file is removed."""
+    tmp = path.with_name(f".{path.name}.partial")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        code = errno.errorcode.get(e.errno or -1)
+        raise SummaryError(f"cannot write {path}: {e.strerror or e}" + (f" ({code})" if code else "")
+                           + f"; {path} was left as it was") from None
 
 
 def _rss_mib() -> float:
@@ -65,7 +94,8 @@ def _all_gather_floats(values: list[float], device: torch.device) -> list[list[f
     """Every rank's ``values`` (same length on every rank), as a tensor collective."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t)
+    with arrival.Point(dist.group.WORLD, "summary all_gather"):
+        dist.all_gather(out, t)
     return [o.tolist() for o in out]
 
 
@@ -86,7 +116,7 @@ def write_summary(run, hist, val_loss: float, resumed: dict | None) -> None:
         summary["resumed_from"] = resumed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(_finite_or_none(summary), indent=2, allow_nan=False))
+    write_atomic(out / "summary.json", json.dumps(_finite_or_none(summary), indent=2, allow_nan=False))
     plotted = plot_losses(hist.losses, out / "loss.png")
     _print_summary(summary, args, run.plan)
     print(f"throughput: {summary['tokens_per_s_median']:.0f} tokens/s; results in {out}/summary.json"

@@ -1,7 +1,8 @@
 """Where ``matrixfsdp train`` starts, decided before any rank starts: which checkpoint
-``--resume`` loads (complete, checksums verified, the newest skipped ones reported, an
-earlier one only with ``--resume-fallback``), how the arguments differ from the saved run's,
-and that the run will not overwrite checkpoints it did not write."""
+``--resume`` loads (complete, checksums and DCP's metadata verified and its own entry read,
+a damaged one refused naming the file and how, the newest skipped ones reported, an earlier
+one only with ``--resume-fallback``), how the arguments differ from the saved run's, and
+that the run will not overwrite checkpoints it did not write."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..state.dcp_io import load_alone
 from ..state.files import _step_dirs, find_checkpoints, is_complete
 from ..state.integrity import CheckpointError, verify_checkpoint
 
@@ -27,13 +29,20 @@ def saved_args(args) -> dict[str, Any]:
 
 def read_train_meta(path: Path) -> dict[str, Any]:
     """The ``train`` entry (step, history, arguments) of a `train` checkpoint, read in this
-    process without a process group."""
-    import torch.distributed.checkpoint as dcp
+    process without a process group; :class:`CheckpointError` naming the file that cannot
+    be read, or saying what the entry lacks."""
     meta = {"train": ""}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(meta, checkpoint_id=str(path), no_dist=True)
-    return json.loads(meta["train"])
+        load_alone(meta, Path(path))
+    try:
+        found = json.loads(meta["train"])
+        int(found["step"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: its 'train' entry (step and history) "
+                              f"is not what a save writes ({type(e).__name__}: {e}); refusing to "
+                              "load it") from None
+    return found
 
 
 def _newer_checkpoints(root: Path, step: int, bad: set[Path]) -> list[Path]:
@@ -52,9 +61,12 @@ def refuse_overwrite(args, root: Path, error: Callable[[str], Any]) -> None:
               "the newest, or choose another --out")
 
 
-def _pick(args, where: Path, say: Callable[[str], None], error) -> tuple[Path | None, set[Path]]:
-    """The newest complete checkpoint under ``where`` (or ``where/checkpoints``) whose files
-    match their checksums; an older one only with ``--resume-fallback``."""
+def _pick(args, where: Path, say: Callable[[str], None], error
+          ) -> tuple[Path | None, dict[str, Any], set[Path]]:
+    """The newest complete checkpoint under ``where`` (or ``where/checkpoints``) that is not
+    damaged (its checksums, DCP's metadata and the files it names: ``verify_checkpoint``;
+    its ``train`` entry read), with that entry; an older one only with ``--resume-fallback``,
+    each one skipped said with why."""
     complete, skipped = find_checkpoints(where)
     if not complete and not skipped:
         complete, skipped = find_checkpoints(where / "checkpoints")
@@ -64,7 +76,7 @@ def _pick(args, where: Path, say: Callable[[str], None], error) -> tuple[Path | 
     for d in complete:
         try:
             verify_checkpoint(d)
-            return d, bad
+            return d, read_train_meta(d), bad
         except CheckpointError as e:
             if not args.resume_fallback:
                 error(f"--resume: {e}. Pass --resume-fallback to load the previous complete "
@@ -72,12 +84,12 @@ def _pick(args, where: Path, say: Callable[[str], None], error) -> tuple[Path | 
             say(f"--resume: {e}; --resume-fallback: trying the previous complete checkpoint")
             bad.add(d)
     if complete:
-        error(f"--resume: no checkpoint under {where} passed its checksums")
+        error(f"--resume: no checkpoint under {where} can be loaded: each one is damaged (above)")
     if not args.resume_or_start:
         error(f"--resume {args.resume or where}: no complete checkpoint in {where} or "
               f"{where / 'checkpoints'} (a step_<N> directory with COMPLETE and .metadata, or such "
               "a directory itself). Pass --resume-or-start to start from step 0 when there is none")
-    return None, bad
+    return None, {}, bad
 
 
 def _compare(args, saved: dict[str, Any], step: int, say, error) -> None:
@@ -111,12 +123,11 @@ def plan_start(args, root: Path, error: Callable[[str], Any], say: Callable[[str
         refuse_overwrite(args, root, error)
         return
     where = Path(args.resume) if args.resume else root
-    found, bad = _pick(args, where, say, error)
+    found, meta, bad = _pick(args, where, say, error)
     if found is None:
         say(f"--resume: no complete checkpoint in {where}; --resume-or-start: starting from step 0")
         refuse_overwrite(args, root, error)
         return
-    meta = read_train_meta(found)
     step = int(meta["step"])
     _compare(args, meta.get("args", {}), step, say, error)
     newer = _newer_checkpoints(root, step, bad | {found})
