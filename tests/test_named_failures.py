@@ -213,7 +213,7 @@ def test_a_hang_in_the_gradient_norm_names_the_missing_rank(tmp_path):
     spawn(_clip_hang, 2, str(tmp_path), timeout=120)
     message = (tmp_path / "rank0.txt").read_text()
     found = re.fullmatch(r"rank 1 did not arrive at the gradient norm all_reduce #\d+ on ranks 0-1: "
-                         r"last seen at the gradient flags all_reduce #\d+, the last collective rank 0 "
+                         r"last seen at the reduce_scatter #\d+, the last collective rank 0 "
                          r"completed with it \(it hangs, .*\); rank 0 waited (\d+\.\d) s for it "
                          r"\(the process group's timeout is 2 s\)", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
