@@ -106,11 +106,15 @@ class GroupedGloo(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def _done(self, kind: str, works, critical: int, payload: int = 0) -> _Works:
+    def _done(self, kind: str, works, critical: int, payload: int = 0):
         """Count one launch of ``kind`` handing over ``payload`` bytes; its works, delayed by
-        the link (``critical``: its most loaded rank's bytes) if there is one."""
+        the link (``critical``: its most loaded rank's bytes) if there is one. One work and
+        no link: gloo's own work, as it is (torch's C++ side may wait on it, which a Python
+        work would make take the GIL, and deadlock)."""
         LAUNCHES[kind] += 1
         PAYLOAD[kind] += payload
+        if self.link is None and not isinstance(works, list):
+            return works
         works = works if isinstance(works, list) else [works]
         ready = self.link.ready_at(critical) if self.link is not None and self.n > 1 else 0.0
         return _Works(works, ready)
@@ -167,6 +171,36 @@ class GroupedGloo(dist.ProcessGroup):
         return self._done("reduce_scatter", self.inner._reduce_scatter_base(
             output, input, opts or dist.ReduceScatterOptions()),
             ring_load(_nbytes(input), self.n).critical, _nbytes(input))
+
+    # torch's C++ side (functional collectives: DTensor's) calls these through the Python
+    # group; without them its fallback would enqueue on gloo holding the GIL while a gloo
+    # worker that frees a finished work's tensors waits for the GIL (a deadlock, seen)
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.inner._allgather_base(o, i, opts or dist.AllgatherOptions())
+                 for o, i in zip(outputs, inputs)]
+        return self._done("all_gather", works if len(works) > 1 else works[0],
+                          ring_load(sum(map(_nbytes, outputs)), self.n).critical,
+                          sum(map(_nbytes, outputs)))
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        works = [self.inner._reduce_scatter_base(o, i, opts or dist.ReduceScatterOptions())
+                 for o, i in zip(outputs, inputs)]
+        return self._done("reduce_scatter", works if len(works) > 1 else works[0],
+                          ring_load(sum(map(_nbytes, inputs)), self.n).critical,
+                          sum(map(_nbytes, inputs)))
+
+    # the same calls under their C++ names (what torch's C++ side looks up on a Python group)
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _allgather_base(self, output, input, opts=None):
+        return self.all_gather_single(output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self.reduce_scatter_single(output, input, opts)
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
 
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
