@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from matrixfsdp.train.exit import exit_rank
+from matrixfsdp.runtime.exit import exit_rank
 
 GROUP_TIMEOUT = timedelta(seconds=60)
 GRACE_S = 30.0  # after one rank failed, how long the others may take to report
@@ -125,7 +125,7 @@ def _job_loop(rank: int, world_size: int, jobs, results, session: int) -> None:
                 exit_rank(0)
             continue
         if job is None:
-            exit_rank(0)  # leave without interpreter finalization (see matrixfsdp.train.exit)
+            exit_rank(0)  # leave without interpreter finalization (see matrixfsdp.runtime.exit)
         job_id, init_file, backend, fn, args = job
         error = None
         try:

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import matrixfsdp as mf
 from matrixfsdp.planning.types import ParamSpec, Placement
 from matrixfsdp.runtime.param import placement_of
-from matrixfsdp.state.dcp import RowShard
+from matrixfsdp.shards.row_shard import RowShard
 from matrixfsdp.train.models import GPTConfig
 
 SEQ = 16

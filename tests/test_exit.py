@@ -7,7 +7,7 @@ import sys
 
 
 def test_exit_rank_flushes_runs_atexit_and_keeps_the_code():
-    code = ("import atexit, sys; from matrixfsdp.train.exit import exit_rank; "
+    code = ("import atexit, sys; from matrixfsdp.runtime.exit import exit_rank; "
             "atexit.register(lambda: print('atexit', end='')); "
             "print('out', end=''); print('err', end='', file=sys.stderr); exit_rank(3)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

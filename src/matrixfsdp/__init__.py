@@ -8,18 +8,18 @@ from .integrations.huggingface import shard_model
 from .optim.clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .optim.matrix import matrix_optimizer, matrix_params, shard_params
 from .optim.muon import Muon, muon_param_groups, zeropower_via_newtonschulz
+from .optim.policy import check_same_optimizer as check_optimizer
+from .optim.policy import register_elementwise
 from .optim.qk_clip import QKClip, max_logits
 from .planning.planner import make_plan
 from .planning.predict import PlanPrediction, plan_costs
 from .planning.report import format_report
 from .planning.types import Plan
-from .runtime.checks import check_same_optimizer as check_optimizer
-from .runtime.checks import register_elementwise
+from .runtime.exit import exit_rank
 from .runtime.fully_shard import (
     FSDPModule,
     UnshardHandle,
     comm_stats,
-    fully_shard,
     get_root,
     plan_of,
     plan_report,
@@ -27,14 +27,13 @@ from .runtime.fully_shard import (
     set_modules_to_backward_prefetch,
     set_modules_to_forward_prefetch,
 )
-from .state.dcp import RowShard
+from .sharding import fully_shard
+from .shards.row_shard import RowShard
 from .state.files import latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .state.init import init_weights
 from .state.integrity import CheckpointError, verify_checkpoint
 from .state.interop import load_full_checkpoint, save_pretrained
 from .state.state_dict import full_state_dict, get_state_dict, load_full_state_dict, set_state_dict
-from .state.torch_hooks import install_module_hooks as _hooks  # noqa: F401 (torch's state_dict, FSDP2's way)
-from .train.exit import exit_rank
 
 __all__ = ["check_optimizer", "CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank",
            "format_report", "FSDPModule",

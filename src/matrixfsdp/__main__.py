@@ -27,8 +27,8 @@ from .planning.model_shapes import shapes_of
 from .planning.search import search
 from .planning.steptime import Workload
 from .planning.traffic import Dtypes
+from .runtime.exit import exit_rank
 from .train.cluster import DTYPE_BYTES, parse_bytes
-from .train.exit import exit_rank
 from .train.launch import DEFAULT_TIMEOUT_S, launch
 from .train.launch import positive_float as _positive_float
 from .train.loop import checkpoint_root, train

@@ -50,6 +50,7 @@ from torch import nn
 
 import matrixfsdp as mf
 
+from .._compat import flatten
 from ..planning.layout import calls
 from ..runtime.collectives import all_gather_object
 from .ep_model import SYSTEMS, EPBenchConfig, MoEConfig, apply_ep, build_moe
@@ -116,7 +117,7 @@ def _grid_mesh(d: int, ep: int):
         raise ValueError(f"grid {d}x{ep} needs {d * ep} ranks, the world has "
                          f"{dist.get_world_size()}")
     mesh = init_device_mesh("cpu", (d, ep), mesh_dim_names=("dp_shard_mod_ep", "ep"))
-    return mesh, mesh["dp_shard_mod_ep", "ep"]._flatten("dp")
+    return mesh, flatten(mesh["dp_shard_mod_ep", "ep"], "dp")
 
 
 def measure_rank(cfg: EPBenchConfig, d: int, ep: int) -> dict[str, Any]:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from .._compat import functional_collectives as funcol
 
 SYSTEMS = ("matrixfsdp", "fsdp2_ep")
 

@@ -31,6 +31,7 @@ from torch import nn
 
 import matrixfsdp as mf
 
+from .._compat import PROFILER_EVENT_TYPE
 from ..optim.muon import MUON_DEFAULTS
 from ..train.launch import sync
 from .config import EXACT_BOUND, EXACT_ULPS, PHASES
@@ -235,8 +236,6 @@ def analyse_profile(prof: Any, world_size: int, device: torch.device) -> dict[st
     Returns ``{"collectives": {phase: {"calls", "bytes", "ops"}}, "unknown_ops": [...],
     "transient_peak_bytes": int}``.
     """
-    from torch._C._profiler import _EventType
-
     roots = prof.profiler.kineto_results.experimental_event_tree()
     ranges: dict[str, tuple[int, int]] = {}
     for node in _walk(roots):
@@ -249,7 +248,7 @@ def analyse_profile(prof: Any, world_size: int, device: torch.device) -> dict[st
     unknown: set[str] = set()
 
     def visit(node: Any) -> None:
-        if node.tag == _EventType.TorchOp and node.name.startswith("c10d::"):
+        if node.tag == PROFILER_EVENT_TYPE.TorchOp and node.name.startswith("c10d::"):
             op = node.name[len("c10d::"):]
             nbytes, known = collective_payload_bytes(op, node.extra_fields.inputs, world_size)
             if not known:
@@ -270,7 +269,7 @@ def analyse_profile(prof: Any, world_size: int, device: torch.device) -> dict[st
         visit(root)
 
     allocs = sorted((n.start_time_ns, n.extra_fields.alloc_size) for n in _walk(roots)
-                    if n.tag == _EventType.Allocation and n.extra_fields.device.type == device.type)
+                    if n.tag == PROFILER_EVENT_TYPE.Allocation and n.extra_fields.device.type == device.type)
     running = peak = 0
     for _, size in allocs:
         running += size

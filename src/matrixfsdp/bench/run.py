@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import matrixfsdp as mf
 
-from ..train.exit import exit_rank
+from ..runtime.exit import exit_rank
 from ..train.launch import device_for
 from . import grouped_gloo
 from .config import BASELINE, BenchConfig
@@ -243,4 +243,4 @@ def rank_main(rank: int, cfg: BenchConfig, init_file: str, result_file: str) -> 
         barrier(device)
     finally:
         dist.destroy_process_group()
-    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp.train.exit)
+    exit_rank(0)  # finished: leave without interpreter finalization (see matrixfsdp.runtime.exit)

@@ -13,8 +13,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..planning.types import MuonFilter
-from ..runtime.fully_shard import default_mesh, fully_shard
+from ..runtime.fully_shard import default_mesh
 from ..runtime.mixed_precision import MixedPrecisionPolicy
+from ..sharding import fully_shard
 
 
 def _blocks(model: nn.Module, block_types: Iterable[type | str] | None) -> list[nn.Module]:

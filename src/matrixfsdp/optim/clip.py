@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._compat import foreach_norm
 from ..runtime import arrival
 from ..runtime.collectives import all_gather_single
 from ..runtime.param import placement_of, root_of, sharded_param
@@ -71,7 +72,7 @@ def _local_stat(grads: list[torch.Tensor], p: float, acc: torch.dtype, device: t
     norms: list[torch.Tensor] = []
     for (dev, _), gs in groups.items():
         if foreach or (foreach is None and dev.type in ("cpu", "cuda")):
-            norms += [n.to(device) for n in torch._foreach_norm(gs, p, dtype=acc)]
+            norms += [n.to(device) for n in foreach_norm(gs, p, dtype=acc)]
         else:
             norms += [torch.linalg.vector_norm(g, p, dtype=acc).to(device) for g in gs]
     if not norms:

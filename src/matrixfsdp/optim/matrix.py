@@ -12,11 +12,9 @@ no communication:
   owns no matrix it gets one empty placeholder instead (no gradient, so every optimizer
   skips it), so user code needs no special case and the param groups (hyperparameters,
   group-level step counters) stay alike on every rank;
-* :func:`check_optimizer_step`: the refusal, before a step moves anything, of an optimizer
-  that is not element-wise stepping row shards (see :func:`register_elementwise`).
 
-This module imports nothing from the runtime at import time, so the runtime can call
-:func:`check_optimizer_step` from its step pre-hook.
+An optimizer that is not element-wise, given row shards, is refused before its step moves
+anything (:func:`~matrixfsdp.optim.policy.check_optimizer_step`, from its step pre-hook).
 """
 
 from __future__ import annotations
@@ -28,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.checks import check_same_optimizer
 from ..runtime.fully_shard import get_root
 from ..runtime.param import placement_of, sharded_param
+from .policy import check_same_optimizer
 
 # Placeholders matrix_optimizer hands a rank that owns no matrix: id -> weak reference (a
 # WeakSet would compare tensors with ==).

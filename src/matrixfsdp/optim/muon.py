@@ -27,9 +27,7 @@ from collections.abc import Iterable
 
 import torch
 from torch.optim.adam import adam as _adam
-from torch.optim.optimizer import _to_scalar
 
-from ..runtime.checks import check_optimizer_step, check_same_optimizer, register_elementwise
 from ..runtime.fully_shard import plan_params
 from ..runtime.param import sharded_param
 from .groups import (
@@ -44,14 +42,11 @@ from .groups import (
 )
 from .plan_stamp import PLAN_KEYS, check_loadable, plan_digest, world_size
 from .plan_stamp import param_name as _name
+from .policy import check_same_optimizer
+from .watch import watch
 
-__all__ = ["MUON_DEFAULTS", "STATE_KEYS", "Muon", "adjusted_lr", "check_optimizer_step",
+__all__ = ["MUON_DEFAULTS", "STATE_KEYS", "Muon", "adjusted_lr",
            "muon_param_groups", "zeropower_via_newtonschulz"]
-_plan_digest = plan_digest  # the name tests knew
-# Installed from above (matrixfsdp.state.torch_hooks, at import): each is called with every
-# new Muon, to give its state_dict / load_state_dict torch's behaviour under FSDP2 (state as
-# RowShards; this layer cannot import them).
-STATE_DICT_HOOKS: list = []
 
 # Optimizer state per parameter, by kind: what ``_muon_step`` / ``_adamw_step`` keep
 # (AdamW with ``amsgrad`` also ``max_exp_avg_sq``).
@@ -186,8 +181,9 @@ class Muon(torch.optim.Optimizer):
                          **{f"adamw_{k}": v for k, v in self._kind_defaults[False].items()}}
         check_same_optimizer(self)  # every rank's groups alike, before any step
         self.register_load_state_dict_pre_hook(_checked_for_load)
-        for install in STATE_DICT_HOOKS:
-            install(self)
+        # its step pre-hook and torch's state-dict behaviour on a sharded model; a subclass
+        # may step otherwise, so it goes through the element-wise check (register_elementwise)
+        watch(self, checks_itself=type(self) is Muon, initial_state=_init_state)
 
     def _ns_input(self, like: torch.Tensor, dtype: torch.dtype,
                   device: torch.device | None = None) -> torch.Tensor:
@@ -277,7 +273,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict) -> None:
-        lr = _to_scalar(group["lr"])  # a Tensor lr stays a (0-d) tensor, as in torch
+        lr = _scalar(group["lr"])
         batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p in group["params"]:
             if p.grad is None or not p.numel():  # a non-owner's placeholder, or empty
@@ -360,7 +356,6 @@ class Muon(torch.optim.Optimizer):
             maximize=group["maximize"])
 
 
-register_elementwise(Muon)  # Muon on whole matrices, AdamW on row shards: exact anywhere
 
 
 def _checked_for_load(opt: Muon, state_dict: dict) -> dict:
@@ -407,6 +402,12 @@ def _steps_here(p: torch.Tensor) -> bool:
     """HSDP: False for a matrix this rank holds but another replica steps (no state here)."""
     info = sharded_param(p)
     return info is None or info.steps_here()
+
+
+def _scalar(x: float | torch.Tensor) -> float | torch.Tensor:
+    """A hyperparameter as torch's optimizers read it: a 1-element tensor as a 0-d tensor
+    (a Tensor lr stays a tensor), a number as it is."""
+    return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 else x
 
 
 def _scalar_dtype() -> torch.dtype:

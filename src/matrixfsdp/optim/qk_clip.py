@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._compat import in_backward
 from ..runtime.fully_shard import get_root
 from ..runtime.param import placement_of, sharded_param
 
@@ -201,7 +202,7 @@ class QKClip:
         (MAX) of the per-head maxima over the data-parallel ranks. Skipped in eval mode,
         without grad (a validation forward), and when activation checkpointing recomputes the
         forward inside backward."""
-        if not attn.training or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        if not attn.training or not torch.is_grad_enabled() or in_backward():
             return
         layer = self.layers[id(attn)]
         m = max_logits(q.detach(), k.detach(), scale, causal=causal, mask=mask)

@@ -30,6 +30,10 @@ def _even_ranges(rows: int, world_size: int) -> list[tuple[int, int]]:
     return [(min(r * chunk, rows), min((r + 1) * chunk, rows)) for r in range(world_size)]
 
 
+# torch's convolutions (a 3-D weight that is no stack of matrices)
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                 nn.ConvTranspose3d)
+
 def _checked_specs(specs: Sequence[ParamSpec]) -> list[ParamSpec]:
     """Refuse a Muon parameter that is neither a matrix nor an expert stack; an empty matrix
     has nothing for Muon to do, so it is planned as an (empty) even parameter."""
@@ -222,7 +226,7 @@ def is_muon_matrix(fqn: str, param: nn.Parameter, owner: nn.Module, in_root_unit
     if param.dim() == 2:
         return not isinstance(owner, nn.Embedding)
     if param.dim() == 3:
-        return (not isinstance(owner, nn.modules.conv._ConvNd) and param.shape[0] > 1
+        return (not isinstance(owner, _CONVOLUTIONS) and param.shape[0] > 1
                 and min(param.shape[1:]) > 1)
     return False
 

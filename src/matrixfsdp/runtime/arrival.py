@@ -42,6 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._compat import default_store
 from .process_groups import group_timeout
 
 SLOW_S = 1.0  # a wait longer than this (or a quarter of the group's timeout) is posted
@@ -131,7 +132,7 @@ class _Group:
                  "step": place[0], "phase": place[1], "stage": stage}
         try:
             if self.store is None:
-                self.store = dist.distributed_c10d._get_default_store()
+                self.store = default_store()
             self.store.set(self.key(self.me), json.dumps(value))
             return True
         except Exception:  # noqa: BLE001 (no store: the timeout will say less)
@@ -140,7 +141,7 @@ class _Group:
     def read(self, rank: int) -> dict | None:
         try:
             if self.store is None:
-                self.store = dist.distributed_c10d._get_default_store()
+                self.store = default_store()
             if not self.store.check([self.key(rank)]):
                 return None
             return json.loads(self.store.get(self.key(rank)))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from .._compat import default_store
 from .arrival import CollectiveTimeout
 from .collectives import all_gather_single
 from .process_groups import group_timeout
@@ -119,6 +120,6 @@ class CollectiveCheck:
 def _store():
     """The default process group's key-value store (None where torch hides it)."""
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     except Exception:  # noqa: BLE001
         return None

@@ -1,4 +1,4 @@
-"""``fully_shard`` and the functions that find a model's root.
+"""Units made, FSDP2's module methods, and the functions that find a model's root.
 
 The runtime in FSDP2's shape, one concern a file:
 
@@ -8,15 +8,14 @@ The runtime in FSDP2's shape, one concern a file:
 * :mod:`~matrixfsdp.runtime.unit`: a unit's hooks and the step's bookkeeping;
 * :mod:`~matrixfsdp.runtime.root`: what a model's units share, and the end of backward;
 * :mod:`~matrixfsdp.runtime.lazy_init`: collect, plan and shard all units at once;
-* this file: ``fully_shard``, which makes units and shards them when the root's call
-  returns, and the look-ups the rest of the library uses.
+* this file: :func:`make_unit`, which makes units and shards them when the root's call
+  returns, FSDP2's module methods, and the look-ups the rest of the library uses.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,11 +31,11 @@ from .debug import FORWARD_GATHER
 from .lazy_init import (
     check_apply,
     is_unit,
-    materialize,
     module_unit,
+    plan_and_shard,
     rebind_after_apply,
+    undo_sharding,
     unit_modules,
-    unshard_root,
 )
 from .mesh_checks import check_args
 from .mixed_precision import MixedPrecisionPolicy
@@ -63,12 +62,6 @@ def default_mesh() -> DeviceMesh:
     return init_device_mesh(_default_device_type(), (dist.get_world_size(),))
 
 
-# Called with every new Root, installed from above (matrixfsdp.state.torch_hooks, at
-# import): torch's state_dict / load_state_dict behaviour on the sharded modules (RowShards
-# out, this rank's rows in), as FSDP2's DTensor parameters give it.
-ON_NEW_ROOT: list[Callable[[Root], None]] = []
-
-
 def _check_callable(module: nn.Module) -> None:
     if is_unit(module):
         raise ValueError(f"matrixfsdp: fully_shard was already called on this "
@@ -86,66 +79,21 @@ def _make_root(unit: Unit) -> Root:
     global _UNSHARDED_UNITS
     for _, inner in unit_modules(unit.module):  # sharded as a root of its own before this call
         if inner.root is not None:
-            unshard_root(inner.root)
-    root = materialize(unit)
+            undo_sharding(inner.root)
+    root = plan_and_shard(unit)
     _UNSHARDED_UNITS = [r for r in _UNSHARDED_UNITS if r() is not None and r().root is None]
-    root.install_step_hook()
-    for install in ON_NEW_ROOT:
-        install(root)
     return root
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+def make_unit(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | None = None,
                 muon_filter: MuonFilter | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, debug: bool = False,
                 overlap: bool = True, sync_module_states: bool = False,
                 offload_policy: object = None, independent_replicas: bool = False) -> nn.Module:
-    """Make ``module`` one communication unit, like FSDP2's ``fully_shard``.
-
-    Call it on every block, bottom-up, then on the root. The unit holds the module's
-    parameters that no inner unit holds. When the root's call returns, all units are
-    planned together and sharded: Muon matrices (by default the 2-D weights inside the
-    non-root units, except embeddings) go whole to one owner rank each; all other
-    parameters are split by rows over the ranks. From then on every ``nn.Parameter``
-    object of the model is this rank's shard (the same objects as before the call, so
-    any parameter list, read before or after, is right). A model sharded with a single
-    call (no inner unit) is sharded at its first use instead, with the same objects.
-
-    Args:
-        mesh: a 1-D device mesh over the data-parallel ranks (default: all ranks on the
-            current accelerator, or CPU), or a 2-D ``(replicate, shard)`` mesh for HSDP
-            (as FSDP2: sharded over dim 1, replicated over dim 0; each Muon matrix is
-            stepped by one replica and broadcast to the others, see docs/hsdp.md). With
-            tensor parallelism: the data-parallel dims of the mesh whose tp dim the TP
-            plan used (``mesh["dp"]`` after ``parallelize_module(..., mesh["tp"], ...)``;
-            docs/nd-parallel.md).
-        reshard_after_forward: free the unsharded parameters after forward and gather
-            them again in backward. None: True for blocks, False for the root.
-        muon_filter: ``(fqn, param) -> bool`` deciding which parameters are Muon matrices;
-            read from the root call. FQNs are relative to the root module.
-        mp_policy: torch's ``torch.distributed.fsdp.MixedPrecisionPolicy`` for this unit:
-            gather and compute in ``param_dtype``, average gradients in ``reduce_dtype``;
-            shards, their gradients and the optimizer state keep the parameters' dtype.
-        debug: read from the root call. Before every gather and reduce, all ranks compare
-            (step, unit, phase) and raise the same error naming each rank's position if
-            they differ (docs/troubleshooting.md).
-        overlap: read from the root call. Gather the next unit while this one computes
-            (forward and backward) and reduce gradients asynchronously (docs/overlap.md).
-        sync_module_states: read from the root call. When the model is sharded, every
-            rank checks that all ranks hold the same initial values (one small collective)
-            and raises naming the first parameter that differs; True copies rank 0's
-            values instead (docs/troubleshooting.md).
-        offload_policy: FSDP2's CPU offload is not implemented: anything but None (or
-            FSDP2's default ``OffloadPolicy()``) raises NotImplementedError.
-        independent_replicas: allow a mesh that leaves out a data-parallel dim of size
-            > 1 of its parent (``mesh["shard"]`` of a ``(replicate, shard)`` mesh): each
-            replica then trains on its own, nothing averages across them (see
-            :func:`~matrixfsdp.runtime.mesh_checks.check_mesh`).
-    Returns:
-        ``module``, whose class now also derives from :class:`matrixfsdp.FSDPModule`
-        (FSDP2's module methods).
-    """
+    """The runtime's half of ``matrixfsdp.fully_shard`` (the public function, in
+    :mod:`matrixfsdp.sharding`, with the arguments' documentation): make ``module`` one
+    unit, and, when this is the root's call, plan and shard every unit under it."""
     _check_callable(module)
     mesh = mesh or default_mesh()
     check_args(mesh, reshard_after_forward, offload_policy, independent_replicas)

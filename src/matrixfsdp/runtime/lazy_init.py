@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from .._compat import root_mesh
 from ..planning.layout import unit_layout
 from ..planning.planner import Collected, collect_params, make_plan
 from ..planning.types import MuonFilter, Plan
@@ -233,7 +234,7 @@ def _check_units(named_units: list[tuple[str, Unit]], root_unit: Unit) -> None:
             raise ValueError(f"matrixfsdp: unit '{name}' was already sharded as part of another root")
         if u.mesh is mesh or _mesh_key(u.mesh) == _mesh_key(mesh):
             continue
-        same_root = _mesh_key(u.mesh._get_root_mesh()) == _mesh_key(mesh._get_root_mesh())
+        same_root = _mesh_key(root_mesh(u.mesh)) == _mesh_key(root_mesh(mesh))
         if not same_root or u.mesh.device_type != mesh.device_type or \
                 not set(u.mesh.mesh.flatten().tolist()) <= ranks:
             raise ValueError(
@@ -282,7 +283,7 @@ def _merged(domains: list[Domain], specs: list) -> Plan:
     return replace(first, placements={s.name: placements[s.name] for s in specs})
 
 
-def materialize(root_unit: Unit) -> Root:
+def plan_and_shard(root_unit: Unit) -> Root:
     """Plan all units under ``root_unit`` at once and shard their parameters."""
     mesh = root_unit.mesh
     named_units = unit_modules(root_unit.module)
@@ -329,8 +330,8 @@ def materialize(root_unit: Unit) -> Root:
 
 
 @torch.no_grad()
-def unshard_root(root: Root) -> None:
-    """Undo :func:`materialize` (a collective): every parameter object gets its full
+def undo_sharding(root: Root) -> None:
+    """Undo :func:`plan_and_shard` (a collective): every parameter object gets its full
     tensor back, every unit is pending again. For a root that an outer ``fully_shard``
     call now contains: the outer call plans all units together."""
     root.sync_replicas()
@@ -354,4 +355,3 @@ def unshard_root(root: Root) -> None:
         u.root, u.storage, u.layout = None, None, None
         u.sharded, u.unsharded = [], []
         u.reset_step()
-    root.close()

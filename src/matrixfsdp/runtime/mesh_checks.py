@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._compat import flattened_dims, root_mesh
+
 
 def check_args(mesh: DeviceMesh, reshard_after_forward: object, offload_policy: object,
                independent_replicas: bool) -> None:
@@ -72,7 +74,7 @@ def _data_kind(name: str) -> str | None:
 
 def _groups_along(root: DeviceMesh) -> dict[str, set[int]] | None:
     """The global ranks of this rank's group along each dim of ``root`` and along each
-    dim flattened from it (``root._flatten_mapping``: ``dp_shard_cp``, ``dp_cp``, ...)."""
+    dim flattened from it (``_compat.flattened_dims``: ``dp_shard_cp``, ``dp_cp``, ...)."""
     coord, full = root.get_coordinate(), root.mesh
     if coord is None or tuple(full.shape) != tuple(root.shape):
         return None
@@ -81,7 +83,7 @@ def _groups_along(root: DeviceMesh) -> dict[str, set[int]] | None:
         index = list(coord)
         index[d] = slice(None)
         out[name] = set(full[tuple(index)].flatten().tolist())
-    for name, flat in getattr(root, "_flatten_mapping", {}).items():
+    for name, flat in flattened_dims(root).items():
         out[name] = set(flat.mesh.flatten().tolist())
     return out
 
@@ -89,7 +91,7 @@ def _groups_along(root: DeviceMesh) -> dict[str, set[int]] | None:
 def _left_out(mesh: DeviceMesh) -> tuple[DeviceMesh, list[tuple[str, int]]] | None:
     """The named mesh ``mesh`` was sliced from and its data-parallel dims (name, size > 1)
     whose ranks ``mesh`` leaves out; None if that cannot be read (see :func:`check_mesh`)."""
-    root = mesh._get_root_mesh()
+    root = root_mesh(mesh)
     if root is mesh or root.ndim < 2 or not root.mesh_dim_names:
         return None
     along = _groups_along(root)

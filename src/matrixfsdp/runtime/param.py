@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .._compat import FOREACH_NORM, plain_torch_function
 from ..planning.types import Placement
 
 _INFO = "_mf_param"  # on a shard: its ShardedParam
@@ -130,7 +131,7 @@ def unmark_sharded(p: torch.Tensor, unit: Any) -> None:
 
 
 # torch's norm entry points (clip_grad_norm_ and get_total_norm use the first two).
-_NORMS = frozenset({torch._foreach_norm, torch.linalg.vector_norm, torch.linalg.norm,
+_NORMS = frozenset({FOREACH_NORM, torch.linalg.vector_norm, torch.linalg.norm,
                     torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm})
 
 
@@ -155,7 +156,7 @@ class ShardedGrad(torch.Tensor):
                 "mf.clip_grad_norm_(model.parameters(), max_norm) or mf.total_grad_norm("
                 "model.parameters()) (torch's signatures, the global norm, one all-reduce); "
                 "for this rank's local value, take p.grad.as_subclass(torch.Tensor) first")
-        with torch._C.DisableTorchFunctionSubclass():
+        with plain_torch_function():
             return func(*args, **(kwargs or {}))
 
 

@@ -17,6 +17,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .._compat import backend_timeout
+
 # group -> {(backend, timeout): its twin}; an entry goes with its group
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -29,7 +31,7 @@ def group_timeout(group: dist.ProcessGroup, device: str | torch.device | None = 
     ``torch.distributed.constants.default_pg_timeout`` (30 minutes)."""
     for d in (device,) if device is not None else ("cpu", "cuda"):
         try:
-            return group._get_backend(torch.device(d)).options._timeout
+            return backend_timeout(group, torch.device(d))
         except Exception:  # noqa: BLE001 (no such backend, or no options)
             continue
     return None

@@ -9,26 +9,21 @@ end-of-backward callback).
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._compat import in_backward, queue_backward_callback
 from ..planning.layout import UnitLayout
 from ..planning.types import Plan
-from .checks import (
-    check_optimizer_first_step,
-    check_optimizer_params,
-    check_optimizer_step,
-    check_unsharded_trainable,
-)
+from .checks import check_unsharded_trainable
 from .collectives import CommStats
 from .debug import CollectiveCheck
 from .domain import Domain, mesh_device
 from .overlap import Schedule
 from .param import release_grads, sharded_param
+from .tp import refuse_compiled
 from .unit import Unit
 
 
@@ -63,26 +58,10 @@ class Root:
         # unreduced until its schedule's last backward: its name, else None
         self.grads_held_by: str | None = None
 
-    def install_step_hook(self) -> None:
-        """Run :meth:`before_optimizer_step` before every optimizer step (torch's public
-        registry of step pre-hooks, so it sees every optimizer, ours or not) for as long as
-        this root lives; :meth:`close` ends it."""
-        _LIVE_ROOTS[id(self)] = self
-
-    def close(self) -> None:
-        """End this root's optimizer step hook (its units were unsharded or re-planned)."""
-        if _LIVE_ROOTS.get(id(self)) is self:
-            del _LIVE_ROOTS[id(self)]
-
     def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Refuse what would silently differ from one process
-        (:func:`~matrixfsdp.runtime.checks.check_optimizer_step`: a non-element-wise
-        optimizer on row shards; a trainable parameter outside every unit), then the step's
-        bookkeeping (:meth:`before_step`, :meth:`mark_stepped`) and plain-tensor gradients
-        for the optimizer."""
-        check_optimizer_params(optimizer)
-        check_optimizer_first_step(optimizer, self)  # a torch optimizer: its settings, once
-        check_optimizer_step(optimizer)
+        """An optimizer holding this model's parameters is about to step them (called from
+        its step pre-hook, :func:`matrixfsdp.optim.watch.watch`): the step's bookkeeping
+        (:meth:`before_step`, :meth:`mark_stepped`) and plain-tensor gradients for it."""
         self.check_grads_reduced()
         self.before_step()  # unsharded copies kept past backward would go stale
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -119,11 +98,7 @@ class Root:
         if self.tp is not None:
             for name, m in self.module.named_modules():
                 if type(m).__name__ == "OptimizedModule":  # torch.compile(module)'s wrapper
-                    raise NotImplementedError(
-                        f"matrixfsdp: '{name}' is a torch.compile wrapper in a model with tensor "
-                        "parallelism: on torch 2.13 a compiled block fed the TP plan's pending "
-                        "collective results computes wrong gradients (1e-4 off one process, "
-                        "measured). Train these blocks eagerly (docs/compile.md)")
+                    refuse_compiled(f"'{name}' is a torch.compile wrapper")
         for u in self.units:
             base = u.local.untyped_storage().data_ptr()
             for (mod, attr), i in zip(u.refs, u.ref_param):
@@ -168,7 +143,7 @@ class Root:
         backward pass that never reached its end-of-backward callback while no backward
         runs now, or, at the root unit's forward, a root forward that never returned."""
         if self.in_backward:
-            return torch._C._current_graph_task_id() == -1
+            return not in_backward()
         return unit.index == 0 and self.forward_open
 
     @torch.no_grad()
@@ -203,7 +178,7 @@ class Root:
     def before_step(self) -> None:
         """An optimizer is about to change the shards: drop the unsharded copies kept by
         ``unshard()`` or ``set_reshard_after_backward(False)`` (gathered again when used)."""
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward():
             return  # stepping inside backward (optimizer-in-backward hooks)
         if self.in_backward or self.forward_open:
             self.recover()  # the step's forward or backward raised and was caught
@@ -216,7 +191,7 @@ class Root:
     def queue_final_callback(self) -> None:
         if not self.in_backward:
             self.in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            queue_backward_callback(self._finish_backward)
 
     def _finish_backward(self) -> None:
         self.finish_grads()
@@ -242,19 +217,3 @@ class Root:
         if self.collective_check is not None:
             self.collective_check.step += 1
 
-
-# The roots alive in this process, each stepped by the one step pre-hook below, registered
-# when this module is imported (one place among torch's global hooks, whatever the
-# process built before). A hook per root, removed when its root was collected, mutated
-# torch's hook registry whenever a garbage collection inside an optimizer step (torch
-# iterating that registry) collected an old root ("OrderedDict mutated during iteration",
-# at random steps of a process that had built a model before).
-_LIVE_ROOTS: weakref.WeakValueDictionary[int, Root] = weakref.WeakValueDictionary()  # in creation order
-
-
-def _before_any_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for root in list(_LIVE_ROOTS.values()):
-        root.before_optimizer_step(optimizer)
-
-
-register_optimizer_step_pre_hook(_before_any_optimizer_step)

@@ -189,7 +189,7 @@ def refuse_compile_under_tp(module: nn.Module, args) -> None:
     (the case ``unit.py`` refuses for ``module.compile()`` on a block).
 
     Unlike the units' other hooks it is not ``torch.compiler.disable``d, so Dynamo traces it,
-    and there ``is_compiling()`` is True; the raise is left to :func:`_refuse_compiled_root`,
+    and there ``is_compiling()`` is True; the raise is left to :func:`refuse_compiled`,
     which is disabled: Dynamo breaks the graph at the call and runs it eagerly, so the error
     reaches the caller (a ``raise`` traced by Dynamo itself is dropped with the frame it
     falls back from, which then runs eagerly with ``is_compiling()`` False: measured).
@@ -197,14 +197,19 @@ def refuse_compile_under_tp(module: nn.Module, args) -> None:
     if torch.compiler.is_compiling():
         root = module._mf_unit.root
         if root is not None and root.tp is not None and root.module is module:
-            _refuse_compiled_root(module)
+            refuse_compiled(f"torch.compile around {type(module).__name__}, the root (Dynamo "
+                            "would compile its blocks' forwards)")
 
 
 @torch.compiler.disable
-def _refuse_compiled_root(module: nn.Module) -> None:
+def refuse_compiled(how: str) -> None:
+    """The one refusal of ``torch.compile`` in a model with tensor parallelism, wherever it
+    is found (``how``: a block's ``module.compile()`` at its forward, a ``torch.compile(block)``
+    wrapper inside the model at the root's registration check, ``torch.compile`` around the
+    root at its traced pre-hook). Not traced by Dynamo (``compiler.disable``), so the error
+    reaches the caller from inside a compiled frame too."""
     raise NotImplementedError(
-        f"matrixfsdp: torch.compile around {type(module).__name__}, the root of a model with "
-        "tensor parallelism: Dynamo would compile its blocks' forwards, and on torch 2.13 a "
-        "compiled block fed the TP plan's pending collective results computes wrong "
-        "gradients (1e-4 off one process, measured; under FSDP2 + TP it crashes). Train "
-        "TP models eagerly, without torch.compile (docs/compile.md)")
+        f"matrixfsdp: {how} in a model with tensor parallelism: on torch 2.13 a compiled "
+        "block fed the TP plan's pending collective results computes wrong gradients (1e-4 "
+        "off one process, measured; under FSDP2 + TP it crashes). Train TP models eagerly, "
+        "without torch.compile (docs/compile.md)")

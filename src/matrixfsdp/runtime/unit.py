@@ -22,13 +22,13 @@ several backward passes before a step accumulate exactly as in torch.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._compat import calling_pipeline_stage, compiled_in_place
 from ..planning.layout import UnitLayout
 from ..planning.types import MuonFilter
 from .collectives import Pending
@@ -36,6 +36,7 @@ from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, REPLICATE_BROADCAST,
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .param import set_sharded_grad
 from .storage import UnitStorage
+from .tp import refuse_compiled
 
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
@@ -53,23 +54,15 @@ def refuse_torch_pipeline_stage(module: nn.Module) -> None:
     module tells one stage from the other, so the caller is read from the stack: the
     stage's ``forward_maybe_with_nosync`` (or, at its shape inference, ``_compute_outputs``)
     is a few frames up (module call, hooks)."""
-    frame = sys._getframe(1)
-    for _ in range(16):
-        frame = frame.f_back
-        if frame is None:
-            return
-        if frame.f_code.co_name in ("forward_maybe_with_nosync", "_compute_outputs"):
-            stage = frame.f_locals.get("self")  # _compute_outputs: shape inference
-            if getattr(stage, "submod", None) is module and \
-                    not getattr(stage, "sees_matrixfsdp", False):
-                raise TypeError(
-                    f"matrixfsdp: {type(module).__name__} runs in torch.distributed.pipelining's "
-                    "own PipelineStage, which drives data parallelism only for torch's FSDP2: "
-                    "it would reduce every micro-batch's gradients and, under the zero-bubble "
-                    "schedules, never hand the weight pass this library's parameters (stages "
-                    "left untrained). Build the stage with matrixfsdp.pipelining.PipelineStage "
-                    "(torch's class and signature; docs/pipelining.md)")
-            return
+    stage = calling_pipeline_stage(module)
+    if stage is not None and not getattr(stage, "sees_matrixfsdp", False):
+        raise TypeError(
+            f"matrixfsdp: {type(module).__name__} runs in torch.distributed.pipelining's "
+            "own PipelineStage, which drives data parallelism only for torch's FSDP2: "
+            "it would reduce every micro-batch's gradients and, under the zero-bubble "
+            "schedules, never hand the weight pass this library's parameters (stages "
+            "left untrained). Build the stage with matrixfsdp.pipelining.PipelineStage "
+            "(torch's class and signature; docs/pipelining.md)")
 
 
 class _PostBackward(torch.autograd.Function):
@@ -207,12 +200,8 @@ class Unit:
         if self.needs_init:
             raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
-        if root.tp is not None and getattr(module, "_compiled_call_impl", None) is not None:
-            raise NotImplementedError(
-                f"matrixfsdp: unit '{self.name}' was compiled (module.compile()) in a model with "
-                "tensor parallelism: on torch 2.13 a compiled block fed the TP plan's pending "
-                "collective results computes wrong gradients (1e-4 off one process, measured), "
-                "under FSDP2 + TP it crashes. Train these blocks eagerly (docs/compile.md)")
+        if root.tp is not None and compiled_in_place(module):
+            refuse_compiled(f"unit '{self.name}' was compiled (module.compile())")
         if root.step_failed(self):
             root.recover()  # the last forward or backward raised and the user caught it
         if self.new_step:

@@ -35,7 +35,6 @@ from ..runtime import arrival
 from ..runtime.collectives import broadcast_object
 from ..runtime.process_groups import twin_group
 from . import dcp_io
-from .dcp import RowShardStager
 from .dcp_io import SavePlanner, SaveWriter, Watched
 from .entries import check_names
 from .integrity import (
@@ -48,6 +47,7 @@ from .integrity import (
     write_checksums,
     write_failure,
 )
+from .staging import RowShardStager
 from .state_dict import get_state_dict, set_state_dict
 
 # ---- complete-or-ignored checkpoint directories ---------------------------------------------
@@ -253,7 +253,7 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
     directory and the previous checkpoint (left intact), and removes the partial directory.
 
     ``async_save=True``: stage the state (a CPU copy of this rank's rows, see
-    :func:`matrixfsdp.state.dcp.stage_state`), hand it to ``torch.distributed.checkpoint.async_save``
+    :func:`matrixfsdp.state.staging.stage_state`), hand it to ``torch.distributed.checkpoint.async_save``
     and return an :class:`AsyncCheckpoint` at once; the write, the barrier and the commit run
     in a background thread, on a gloo group of the same ranks that this function creates on
     the first asynchronous save (so it works unchanged under NCCL). Training may change the

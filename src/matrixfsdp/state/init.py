@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from .._compat import tensor_version
 from ..runtime.fully_shard import get_root
 from ..runtime.param import placement_of, sharded_param
 from ..runtime.root import Root
@@ -210,11 +211,12 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
         fill = float("nan") if b.is_floating_point() or b.is_complex() else 0
         new_buffers[attr] = torch.full(b.shape, fill, dtype=b.dtype, device=root.units[0].local.device)
     module._buffers.update(new_buffers)
-    before = {id(t): t._version for t in [f for _, f, _ in shards.values()] + list(new_buffers.values())}
-    local_versions = [u.local._version for u in root.units]
+    written = [f for _, f, _ in shards.values()] + list(new_buffers.values())
+    before = {id(t): tensor_version(t) for t in written}
+    local_versions = [tensor_version(u.local) for u in root.units]
     values = _call_init(module, fn, shards, scratch, meta_buffers)
     for u, v in zip(root.units, local_versions):
-        if u.local._version != v:
+        if tensor_version(u.local) != v:
             raise NotImplementedError(
                 f"matrixfsdp.init_weights: the init of module '{mname}' ({type(module).__name__}) "
                 f"wrote a parameter of another module (in unit '{u.name}'), where it sees only this "
@@ -333,7 +335,7 @@ def _written(t: torch.Tensor, version: int | None) -> bool | None:
     In-place writes bump the version counter; writes through ``.data`` do not, but they
     replace the NaN. Integer tensors hold no NaN: any write counts as a full one.
     """
-    touched = version is None or t._version != version
+    touched = version is None or tensor_version(t) != version
     if not (t.is_floating_point() or t.is_complex()):
         return True if touched else None
     if t.numel() == 0:

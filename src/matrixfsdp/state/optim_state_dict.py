@@ -9,7 +9,7 @@ Each state value is placed by what its parameter is on this rank:
 
 * a **whole matrix** this rank steps: every tensor, of any shape (momentum, Shampoo's
   preconditioners, SOAP's eigenbases, in lists or dicts), is saved whole by this rank, the
-  owner, as a :class:`~matrixfsdp.state.dcp.RowShard` at offset 0 that no other rank proposes; a
+  owner, as a :class:`~matrixfsdp.shards.row_shard.RowShard` at offset 0 that no other rank proposes; a
   load at another world size reads it whole on the matrix's new owner, whatever its shape.
   Other values (ints, floats, sets) are written by the owner too;
 * a **row shard** (element-wise state): a tensor shaped like the shard is placed like its
@@ -24,7 +24,6 @@ by position. Every other optimizer saves ``params`` as names, checked on load.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -36,8 +35,8 @@ from ..optim.plan_stamp import PLAN_KEYS
 from ..planning.types import Placement
 from ..runtime.param import placement_of, sharded_param
 from ..runtime.storage import local_rows
-from .dcp import RowShard, check_global
-from .dcp import where as where_of
+from ..shards.pieces import local_piece, saved_value, whole_here
+from ..shards.row_shard import RowShard, check_global
 
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
 
@@ -73,11 +72,6 @@ def _per_rank(opt: torch.optim.Optimizer) -> bool:
                for p in params)
 
 
-def _whole(p: torch.Tensor, pl: Placement) -> bool:
-    """Whether this rank holds ``p`` whole and is the only one that does (its writer)."""
-    return pl.whole_on_one_rank and tuple(p.shape) == pl.spec.shape and p.numel() > 0
-
-
 @torch.no_grad()
 def init_state(opt: torch.optim.Optimizer) -> None:
     """Give a fresh optimizer the state its first step creates, so a checkpoint can be
@@ -110,29 +104,6 @@ def init_state(opt: torch.optim.Optimizer) -> None:
                 g["lr"] = lr
 
 
-def saved_value(v: Any, p: torch.Tensor, pl: Placement, where: str, scalars: bool = False) -> Any:
-    """One state value as it goes to DCP (module docstring); lists and dicts recursively.
-    ``scalars``: a 0-d tensor too becomes a (0-d) ``RowShard``, held by every rank holding
-    rows, so that torch's ``full_state_dict`` gathers it onto the ranks that hold none."""
-    if isinstance(v, dict):
-        return {k: saved_value(x, p, pl, f"{where}.{k}", scalars) for k, x in v.items()}
-    if isinstance(v, list):
-        return [saved_value(x, p, pl, f"{where}.{i}", scalars) for i, x in enumerate(v)]
-    if not isinstance(v, torch.Tensor) or (v.dim() == 0 and not scalars):
-        return v
-    if v.dim() == 0:
-        return RowShard(v.detach(), (), (), pl.spec.name, **where_of(p))
-    if v.shape == p.shape:
-        return RowShard.of_param(v, p)
-    if _whole(p, pl):
-        return RowShard(v.detach(), tuple(v.shape), (0,) * v.dim(), pl.spec.name, **where_of(p))
-    raise ValueError(
-        f"matrixfsdp.get_state_dict: optimizer state '{where}' of parameter '{pl.spec.name}' has "
-        f"shape {tuple(v.shape)}, but this rank holds the row shard {tuple(p.shape)} of "
-        f"{pl.spec.shape}: only element-wise state (shaped like the shard) reshards. Step whole "
-        "matrices with matrixfsdp.matrix_params(model)")
-
-
 def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict[str, Any]:
     """The merged ``{"state", "param_groups"}`` of ``optimizers`` (module docstring)."""
     state: dict[str, dict[str, Any]] = {}
@@ -160,32 +131,6 @@ def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict
     return {"state": state, "param_groups": groups}
 
 
-def local_piece(value: Any, pl: Placement, rank: int, what: str,
-                who: str = "matrixfsdp.set_state_dict") -> torch.Tensor:
-    """This rank's piece of ``value`` (a RowShard of this placement, or a full tensor);
-    ``who`` loads it (for the messages)."""
-    spec = pl.spec
-    shape = pl.local_shape(rank)
-    if isinstance(value, RowShard):
-        start = pl.row_ranges[rank][0]
-        want = (start, *[0] * (len(spec.shape) - 1)) if spec.shape else ()
-        if tuple(value.shape) != spec.shape or tuple(value.local.shape) != tuple(shape) or \
-                (math.prod(shape) and value.offsets != want):
-            raise ValueError(
-                f"{who}: {what} holds rows {value.offsets[:1]} +"
-                f"{tuple(value.local.shape)} of {tuple(value.shape)}, but rank {rank} holds "
-                f"{shape} at row {start} of {spec.shape}: the state was made for another placement. "
-                "Take the state dict of this model (model.state_dict(), torch's or matrixfsdp's "
-                "get_state_dict), then dcp.load into it")
-        return value.local
-    if isinstance(value, torch.Tensor):
-        if tuple(value.shape) != spec.shape:
-            raise ValueError(f"{who}: {what} has shape {tuple(value.shape)}, the model "
-                             f"{spec.shape}")
-        return local_rows(value, pl, rank)
-    raise TypeError(f"{who}: {what} is a {type(value).__name__}, not a tensor")
-
-
 def _copy_into(old: Any, src: torch.Tensor) -> torch.Tensor:
     """``src`` into ``old`` where it fits (nothing to do where DCP loaded in place), else a copy."""
     if isinstance(old, torch.Tensor) and old.shape == src.shape:
@@ -207,11 +152,11 @@ def _loaded_value(v: Any, old: Any, p: torch.Tensor, pl: Placement, rank: int, w
     if not isinstance(v, torch.Tensor):
         return v
     if isinstance(v, RowShard) and v.shape == pl.spec.shape and len(v.shape) and \
-            (v.local.shape == p.shape or not _whole(p, pl)):
+            (v.local.shape == p.shape or not whole_here(p, pl)):
         src = local_piece(v, pl, rank, where)
     elif isinstance(v, RowShard):
         src = v.local
-    elif v.dim() and v.shape == pl.spec.shape and not _whole(p, pl):
+    elif v.dim() and v.shape == pl.spec.shape and not whole_here(p, pl):
         src = local_rows(v, pl, rank)  # a full tensor (dcp_to_torch_save): this rank's rows
     else:
         src = v

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..integrations.huggingface import shard_model
-from ..runtime.fully_shard import fully_shard
+from ..sharding import fully_shard
 from .models import GPT, GPTConfig
 
 

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.arrival import CollectiveTimeout, lost_peer, ranks_text
+from ..runtime.exit import exit_rank
 from ..state.integrity import CheckpointError
-from .exit import exit_rank
 from .nonfinite import NonFiniteError
 from .rank_process import FromLauncher, ranks_started
 from .report import SummaryError
@@ -87,7 +87,7 @@ def failure_line(rank: int, exc: BaseException) -> str:
 
 
 def run_rank(fn, args, rank: int) -> NoReturn:
-    """``fn(args)`` on this rank, then leave (see train/exit.py). On an exception the rank says
+    """``fn(args)`` on this rank, then leave (see runtime/exit.py). On an exception the rank says
     so first (``rank R failed: ...``, then the traceback; a
     :class:`~matrixfsdp.state.integrity.CheckpointError`'s one line needs none; a rank that
     waited for a peer that hung says ``rank R stopped: ...`` naming the peer), leaves a report
@@ -105,7 +105,7 @@ def run_rank(fn, args, rank: int) -> NoReturn:
             time.sleep(LINGER_S)
         exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
     dist.destroy_process_group()
-    exit_rank(0)  # finished: leave without interpreter finalization (see train/exit.py)
+    exit_rank(0)  # finished: leave without interpreter finalization (see runtime/exit.py)
 
 
 def _report_failure(rank: int, exc: BaseException) -> bool:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._compat import foreach_norm
 from ..optim.clip import clip_grad_norm_, nonfinite_grad_ranks, total_grad_norm
 from ..runtime import arrival
 from ..runtime.collectives import all_gather_object, all_gather_single
@@ -90,7 +91,7 @@ def _grads_suspect(params: list[torch.Tensor], device: torch.device) -> torch.Te
     grads = [p.grad.as_subclass(torch.Tensor) for p in params if p.grad is not None and p.grad.numel()]
     if not grads:
         return torch.zeros((), device=device)
-    norms = torch.stack([n.to(device, torch.float32) for n in torch._foreach_norm(grads, 2)])
+    norms = torch.stack([n.to(device, torch.float32) for n in foreach_norm(grads, 2)])
     return (~torch.isfinite(norms).all()).to(torch.float32)
 
 

@@ -15,10 +15,11 @@ finalization, so the race cannot happen.
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from typing import NoReturn
+
+from .._compat import run_exit_handlers
 
 
 def exit_rank(code: int = 0) -> NoReturn:
@@ -26,7 +27,7 @@ def exit_rank(code: int = 0) -> NoReturn:
     semaphore cleanup, logging's flush, ...), flush stdout/stderr, then ``os._exit``.
     The handlers run before finalization starts, as in a normal exit, so the race above
     cannot occur in them."""
-    atexit._run_exitfuncs()  # CPython's own exit path, minus the finalization
+    run_exit_handlers()  # CPython's own exit path, minus the finalization
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

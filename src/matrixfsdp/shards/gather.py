@@ -1,4 +1,4 @@
-"""The full tensor of a :class:`~matrixfsdp.state.dcp.RowShard`, gathered exactly.
+"""The full tensor of a :class:`~matrixfsdp.shards.row_shard.RowShard`, gathered exactly.
 
 torch's state-dict helpers gather a distributed tensor for ``full_state_dict=True`` by
 ``value.redistribute(placements=[Replicate()] * ndim).to_local()``

@@ -32,23 +32,15 @@ their data through ``_local_tensor`` (DCP's planners, its default async stager, 
 placement says "rows ``a:b`` on this rank", so its placement is :class:`RowsPlacement`,
 which DTensor does not compute with: what torch would place by it is answered here or
 refused. ``redistribute`` to ``Replicate`` (``full_tensor()``, torch's ``full_state_dict``)
-gathers the exact full tensor (:func:`~matrixfsdp.state.gather.gather_rows`); ``.to(...)``,
+gathers the exact full tensor (:func:`~matrixfsdp.shards.gather.gather_rows`); ``.to(...)``,
 ``detach`` and ``copy.deepcopy`` keep it a ``RowShard``; every other tensor operation
 raises (it is not a full tensor on any rank), and so does ``to_local()``, which DTensor code
 pairs with placement arithmetic. Use ``.local`` for this rank's piece. Pickling it is
 refused: ``torch.save`` would store one rank's rows under the full name.
-
-For ``dcp.async_save`` a state must first be *staged*: copied, so that training can change
-the live tensors while a background thread writes. :class:`RowShardStager` (used by
-``matrixfsdp.save_checkpoint(..., async_save=True)``) stages it: each ``RowShard`` becomes a
-``RowShard`` of a CPU copy of ``.local`` with the same shape and offsets, every other tensor
-a CPU copy, every other value a deep copy (torch's default stager works too, through
-``_local_tensor``).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -60,12 +52,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor import Placement as DTensorPlacement
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from .._compat import ATEN_TO_COPY, DISABLED_TORCH_FUNCTION, dtensor_spec, local_tensor
 from ..planning.types import Placement
 from ..runtime.param import sharded_param
 from ..runtime.tp import global_ok
@@ -137,13 +128,13 @@ class RowShard(DTensor):
     ``group``: the ranks :meth:`redistribute` gathers over (every rank holding a piece);
     ``refusal``: why this one cannot be gathered, raised instead; ``seq``: (position, count)
     among the ``RowShard`` s of one optimizer state dict (see
-    :func:`~matrixfsdp.state.gather.gather_rows`).
+    :func:`~matrixfsdp.shards.gather.gather_rows`).
     """
 
     offsets: tuple[int, ...]
     fqn: str
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = DISABLED_TORCH_FUNCTION
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...],
@@ -158,10 +149,9 @@ class RowShard(DTensor):
             raise ValueError(f"RowShard '{name}': local {tuple(local.shape)} at {offsets} does "
                              f"not fit in {shape}")
         stride = torch.empty(shape, device="meta").stride()
-        spec = DTensorSpec(mesh, (RowsPlacement(name),) * (mesh.ndim if mesh is not None else 1),
-                           TensorMeta(torch.Size(shape), stride, local.dtype))
+        spec = dtensor_spec(mesh, (RowsPlacement(name),) * (mesh.ndim if mesh is not None else 1),
+                            shape, stride, local.dtype)
         r = super().__new__(cls, local, spec, requires_grad=False)
-        r._spec, r._local_tensor = spec, local
         r.offsets, r.fqn, r.refusal, r.seq = offsets, name, refusal, seq
         r.ranks = group if isinstance(group, _Ranks) or group is None else _Ranks(group)
         return r
@@ -172,7 +162,7 @@ class RowShard(DTensor):
     @property
     def local(self) -> torch.Tensor:
         """This rank's rows (a view of the live tensor where the state dict made it)."""
-        return self._local_tensor
+        return local_tensor(self)
 
     @classmethod
     def of(cls, local: torch.Tensor, placement: Placement, rank: int, **kwargs: Any) -> RowShard:
@@ -193,7 +183,7 @@ class RowShard(DTensor):
 
     def like(self, local: torch.Tensor) -> RowShard:
         """The same place in the same tensor, holding ``local`` (a copy, another dtype)."""
-        return RowShard(local, tuple(self.shape), self.offsets, self.fqn, mesh=self._spec.mesh,
+        return RowShard(local, tuple(self.shape), self.offsets, self.fqn, mesh=self.device_mesh,
                         group=self.ranks, refusal=self.refusal, seq=self.seq)
 
     # ---- what DCP calls -----------------------------------------------------------------
@@ -237,12 +227,12 @@ class RowShard(DTensor):
                                       f"Replicate() only (the full tensor), not {placements}")
         if self.refusal is not None:
             raise NotImplementedError(self.refusal)
-        if self.ranks is None or self._spec.mesh is None:
+        if self.ranks is None or self.device_mesh is None:
             raise NotImplementedError(f"matrixfsdp.RowShard '{self.fqn}' was made without its "
                                       "ranks; it cannot be gathered")
         full = gather_rows(self.local, tuple(self.shape), self.offsets, self.fqn,
                            self.ranks.groups, self.seq)
-        return DTensor.from_local(full, self._spec.mesh, [Replicate()] * self._spec.mesh.ndim,
+        return DTensor.from_local(full, self.device_mesh, [Replicate()] * self.device_mesh.ndim,
                                   run_check=False)
 
     def data_ptr(self) -> int:
@@ -261,7 +251,7 @@ class RowShard(DTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.detach.default, torch.ops.aten._to_copy.default):
+        if func in (torch.ops.aten.detach.default, ATEN_TO_COPY):
             self = args[0]
             return self.like(func(self.local, *args[1:], **(kwargs or {})))
         if func is torch.ops.aten.new_empty.default and tuple(args[1]) == tuple(args[0].shape):
@@ -307,74 +297,3 @@ def where(p: torch.Tensor) -> dict[str, Any]:
     if info.tp is not None and info.tp.shard_dim is not None and info.tp.mesh.size() > 1:
         groups += (info.tp.mesh.get_group(),)
     return dict(mesh=info.unit.domain.mesh, group=groups)
-
-
-# ---- staging for dcp.async_save ---------------------------------------------------------------
-def _cpu_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """A CPU copy of ``t``. From an accelerator: into pinned memory, non-blocking (the caller
-    synchronizes once for all copies)."""
-    t = t.detach()
-    if t.device.type == "cpu":
-        return t.clone()
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-    out.copy_(t, non_blocking=pin)
-    return out
-
-
-def stage_state(state: Any) -> Any:
-    """A copy of ``state`` (nested dicts, lists and tuples of :class:`RowShard` s, tensors and
-    plain values) that no later change to the live tensors can reach, in CPU memory.
-
-    A ``RowShard`` becomes a ``RowShard`` of a CPU copy of ``.local`` with the same shape and
-    offsets (so DCP plans and writes exactly the chunks the live one would), a tensor a CPU
-    copy, any other value a ``copy.deepcopy``. An object met twice (a tied parameter under
-    two names) is copied once. From an accelerator, ``RowShard`` rows go to pinned memory
-    and the copies are awaited before this returns. The memory cost is one CPU copy of this
-    rank's rows (parameters and optimizer state): each element once over all ranks.
-    """
-    memo: dict[int, Any] = {}
-    devices: set[torch.device] = set()
-
-    def stage(obj: Any) -> Any:
-        if id(obj) in memo:
-            return memo[id(obj)]
-        if isinstance(obj, RowShard):
-            pin = obj.local.device.type != "cpu" and torch.accelerator.is_available()
-            if pin:
-                devices.add(obj.local.device)
-            out: Any = obj.like(_cpu_copy(obj.local, pin))
-        elif isinstance(obj, torch.Tensor):
-            out = _cpu_copy(obj, False)
-        elif isinstance(obj, dict):
-            out = {k: stage(v) for k, v in obj.items()}
-        elif isinstance(obj, list):
-            out = [stage(v) for v in obj]
-        elif type(obj) is tuple:
-            out = tuple(stage(v) for v in obj)
-        else:
-            out = copy.deepcopy(obj)
-        memo[id(obj)] = out
-        return out
-
-    staged = stage(state)
-    for device in devices:  # the non-blocking copies into pinned memory have landed
-        torch.accelerator.synchronize(device)
-    return staged
-
-
-class RowShardStager(AsyncStager):
-    """The stager ``dcp.async_save`` gets from ``matrixfsdp.save_checkpoint``: stages with
-    :func:`stage_state`, in the calling thread, before ``async_save`` returns (so the
-    checkpoint holds the values at the time of the call, whatever training does next).
-    Nothing to synchronize or close afterwards."""
-
-    _synchronize_after_execute = False
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return stage_state(state_dict)
-
-    def synchronize_staging(self) -> None:  # staging is done when stage returns
-        pass
-
-    def close(self) -> None:
-        pass

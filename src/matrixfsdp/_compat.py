@@ -1,0 +1,156 @@
+"""torch's private API, in one place.
+
+Every name torch does not document as public that this package uses goes through this
+module: what it does for us, and why no public API does it. Checked against torch 2.13.0
+(the version the Makefile installs; the package asks for ``torch>=2.9``, whose other
+versions were not installed here). ``tests/test_compat.py`` checks each entry against the
+installed torch, and that no other module of the package names a private torch attribute.
+
+Not counted as private: ``nn.Module``'s own registries (``_parameters``, ``_buffers``,
+``_modules``, ``_non_persistent_buffers_set``), which torch's own public utilities read and
+write in place (``nn.utils.parametrize``, FSDP2's ``fully_shard``), and the functional
+``torch.optim.adam.adam``, which ``torch.optim.adam.__all__`` exports.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional_collectives  # noqa: F401 (bench/ep_model.py)
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+TORCH_CHECKED = ("2.13.0",)
+
+
+# ---- autograd ----------------------------------------------------------------------------------
+def in_backward() -> bool:
+    """Whether this thread runs inside a backward pass (an optimizer stepped from a gradient
+    hook; a hook that must not count recomputation). No public query exists;
+    ``torch._C._current_graph_task_id`` is -1 outside any graph task."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward pass ends (after every gradient hook), as FSDP2's
+    root post-backward does. No public API: autograd's engine ``queue_callback``."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (bumped by every in-place write): whether an
+    initialiser wrote a tensor. ``Tensor._version``: no public accessor."""
+    return t._version
+
+
+# ---- tensor subclasses -------------------------------------------------------------------------
+FOREACH_NORM = torch._foreach_norm  # what torch's clip_grad_norm_ / get_total_norm call
+DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl  # DTensor's own setting
+# the aten op ``Tensor.to`` dispatches to (a tensor subclass's ``__torch_dispatch__`` sees it)
+ATEN_TO_COPY = torch.ops.aten._to_copy.default
+
+
+def plain_torch_function() -> Any:
+    """A context in which a tensor subclass's ``__torch_function__`` calls torch as for a
+    plain tensor (results stay plain): ``torch._C.DisableTorchFunctionSubclass``, what
+    ``Tensor.__torch_function__`` itself enters."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def foreach_norm(tensors: list[torch.Tensor], p: float,
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """The ``p``-norm of each tensor in one kernel per device and dtype (``torch._foreach_norm``,
+    which torch's ``clip_grad_norm_`` uses; ``torch.linalg.vector_norm`` is one kernel per
+    tensor)."""
+    return list(FOREACH_NORM(tensors, p, dtype=dtype))
+
+
+# ---- DTensor -----------------------------------------------------------------------------------
+def dtensor_spec(mesh: DeviceMesh | None, placements: tuple, shape: tuple[int, ...],
+                 stride: tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
+    """The spec ``DTensor.__new__`` takes (mesh, placements, global shape, stride, dtype):
+    a ``DTensor`` subclass whose placement DTensor does not define (a range of rows) has no
+    public constructor (``distribute_tensor`` and ``from_local`` compute with placements)."""
+    return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
+
+
+def local_tensor(t: DTensor) -> torch.Tensor:
+    """A ``DTensor``'s local tensor without ``to_local()``'s autograd and placement logic."""
+    return t._local_tensor
+
+
+# ---- meshes and process groups -----------------------------------------------------------------
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (itself if none): ``DeviceMesh._get_root_mesh``."""
+    return mesh._get_root_mesh()
+
+
+def flattened_dims(mesh: DeviceMesh) -> dict[str, DeviceMesh]:
+    """The dims flattened out of ``mesh`` (``mesh["a", "b"]._flatten("ab")``), by name:
+    ``DeviceMesh._flatten_mapping`` (empty where torch has none)."""
+    return dict(getattr(mesh, "_flatten_mapping", {}))
+
+
+def flatten(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh``'s dims as one named dim (torchtitan builds ``dp_shard_cp`` so):
+    ``DeviceMesh._flatten``."""
+    return mesh._flatten(name)
+
+
+def default_store() -> dist.Store:
+    """The default process group's store (where ranks post how far they got):
+    ``distributed_c10d._get_default_store``."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def backend_timeout(group: dist.ProcessGroup, device: torch.device) -> Any:
+    """The timeout a group's backend for ``device`` was made with (a ``timedelta``), or
+    None: ``ProcessGroup._get_backend(device).options._timeout``. Raises if the group has no
+    backend for that device."""
+    return getattr(group._get_backend(device).options, "_timeout", None)
+
+
+# ---- modules, compile, pipelining --------------------------------------------------------------
+def compiled_in_place(module: nn.Module) -> bool:
+    """Whether ``module.compile()`` compiled ``module`` in place (no wrapper module):
+    ``nn.Module._compiled_call_impl``."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+# torch.distributed.pipelining.PipelineStage's methods that call the stage's module
+_STAGE_CALLERS = ("forward_maybe_with_nosync", "_compute_outputs")
+
+
+def calling_pipeline_stage(module: nn.Module, depth: int = 18) -> Any:
+    """The ``torch.distributed.pipelining`` stage whose forward is calling ``module`` now
+    (None if none): read from the stack, a few frames up (the module call, its hooks), by
+    the names of the stage's methods that call it (``forward_maybe_with_nosync``, at shape
+    inference ``_compute_outputs``). torch's stage tells nothing to the module it calls."""
+    frame = inspect.currentframe()
+    for _ in range(depth):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return None
+        if frame.f_code.co_name in _STAGE_CALLERS:
+            stage = frame.f_locals.get("self")
+            return stage if getattr(stage, "submod", None) is module else None
+    return None
+
+
+# ---- processes and profiling -------------------------------------------------------------------
+def run_exit_handlers() -> None:
+    """Run the ``atexit`` handlers now (before ``os._exit``): ``atexit._run_exitfuncs``,
+    CPython's own exit path minus interpreter finalization."""
+    atexit._run_exitfuncs()
+
+
+# The tags of torch profiler's event tree (``TorchOp``, ``Allocation``), read by the bench.
+PROFILER_EVENT_TYPE = _EventType
