@@ -6,12 +6,14 @@ size exactly as a synchronous one, and `matrixfsdp train --async-save` trains on
 commit and resumes.
 
 That a save did not block its caller is shown by order, not by time (shared cores): the
-commit is held by a ``before_commit`` that waits for an event the caller sets only after the
-call has returned and it has trained on. A save that runs its commit inside the call never
-gets there, and fails after :data:`HOLD_S` (a hang guard only) instead of hanging."""
+commit is held (the library's ``_commit`` patched from here: :func:`_commit_preceded_by`)
+until an event that the caller sets only after the call has returned and it has trained on.
+A save that runs its commit inside the call never gets there, and fails after :data:`HOLD_S`
+(a hang guard only) instead of hanging."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -22,6 +24,7 @@ import pytest
 import torch
 from _cli import run_cli
 from _dist import spawn
+from inject_faults import train as train_with_faults
 from reference import batches
 from test_checkpoint import GLOBAL, SEQ, _build, _load, _state, _tie_and_freeze, _train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -29,19 +32,39 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import placement_of
 from matrixfsdp.shards.row_shard import RowShard
+from matrixfsdp.state import files
 from matrixfsdp.state.files import AsyncCheckpoint, is_complete
 from matrixfsdp.state.staging import stage_state
-from matrixfsdp.train.loop import HOLD_COMMIT_ENV
 
 HOLD_S = 60.0  # how long a held commit waits for its release: a hang guard only
 
 
-def _held_commit() -> tuple[threading.Event, list[str], object]:
-    """(release, log, before_commit): ``before_commit`` logs "commit" once ``release`` is set,
-    and raises if it is not set within HOLD_S (the caller never got to set it)."""
+@contextlib.contextmanager
+def _commit_preceded_by(hook):
+    """Within: ``hook(path)`` runs before each commit of ``save_checkpoint`` (in this process),
+    on the thread that commits, after every rank has written its data: the library's
+    ``_commit`` is patched (and restored on leaving: a pool rank serves other tests)."""
+    commit = files._commit
+
+    def hooked(tmp, path, *args, **kwargs):
+        hook(path)
+        return commit(tmp, path, *args, **kwargs)
+    files._commit = hooked
+    try:
+        yield
+    finally:
+        files._commit = commit
+
+
+def _held_commit(name: str) -> tuple[threading.Event, list[str], object]:
+    """(release, log, hook): ``hook`` (for :func:`_commit_preceded_by`) holds the commit of the
+    checkpoint called ``name`` until ``release`` is set, then logs "commit"; it raises if
+    ``release`` is not set within HOLD_S (the caller never got to set it)."""
     release, log = threading.Event(), []
 
-    def hold() -> None:
+    def hold(path) -> None:
+        if path.name != name:
+            return
         if not release.wait(HOLD_S):
             raise RuntimeError("the commit came before the caller released it: "
                                "save_checkpoint(async_save=True) blocked its caller")
@@ -107,15 +130,16 @@ def test_a_failed_async_save_is_raised_and_leaves_no_checkpoint(world1, tmp_path
     for is raised by the next save; neither leaves a checkpoint, and saving goes on after."""
     state = {"x": torch.arange(4.0)}
 
-    def full_disk():
+    def full_disk(path):
         raise OSError("disk full")
 
-    pending = mf.save_checkpoint(state, tmp_path / "step_1", async_save=True, before_commit=full_disk)
-    with pytest.raises(OSError, match="disk full"):
-        pending.result()
-    mf.save_checkpoint(state, tmp_path / "step_2", async_save=True, before_commit=full_disk)
-    with pytest.raises(RuntimeError, match="step_2 failed: OSError: disk full"):
-        mf.save_checkpoint(state, tmp_path / "step_3")
+    with _commit_preceded_by(full_disk):
+        pending = mf.save_checkpoint(state, tmp_path / "step_1", async_save=True)
+        with pytest.raises(OSError, match="disk full"):
+            pending.result()
+        mf.save_checkpoint(state, tmp_path / "step_2", async_save=True)
+        with pytest.raises(RuntimeError, match="step_2 failed: OSError: disk full"):
+            mf.save_checkpoint(state, tmp_path / "step_3")
     assert mf.latest_checkpoint(tmp_path) is None
     saved = mf.save_checkpoint(state, tmp_path / "step_3", async_save=True).result()
     assert mf.latest_checkpoint(tmp_path) == saved.path
@@ -127,21 +151,21 @@ def _at_call_worker(rank, world, tmp):
     model, opt, sched = _build(world, tweak=_tie_and_freeze)
     _train(model, opt, sched, data, range(2), rank, world)
     want2 = _snapshot(model, opt, sched)
-    release, log, hold = _held_commit()
-    first = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_2"), async_save=True,
-                               before_commit=hold)
-    log.append("returned")
-    assert isinstance(first, AsyncCheckpoint)
-    assert not first.done() and not is_complete(first.path)  # in flight: its commit is held
-    _perturb(opt)  # right after the call, while the save is in flight
-    _train(model, opt, sched, data, range(2, 4), rank, world)
-    log.append("trained")
-    assert not first.done() and not is_complete(first.path)  # two steps trained, still in flight
-    release.set()
-    want4 = _snapshot(model, opt, sched)
-    second = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_4"), async_save=True)
-    assert first.done()  # the second save waited for the first (never two commits at once)
-    assert log == ["returned", "trained", "commit"], log
+    release, log, hold = _held_commit("step_2")
+    with _commit_preceded_by(hold):
+        first = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_2"), async_save=True)
+        log.append("returned")
+        assert isinstance(first, AsyncCheckpoint)
+        assert not first.done() and not is_complete(first.path)  # in flight: its commit is held
+        _perturb(opt)  # right after the call, while the save is in flight
+        _train(model, opt, sched, data, range(2, 4), rank, world)
+        log.append("trained")
+        assert not first.done() and not is_complete(first.path)  # two steps trained, still in flight
+        release.set()
+        want4 = _snapshot(model, opt, sched)
+        second = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_4"), async_save=True)
+        assert first.done()  # the second save waited for the first (never two commits at once)
+        assert log == ["returned", "trained", "commit"], log
     _perturb(opt)
     _train(model, opt, sched, data, range(4, 5), rank, world)
     for pending, want in ((first, want2), (second, want4)):
@@ -217,15 +241,16 @@ def _flat(tree, prefix=""):
 
 
 def test_cli_async_save_then_resume(tmp_path):
-    """`--async-save`: the loop trains on while a save is in flight: with HOLD_COMMIT_ENV=2 the
-    commit of the step-2 checkpoint waits (on every rank) until the loop has trained step 3,
-    which a save that blocked the loop until its commit never lets it do (the run fails after
-    the loop's hang guard). Both checkpoints complete (the last one committed before the run
-    ends). Resuming from the step-2 one gives the async run's losses of steps 3-4 bit for bit,
-    and the resumed run's step-4 checkpoint (written synchronously) equals the async one bit
-    for bit."""
+    """`--async-save`: the loop trains on while a save is in flight: with the fault ``hold@*:2``
+    (:mod:`inject_faults`) the commit of the step-2 checkpoint waits (on every rank) until the
+    loop has trained step 3, which a save that blocked the loop until its commit never lets it
+    do (the run fails after the hold's hang guard). Both checkpoints complete (the last one
+    committed before the run ends). Resuming from the step-2 one gives the async run's losses
+    of steps 3-4 bit for bit, and the resumed run's step-4 checkpoint (written synchronously)
+    equals the async one bit for bit."""
     a, b = tmp_path / "async", tmp_path / "resumed"
-    _run("--out", str(a), "--async-save", env={**ENV, HOLD_COMMIT_ENV: "2"})
+    held = train_with_faults(*TRAIN[3:], "--out", str(a), "--async-save", faults="hold@*:2", env=ENV)
+    assert held.returncode == 0, held.stderr[-3000:]
     for rank in range(2):  # the hold ran, and was released by the loop's step 3
         assert (a / f"held_commit.rank{rank}").read_text() == "step 2 committed after step 3 was trained\n"
     ckpts = a / "checkpoints"

@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch.distributed.checkpoint as dcp
 from _cli import run_cli
+from inject_faults import train as train_with_faults
 
 import matrixfsdp as mf
 from matrixfsdp.state.files import COMPLETE, is_complete
@@ -41,8 +42,8 @@ def test_rank_killed_mid_save_then_resume_loses_nothing(tmp_path):
     # 1. the last rank stalls in the save of step 4 after writing its data, before the commit
     #    (the launcher runs in a thread of this process: its ranks are what is killed)
     crash: list = []
-    launcher = threading.Thread(target=lambda: crash.append(run_cli(
-        *TRAIN[3:], "--ranks", "2", "--out", str(out), env={**ENV, "MATRIXFSDP_TEST_STALL_SAVE": "4"})))
+    launcher = threading.Thread(target=lambda: crash.append(train_with_faults(
+        *TRAIN[3:], "--ranks", "2", "--out", str(out), faults="stall@1:4", env=ENV)))
     launcher.start()
     pid_file = out / "stalled_rank.pid"
     deadline = time.monotonic() + 180

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 from _cli import run_cli
+from inject_faults import train as train_with_faults
 
 from matrixfsdp.__main__ import main
 from matrixfsdp.state.files import is_complete
@@ -104,7 +105,7 @@ def test_a_raising_rank_ends_the_run_at_once_naming_it_first(tmp_path):
     report after the rank left at once through ``exit_rank`` (torch's process-exit branch of
     the launcher, ``rank 1 failed: ...``); a rank that let the exception reach torch's process
     wrapper and exit normally gives torch's other branch (``rank 1 (pid N) failed: ...``)."""
-    run = _run("--steps", "4", "--out", str(tmp_path), env={**ENV, "MATRIXFSDP_TEST_FAULT": "raise@1:2"})
+    run = train_with_faults(*TRAIN[3:], "--steps", "4", "--out", str(tmp_path), faults="raise@1:2", env=ENV)
     lines = run.stderr.splitlines()
     failed = [ln for ln in lines if "failed" in ln]
     assert run.returncode == 1 and failed, lines[-20:]

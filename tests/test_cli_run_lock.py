@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import inject_faults
 import pytest
 from _cli import run_cli
 from test_cli_launch import _alive, _ranks
@@ -36,10 +37,14 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 HANG_GUARD = 300.0
 
 
-def _start(out, *extra: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "matrixfsdp", *ARGS, "--out", str(out), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**ENV, **(env or {})}, start_new_session=True)
+def _start(out, *extra: str, faults: str | None = None) -> subprocess.Popen:
+    """``matrixfsdp train`` in a process of its own; ``faults``: injected into its ranks
+    (:mod:`inject_faults`)."""
+    args = [*ARGS, "--out", str(out), *extra]
+    command = inject_faults.command(*args) if faults else [sys.executable, "-m", "matrixfsdp", *args]
+    env = {**ENV, inject_faults.VARIABLE: faults} if faults else ENV
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
 
 
 def _kill(*procs: subprocess.Popen) -> None:
@@ -123,7 +128,7 @@ def test_resume_beside_a_live_run_is_refused_then_allowed_once_it_is_killed(tmp_
     out = tmp_path / "run"
     ckpts = out / "checkpoints"
     # 1. the first run stalls in the save of step 4 (its last rank sleeps before the commit)
-    first = _start(out, "--steps", "4", "--save-every", "2", env={"MATRIXFSDP_TEST_STALL_SAVE": "4"})
+    first = _start(out, "--steps", "4", "--save-every", "2", faults="stall@1:4")
     try:
         deadline = time.monotonic() + HANG_GUARD
         while not (out / "stalled_rank.pid").exists():

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _cli import run_cli
 from _dist import spawn
+from inject_faults import train as train_with_faults
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -45,7 +45,7 @@ HANG_GUARD_S = 120.0  # generous: a timeout of 2-3 s must end far sooner, even o
 
 
 def _train(*extra: str, fault: str):
-    return run_cli(*TRAIN, *extra, env={**ENV, "MATRIXFSDP_TEST_FAULT": fault})
+    return train_with_faults(*TRAIN, *extra, faults=fault, env=ENV)
 
 
 def _launcher_line(run) -> str:

@@ -232,7 +232,6 @@ def _save_group(process_group):
 
 
 def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_group=None,
-                    before_commit: Callable[[], None] | None = None,
                     async_save: bool = False, keep_last: int | None = None
                     ) -> SavedCheckpoint | AsyncCheckpoint:
     """``dcp.save(state)`` into directory ``path`` so that ``path`` is complete or absent.
@@ -243,8 +242,7 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
     the directory to ``path`` (replacing an older one of that name) and syncs. A crash at
     any point leaves ``path`` as it was and a ``.partial`` directory that
     :func:`latest_checkpoint` ignores and the next save of that name removes. A collective:
-    every rank of ``process_group`` (default: the world) calls it. ``before_commit`` runs on
-    every rank between the write and the commit (tests kill a rank there).
+    every rank of ``process_group`` (default: the world) calls it.
 
     ``keep_last=N``: once this checkpoint is committed, the complete ``step_*`` siblings
     older than the newest N are deleted (:func:`prune_checkpoints`); a save that fails
@@ -281,19 +279,16 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
         _write(lambda: dcp.save(state, storage_writer=SaveWriter(tmp, watched),
                                 planner=SavePlanner(watched), process_group=process_group),
                tmp, path, process_group, watched)
-        if before_commit is not None:
-            before_commit()
         nbytes = _commit(tmp, path, process_group, t0, keep_last)
         seconds = time.perf_counter() - t0
         return SavedCheckpoint(path, seconds, nbytes, seconds)
 
-    _in_flight = _save_async(state, tmp, path, process_group, before_commit, keep_last, t0)
+    _in_flight = _save_async(state, tmp, path, process_group, keep_last, t0)
     return _in_flight
 
 
 def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
-                before_commit: Callable[[], None] | None, keep_last: int | None,
-                t0: float) -> AsyncCheckpoint:
+                keep_last: int | None, t0: float) -> AsyncCheckpoint:
     """Stage ``state`` and start DCP's asynchronous write into ``tmp``; the write's end and
     the commit run in a background thread, on the gloo twin of ``process_group``."""
     group = _save_group(process_group) if dist.is_initialized() else None
@@ -308,8 +303,6 @@ def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
     def finish() -> SavedCheckpoint:
         arrival.at(*watched.place)  # this thread's points say the step of the call
         _write(written.result, tmp, path, group, watched)
-        if before_commit is not None:
-            before_commit()
         nbytes = _commit(tmp, path, group, t0, keep_last)
         return SavedCheckpoint(path, time.perf_counter() - t0, nbytes, blocking)
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import threading
@@ -43,13 +42,6 @@ from .nonfinite import (
 from .report import _rss_mib, write_summary
 from .resume import saved_args
 
-STALL_SAVE_ENV = "MATRIXFSDP_TEST_STALL_SAVE"  # test only: the last rank stalls in the save of step N
-FAULT_ENV = "MATRIXFSDP_TEST_FAULT"  # test only: a rank raises, hangs or meets a NaN at a step (_faults)
-# test only: the commit of step N's checkpoint waits until the loop has trained step N + 1,
-# proof that an asynchronous save returned to the loop before its commit (_save)
-HOLD_COMMIT_ENV = "MATRIXFSDP_TEST_HOLD_COMMIT"
-HOLD_COMMIT_S = 60.0  # a hang guard only: how long the held commit waits for that step
-
 
 @dataclass
 class Run:
@@ -69,7 +61,6 @@ class Run:
     qk_clip: Any = None  # --qk-clip: matrixfsdp.QKClip
     dp_rank: int = 0  # which rows of the global batch this rank reads (tp ranks alike)
     dp_size: int = 1
-    trained: dict[int, threading.Event] = field(default_factory=dict)  # HOLD_COMMIT_ENV: set after step i
 
 
 @dataclass
@@ -124,50 +115,12 @@ def _resume(run: Run) -> tuple[int, dict, Path | None]:
 
 
 def _save(run: Run, meta: dict):
-
-
+    """Save the run's state after step ``meta["step"]`` into ``<out>/checkpoints/step_N``."""
     args, step = run.args, meta["step"]
-    stall = None
-    if os.environ.get(STALL_SAVE_ENV) == str(step) and run.rank == run.world - 1:
-        def stall() -> None:  # data written, not committed: the test kills this rank here
-            (Path(args.out) / "stalled_rank.pid").write_text(str(os.getpid()))
-            time.sleep(600)
-    elif os.environ.get(HOLD_COMMIT_ENV) == str(step):
-        trained = run.trained[step] = threading.Event()  # the loop's index N is step N + 1
-
-        def stall() -> None:  # data written; commit only once the loop has trained one more step
-            if not trained.wait(HOLD_COMMIT_S):
-                raise RuntimeError(f"{HOLD_COMMIT_ENV}: the commit of step {step}'s checkpoint came "
-                                   f"before the loop trained step {step + 1}: the save blocked the loop")
-            (Path(args.out) / f"held_commit.rank{run.rank}").write_text(
-                f"step {step} committed after step {step + 1} was trained\n")
     return save_checkpoint(_train_state(run.model, run.opt, run.sched, meta),
                               checkpoint_dir(checkpoint_root(args), step),
-                              before_commit=stall, async_save=getattr(args, "async_save", False),
+                              async_save=getattr(args, "async_save", False),
                               keep_last=getattr(args, "keep_last", None))
-
-
-def _faults(rank: int, step: int) -> set[str]:
-    """Test only (``MATRIXFSDP_TEST_FAULT=KIND@R:S[,KIND@R:S...]``): the faults rank ``rank``
-    meets at step ``step``: ``raise`` or ``hang`` at the start of the step (_inject_fault),
-    ``nanloss`` (its loss times NaN) or ``nan`` (one element of its first gradient piece set
-    to NaN after backward) (_step)."""
-    kinds = set()
-    for spec in filter(None, os.environ.get(FAULT_ENV, "").split(",")):
-        kind, where = spec.split("@")
-        r, at = (int(v) for v in where.split(":"))
-        if r == rank and at == step:
-            kinds.add(kind)
-    return kinds
-
-
-def _inject_fault(run: Run, step: int) -> None:
-    """Test only: rank R raises (``raise@R:S``), or hangs (``hang@R:S``), at the start of step S."""
-    kinds = _faults(run.rank, step)
-    if "hang" in kinds:
-        time.sleep(3600)
-    if "raise" in kinds:
-        raise RuntimeError(f"injected fault at step {step}")
 
 
 def _report_save(bar, saved) -> None:
@@ -218,19 +171,13 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     run.stats.reset()
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
-    faults = _faults(run.rank, step) if FAULT_ENV in os.environ else set()
     arrival.at(step, "forward and backward")  # each phase said, for a hang's "last seen"
     for k in range(accum):  # K micro-batches, each (loss / K).backward()
         x = batch_at(run.corpus, step * accum + k, run.dp_rank, run.dp_size, args.batch, args.seq,
                      args.seed)
         loss = run.loss_fn(x.to(device))
-        if "nanloss" in faults:
-            loss = loss * math.nan
         (loss / accum).backward()
         loss_sum += loss.detach().float()
-    if "nan" in faults:  # this rank's piece of one gradient
-        grad = next(p.grad for p in run.model.parameters() if p.grad is not None and p.grad.numel())
-        grad.view(-1)[0] = math.nan
     # every rank's loss (for the log) and a non-finite check, before anything is scaled or stepped
     arrival.at(step, "step check")
     checked = clip_and_check(run.model, args.clip, args.skip_nonfinite, loss_sum)
@@ -315,10 +262,7 @@ def train(args) -> None:
     pending = None  # an asynchronous save in flight
     for step in bar:
         t0 = time.perf_counter()
-        _inject_fault(run, step)
         _step(run, step, hist, bar)
-        if step in run.trained:  # HOLD_COMMIT_ENV: the held commit may go on
-            run.trained.pop(step).set()
         pending = _maybe_save(run, step, hist, pending, bar)
         hist.step_wall_ms.append((time.perf_counter() - t0) * 1e3)
     if pending is not None:  # the last asynchronous save: committed before the run ends
