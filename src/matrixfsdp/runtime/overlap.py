@@ -20,9 +20,12 @@ every rank issues the same prefetches in the same order (debug mode checks it).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .collectives import Pending
+
+if TYPE_CHECKING:  # a back-reference to a file above this one (never imported at run time)
+    from .unit import Unit
 
 
 class Schedule:
@@ -30,8 +33,8 @@ class Schedule:
         self.enabled = enabled
         self.polling = polling and enabled
         self.max_reduces = max_reduces
-        self.order: list[Any] = []  # units, in the last completed step's forward order
-        self._this_step: list[Any] = []
+        self.order: list[Unit] = []  # units, in the last completed step's forward order
+        self._this_step: list[Unit] = []
         self._reduces: list[Pending] = []
         self._follow_ups: list[Pending] = []  # HSDP: the replicate-dim reduces
         # what overlap did, since the last reset (read by tests and the bench):
@@ -40,32 +43,32 @@ class Schedule:
         self.counts = dict(prefetched=0, deferred_reduces=0, deferred_follow_ups=0)
 
     # ---- order ------------------------------------------------------------------------
-    def record(self, unit: Any) -> None:
+    def record(self, unit: Unit) -> None:
         if not self._this_step or self._this_step[-1] is not unit:
             self._this_step.append(unit)
 
     def end_step(self) -> None:
         if self._this_step:
-            seen: dict[int, Any] = {}
+            seen: dict[int, Unit] = {}
             for u in self._this_step:
                 seen.setdefault(id(u), u)
             self.order = list(seen.values())
         self._this_step = []
 
-    def _neighbour(self, unit: Any, step: int) -> list[Any]:
+    def _neighbour(self, unit: Unit, step: int) -> list[Unit]:
         try:
             i = self.order.index(unit) + step
         except ValueError:
             return []
         return [self.order[i]] if 0 <= i < len(self.order) else []
 
-    def forward_targets(self, unit: Any) -> list[Any]:
+    def forward_targets(self, unit: Unit) -> list[Unit]:
         if not self.enabled:
             return []
         explicit = unit.forward_prefetch
         return explicit if explicit is not None else self._neighbour(unit, +1)
 
-    def backward_targets(self, unit: Any) -> list[Any]:
+    def backward_targets(self, unit: Unit) -> list[Unit]:
         if not self.enabled:
             return []
         explicit = unit.backward_prefetch

@@ -22,12 +22,17 @@ rebound to a view of the unit's storage), so a parameter list read at any time i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._compat import FOREACH_NORM, plain_torch_function
 from ..planning.types import Placement
+
+if TYPE_CHECKING:  # back-references to the files above this one (never imported at run time)
+    from .root import Root
+    from .tp import TPParam
+    from .unit import Unit
 
 _INFO = "_mf_param"  # on a shard: its ShardedParam
 _WAITING_FOR = "_mf_waiting_for"  # on a parameter not sharded yet: the unit that will shard it
@@ -38,7 +43,7 @@ class ShardedParam:
     """What MatrixFSDP knows about one sharded parameter."""
 
     placement: Placement
-    unit: Any  # its Unit (unit.py); typed Any: this file sits below unit.py and root.py
+    unit: Unit
     index: int  # in the unit's parameter list
 
     @property
@@ -47,13 +52,13 @@ class ShardedParam:
         return self.placement.spec.name
 
     @property
-    def root(self) -> Any:
-        """The model's Root (root.py)."""
+    def root(self) -> Root | None:
+        """The model's Root (None until the model is sharded)."""
         return self.unit.root
 
     @property
-    def tp(self) -> Any:
-        """Its tensor-parallel layout (a :class:`~matrixfsdp.runtime.tp.TPParam`), or None."""
+    def tp(self) -> TPParam | None:
+        """Its tensor-parallel layout, or None."""
         return self.unit.tp_params[self.index] if self.unit.tp_params else None
 
     @property
@@ -90,19 +95,19 @@ def placement_of(p: Any) -> Placement | None:
     return info.placement if info is not None else None
 
 
-def waiting_for(p: Any) -> Any:
+def waiting_for(p: Any) -> Unit | None:
     """The unit that will shard parameter ``p`` (None once sharded, or never)."""
     unit = getattr(p, _WAITING_FOR, None)
     return unit if unit is not None and unit.root is None else None
 
 
-def root_of(p: Any) -> Any:
+def root_of(p: Any) -> Root | None:
     """The Root of a sharded parameter's model (None for any other tensor)."""
     info = getattr(p, _INFO, None)
     return info.root if info is not None else None
 
 
-def mark_waiting(p: torch.Tensor, unit: Any) -> None:
+def mark_waiting(p: torch.Tensor, unit: Unit) -> None:
     setattr(p, _WAITING_FOR, unit)
 
 
@@ -123,7 +128,7 @@ def replaced_by(p: Any) -> torch.Tensor | None:
     return getattr(p, _REPLACED_BY, None)
 
 
-def unmark_sharded(p: torch.Tensor, unit: Any) -> None:
+def unmark_sharded(p: torch.Tensor, unit: Unit) -> None:
     """``p`` holds its full tensor again and waits for ``unit`` to shard it."""
     if hasattr(p, _INFO):
         delattr(p, _INFO)

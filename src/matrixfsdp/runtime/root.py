@@ -9,8 +9,6 @@ end-of-backward callback).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -23,7 +21,7 @@ from .debug import CollectiveCheck
 from .domain import Domain, mesh_device
 from .overlap import Schedule
 from .param import release_grads, sharded_param
-from .tp import refuse_compiled
+from .tp import TPGroups, refuse_compiled
 from .unit import Unit
 
 
@@ -46,7 +44,7 @@ class Root:
         self.comm = primary.comm
         self.replication = primary.replication
         self.aliases: dict[str, str] = {}  # tied parameter name -> the name the plan uses
-        self.tp: Any = None  # TPGroups (tp.py) under tensor parallelism
+        self.tp: TPGroups | None = None  # under tensor parallelism
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
         self.registration_check_due = True  # check_registered at the next root forward

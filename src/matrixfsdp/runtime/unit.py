@@ -22,7 +22,7 @@ several backward passes before a step accumulate exactly as in torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,6 +37,10 @@ from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_m
 from .param import set_sharded_grad
 from .storage import UnitStorage
 from .tp import refuse_compiled
+
+if TYPE_CHECKING:  # back-references to the files above this one (never imported at run time)
+    from .domain import Domain
+    from .root import Root
 
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
@@ -97,8 +101,8 @@ class Unit:
         self.reshard_default = reshard_after_forward is None
         self.muon_filter, self.mp_policy = muon_filter, mp_policy
         self.debug, self.overlap = debug, overlap
-        self.root: Any = None  # the model's Root (root.py, which sits above this file)
-        self.domain: Any = None  # the Domain of its mesh (domain.py): groups, Comm, plan
+        self.root: Root | None = None  # the model's, once planned and sharded
+        self.domain: Domain | None = None  # of its mesh: groups, Comm, plan
         self.name, self.index = "", 0  # in root.units
         self.forward_prefetch: list[Unit] | None = None  # None: the recorded order decides
         self.backward_prefetch: list[Unit] | None = None
