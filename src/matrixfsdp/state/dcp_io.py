@@ -30,7 +30,7 @@ from torch.futures import Future
 
 from ..runtime import arrival
 from ..runtime.arrival import CollectiveTimeout
-from .integrity import CheckpointError, CheckpointTimeout, first_failure
+from .integrity import CheckpointError, CheckpointTimeout, error_line
 
 
 class Watched:
@@ -147,7 +147,7 @@ class LoadReader(dcp.FileSystemReader):
                 except Exception as e:  # noqa: BLE001 (named, then raised on every rank by DCP)
                     raise CheckpointError(
                         f"checkpoint {self.path}: {name} is damaged: reading it failed "
-                        f"({first_failure(e)}); it was truncated, overwritten or swapped with "
+                        f"({error_line(e)}); it was truncated, overwritten or swapped with "
                         "another file after the save") from e
         done: Future = Future()
         done.set_result(None)
@@ -213,4 +213,4 @@ def load_alone(state: dict, path: Path) -> None:
             raise
         named = read_error(e)
         raise CheckpointError(str(named) if named is not None else
-                              f"checkpoint {path} cannot be read: {first_failure(e)}") from e
+                              f"checkpoint {path} cannot be read: {error_line(e)}") from e
