@@ -71,8 +71,8 @@ def _at_text(step: int | None, phase: str | None) -> str:
 
 
 def ranks_text(ranks: list[int]) -> str:
-    """``rank 1`` / ``ranks 1, 2``."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    """``rank 1`` / ``ranks 1, 2`` (every message that names ranks says them so)."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class CollectiveTimeout(RuntimeError):
