@@ -133,9 +133,9 @@ def _report_failure(rank: int, exc: BaseException) -> bool:
 
 
 def first_report(report_dir: str) -> dict | None:
-    """The report (left by :func:`run_rank`) of the rank that failed first (earliest) of its own accord, or that first
-    timed out waiting for a peer that hung; None if none did (reports of ranks that only
-    lost a peer do not count)."""
+    """The report (left by :func:`run_rank`) of the rank that failed first (earliest) of its
+    own accord, or that first timed out waiting for a peer that hung; None if none did
+    (reports of ranks that only lost a peer do not count)."""
     reports = []
     for name in os.listdir(report_dir):
         if name.startswith("rank") and name.endswith(".json"):
