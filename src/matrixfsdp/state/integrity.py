@@ -75,7 +75,7 @@ def gather_digests(directory: Path, group, what: str) -> dict[str, str]:
     if not dist.is_initialized():
         return {}
     group = group if group is not None else dist.group.WORLD
-    with arrival.Stage(group, f"hashing its files of {what}"):
+    with arrival.LocalWork(group, f"hashing its files of {what}"):
         mine = own_digests(directory, dist.get_rank(group))
     with arrival.Point(group, f"gather of the checksums of {what}"):
         everyone = all_gather_object(mine, group)
@@ -226,7 +226,7 @@ def verify_checkpoint(path: str | os.PathLike, *, process_group=None) -> bool:
     if dist.is_initialized():
         group = process_group if process_group is not None else dist.group.WORLD
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        with arrival.Stage(group, f"checking the files of {path}"):
+        with arrival.LocalWork(group, f"checking the files of {path}"):
             problem = _problem(path, rank, world)
         with arrival.Point(group, f"gather of the checks of {path}"):
             problem = next((p for p in all_gather_object(problem, group) if p), None)
