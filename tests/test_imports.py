@@ -1,9 +1,11 @@
 """The package's import graph, read from every import statement that runs (module level and
 inside functions): no circle at any level, package modules imported only at module level (a
 deferred import is for an optional dependency, never a way around a circle), the layers'
-one-way order, no module over 450 lines, and every module imports on its own in a fresh
-interpreter. Imports under ``if TYPE_CHECKING:`` never run: they type a back-reference (a
-unit's root, a parameter's unit) for the reader and the type checker, and are left out."""
+one-way order, no module over 450 lines, one name one meaning (no public top-level name
+defined twice where a library module is one of the two), and every module imports on its
+own in a fresh interpreter. Imports under ``if TYPE_CHECKING:`` never run: they type a
+back-reference (a unit's root, a parameter's unit) for the reader and the type checker, and
+are left out."""
 
 from __future__ import annotations
 
@@ -134,6 +136,37 @@ def test_planning_never_imports_torch_distributed():
            if any(m.startswith("torch.distributed")
                   for m in ([a.name for a in s.names] if isinstance(s, ast.Import) else [s.module or ""]))]
     assert not bad, bad
+
+
+def _library(name: str) -> bool:
+    """The library: every module but the command line, the bench and the training script's
+    (their repeats among themselves, ``main``, ``parse_args``, ``render``, are theirs)."""
+    parts = name.split(".")
+    return not (len(parts) > 1 and parts[1] in ("bench", "train", "__main__"))
+
+
+def _defined(path: Path) -> set[str]:
+    """Public names a module defines at top level: functions, classes, assignments."""
+    names = set()
+    for s in ast.parse(path.read_text()).body:
+        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(s.name)
+        elif isinstance(s, (ast.Assign, ast.AnnAssign)):
+            for t in s.targets if isinstance(s, ast.Assign) else [s.target]:
+                names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_one_name_one_meaning():
+    """No public top-level name is defined in two modules where one of them is a library
+    module: a name means one thing (a second use imports the first, or takes its own name)."""
+    homes: dict[str, list[str]] = {}
+    for n, p in _modules().items():
+        for name in _defined(p):
+            homes.setdefault(name, []).append(n)
+    twins = {name: ms for name, ms in homes.items() if len(ms) > 1 and any(map(_library, ms))}
+    assert not twins, "public names defined in two modules:\n" + "\n".join(
+        f"{name}: {', '.join(ms)}" for name, ms in sorted(twins.items()))
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():

@@ -1,5 +1,6 @@
-"""Cluster-scale costs of a plan: memory per rank, bytes per step against FSDP2 and the
-peak memory, each against a count by hand (the layout advice: test_plan_search.py)."""
+"""What a plan costs, summed up over its ranks (``plan_costs(...).summary``): model state,
+buffers, bytes per step against FSDP2, each against a count by hand, and equal to the
+per-rank prediction it sums up (the layout advice: test_plan_search.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,10 @@ import pytest
 import torch
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.planning.costs import (
-    fsdp2_replica_traffic,
-    fsdp2_unit_traffic,
-    plan_costs,
-    replica_traffic,
-    step_bytes,
-    unit_traffic,
-)
+from matrixfsdp.planning.costs import plan_summary
+from matrixfsdp.planning.layout import unit_layouts
 from matrixfsdp.planning.planner import make_plan, plan_module
+from matrixfsdp.planning.traffic import Dtypes, predict_comm, rank_held
 from matrixfsdp.planning.types import ParamSpec, Placement, Plan
 from matrixfsdp.train.cluster import parse_bytes
 from matrixfsdp.train.models import GPT, PRESETS
@@ -35,39 +31,46 @@ def _small_plan():
 
 
 def test_step_bytes_match_a_hand_count():
-    plan = _small_plan()
-    block = plan.unit_params(1)
-    # ours: (P-1) E + sum_o m_o = 1 x 3 (rank 0's bias rows) + 32 + 32 = 67 elements
-    assert unit_traffic(block, 2) == 67 * 4
-    # FSDP2: (P-1) x (ceil(8/2) x 4 + ceil(4/2) x 8 + ceil(5/2) x 1) = 35 elements
-    assert fsdp2_unit_traffic(block, 2) == 35 * 4
-    step = plan_costs(plan).step
-    # root (20 elements, no padding): forward gather + reduce; block: two gathers + reduce
-    assert step.ours == 2 * 80 + 3 * 268
-    assert step.fsdp2 == 2 * 80 + 3 * 140
-    assert step.ours_mean == 2 * 80 + 3 * (3 + 32) * 4  # a broadcast's mean rank: m (P-1)/P
+    step = plan_summary(_small_plan()).step
+    # root: a 20-element chunk per rank (5 emb rows), ring all-gather: (P-1)/P x 40 x 4 B = 80;
+    # its reduce carries one gradient flag per parameter: 21-element chunks, 84 B.
+    # block: a chunk is the bias rows (3, padded), aligned to 16, then the rank's matrix
+    # (32): 48 elements (the reduce's 3 flags fit in the same 16), one even call of 96: 192 B.
+    # A step: root gather + reduce, block two gathers + reduce.
+    assert step.ours == 80 + 84 + 3 * 192
+    # FSDP2: (P-1) x (ceil(8/2) x 4 + ceil(4/2) x 8 + ceil(5/2) x 1) = 35 elements a call
+    assert step.fsdp2 == 2 * 80 + 3 * 35 * 4
+    assert step.ours_replicate == step.fsdp2_replicate == 0
 
 
-def test_a_matrix_costs_every_rank_its_size_once_at_3_ranks():
-    """3 ranks: a (6, 4) matrix owned by rank 0 and a (4,) bias split 2/1/1. The broadcast
-    (reduce) of the matrix is pipelined: every rank moves its 24 elements about once,
+def test_a_matrix_crosses_once_at_3_ranks():
+    """3 ranks: a (6, 4) matrix held by rank 0 and a (4,) bias split 2/1/1, one unit. NCCL's
+    uneven all-gather is a pipelined broadcast from each rank: its most loaded rank moves
+    every chunk but the smallest once (the matrix, its alignment and the other even parts),
     where an owner that sent it to each rank in turn would move (P-1) x 24."""
     w, n = ParamSpec("w", (6, 4), 4, 0, True), ParamSpec("n", (4,), 4, 0, False)
     unit = [Placement(w, 0, [(0, 6), (0, 0), (0, 0)]), Placement(n, None, [(0, 2), (2, 3), (3, 4)])]
-    assert unit_traffic(unit, 3) == (2 * 2 + 24) * 4  # (P-1) E + m_0
-    assert fsdp2_unit_traffic(unit, 3) == 2 * (2 * 4 + 2 * 1) * 4  # (P-1) x (ceil(6/3) x 4 + ceil(4/3))
+    step = plan_summary(Plan(3, ["root"], {pl.spec.name: pl for pl in unit})).step
+    gather = (16 + 24) + 2  # rank 0's chunk (2 bias rows, aligned, the matrix), rank 1's 2
+    reduce = (16 + 24) + 4  # the same with 2 flags after the bias rows
+    assert step.ours == (gather + reduce) * 4
+    assert step.fsdp2 == 2 * 2 * (2 * 4 + 2 * 1) * 4  # (P-1) x (ceil(6/3) x 4 + ceil(4/3))
 
 
-def test_memory_matches_a_hand_count():
-    c = plan_costs(_small_plan())
-    # every rank stores FSDP2's padded chunks: emb 5 rows (80 B) + bias 3 rows (12 B; rank
-    # 1 holds 2 of them and pads the third) + its 32-element matrix (128 B). Gradients
-    # alike; optimizer: momentum 128 + AdamW 2 x the (padded) rows.
-    assert (c.params.max, c.params.mean) == (220, 220)
-    assert (c.grads.max, c.grads.mean) == (220, 220)
-    assert (c.optim.max, c.optim.mean) == (128 + 2 * 92, 128 + 2 * 92)
-    assert (c.state.max, c.state.mean) == (752, 752)
-    assert c.buffers == 40 * 4 + 2 * 69 * 4  # root unit + two of the largest block
+def test_model_state_and_buffers_match_a_hand_count():
+    c = plan_summary(_small_plan())
+    # per rank (elements): storage 20 (emb chunk) + 48 (bias chunk, aligned, its matrix);
+    # gradients: the reduce segments, 21 + 48; optimizer: momentum 32 + AdamW 2 x its rows
+    # (rank 0: 5 emb + 3 bias rows; rank 1: 5 + 2)
+    rank0, rank1 = 68 + 69 + 32 + 2 * 23, 68 + 69 + 32 + 2 * 22
+    assert (c.state.max, c.state.mean) == (rank0 * 4, (rank0 + rank1) * 4 / 2)
+    # FSDP2's padded shards, each with its gradient and optimizer state: emb 20 and bias 3
+    # elements x 4 (AdamW's two moments), the matrices' 16 + 16 x 3 (Muon's momentum)
+    assert c.fsdp2_state == (4 * 20 + 4 * 3 + 3 * 32) * 4
+    # the root's even parameters copied out of its gathered buffer (40); a block's buffer
+    # (96, its matrices are views of it) and copied bias (6), three gathered, two reduces
+    assert c.buffers == 40 * 4 + 3 * 102 * 4 + 2 * 102 * 4
+    assert c.peak == c.state.max + c.buffers
     assert c.bare_shard_ranks == 0
 
 
@@ -78,13 +81,15 @@ def test_replicate_dim_bytes_match_a_hand_count():
              (("a", (8, 4)), ("b", (4, 8)), ("n", (5,)))}
     unit = [Placement(specs["a"], 1, [(0, 0), (0, 8)]), Placement(specs["b"], 2, [(0, 4), (0, 0)]),
             Placement(specs["n"], None, [(0, 3), (3, 5)])]
-    # all-reduce of the bias rows: 2 (R-1)/R x 3; reduce to + broadcast from the owner: 2 x 32
-    assert replica_traffic(unit, 2, 2) == (3 + 2 * 32) * 4
-    assert fsdp2_replica_traffic(unit, 2, 2) == 35 * 4  # 2 (R-1)/R x FSDP2's padded shard
-    plan = Plan(4, ["root"], {pl.spec.name: pl for pl in unit}, replicas=2)
-    step = step_bytes(plan)  # the root unit: one gather, one reduce, the replicate dim once
-    assert step.ours == 2 * 67 * 4 + 268 and step.ours_replicate == 268
-    assert step.replicate_busiest == 268  # shard rank 0: 3 + 2 x 32; shard rank 1: 2 + 2 x 32
+    step = plan_summary(Plan(4, ["root"], {pl.spec.name: pl for pl in unit}, replicas=2)).step
+    # the root unit: one gather and one reduce over the shard group (48-element chunks:
+    # 192 B each), then across replicas: the all-reduce of the reduced head (3 bias rows, 3
+    # flags: 2 (R-1)/R x 24 B), the matrix's run to its replica (alignment and matrix:
+    # 10 + 32 elements) and, after the step, its run back (13 + 32)
+    assert step.ours_replicate == 24 + 42 * 4 + 45 * 4
+    assert step.ours == 2 * 192 + step.ours_replicate
+    assert step.fsdp2_replicate == 35 * 4  # 2 (R-1)/R x FSDP2's padded shard
+    assert step.fsdp2 == 2 * 35 * 4 + step.fsdp2_replicate
 
 
 def _state_spread(shard_size: int):
@@ -95,22 +100,25 @@ def _state_spread(shard_size: int):
     return make_plan(specs, 8, ["root", "b1", "b2", "b3", "b4"], shard_size=shard_size)
 
 
-def test_model_state_per_rank_under_hsdp():
-    """8 ranks, 4 equal matrices, shard size 2: model state of an owner and of a rank that
-    owns none, by hand; at shard size 8 four shard ranks hold no matrix."""
-    two = _state_spread(2)
-    assert sorted(pl.owner for pl in two.placements.values() if pl.owner is not None) == [0, 1,
-                                                                                          2, 3]
-    c = plan_costs(two)
-    # per world rank: params 8192 (emb rows) + 2 x 16384 (its shard rank's matrices) + 512;
-    # owners add their matrix's gradient and momentum to the rows' gradient and AdamW state
-    owner, other = 41472 + (8704 + 16384) + (16384 + 2 * 8704), 41472 + 8704 + 2 * 8704
-    assert (c.state.max, c.state.mean) == (owner, (owner + other) / 2)
-    assert plan_costs(_state_spread(8)).bare_shard_ranks == 4
-
-
-def test_peak_memory():
-    assert plan_costs(_small_plan()).peak == 752 + 712  # model state + gather buffers
+@pytest.mark.parametrize("shard_size", [8, 2])
+def test_the_summary_sums_up_the_per_rank_prediction(shard_size):
+    """The model state is every rank's holdings, the bytes per step every rank's
+    collectives on NCCL (bf16 gathers, two micro-batches): 1-D, each collective's most
+    loaded rank is every rank's; HSDP, the busiest shard rank differs by unit, so the
+    step's critical path (their sum) is at least any one rank's."""
+    plan, d = _state_spread(shard_size), Dtypes(4, 2, 4)
+    c = plan_summary(plan, d, micro_batches=2)
+    held = [rank_held(unit_layouts(plan), w, 0, d).total for w in range(8)]
+    assert (c.state.max, c.state.mean) == (max(held), sum(held) / 8)
+    per_rank = [sum(k["critical_bytes"] for k in comm.values())
+                for comm in predict_comm(plan, d, micro_batches=2, grouped=True)]
+    if shard_size == 8:
+        assert c.step.ours == max(per_rank) == min(per_rank)
+        assert c.bare_shard_ranks == 4  # 4 matrices on 8 shard ranks
+    else:
+        assert c.step.ours >= max(per_rank) > c.step.ours - c.step.ours_replicate
+        owners = sorted(pl.owner for pl in plan.placements.values() if pl.owner is not None)
+        assert owners == [0, 1, 2, 3] and c.bare_shard_ranks == 0
 
 
 @pytest.mark.parametrize("text, n", [("80GiB", 80 * GiB), ("80 GB", 80 * 10**9), ("1.5G", 3 * GiB // 2),
@@ -132,14 +140,14 @@ def test_cli_says_when_no_layout_fits(capsys):
 
 
 def test_llama3_405b_at_16384_ranks():
-    """The 1-D plan of 405B at 16384 ranks: the owners of the MLP weights hold the most, NS
-    per step at its bound, FSDP2's padding of every k/v/norm to one row per rank costs it
-    more bytes than the owner layout here."""
+    """The 1-D plan of 405B at 16384 ranks: the owners of the MLP weights hold the most (the
+    matrix, its gradient and momentum), NS per step at its bound, FSDP2's padding of every
+    k/v/norm to one row per rank costs it more bytes than the owner layout here."""
     with torch.device("meta"):
         net = GPT(PRESETS["llama3-405b"])
-    c = plan_costs(plan_module(net, list(net.layers), 16384))
+    c = plan_summary(plan_module(net, list(net.layers), 16384))
     mlp = 16384 * 53248 * 4  # bytes of the largest matrix
-    assert mlp < c.params.max < mlp * 1.01 and c.params.ratio > 30
+    assert 3 * mlp < c.state.max < 3 * mlp * 1.01 and c.state.ratio > 30
     assert c.ns.max == c.ns_bound
     assert c.bare_shard_ranks == 16384 - 882
     assert c.step.ratio < 1.0

@@ -19,7 +19,7 @@ def _smooth(xs: list[float], k: int = 10) -> list[float]:
     return [statistics.mean(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
 
 
-def load(spec: str) -> tuple[str, dict]:
+def read_run(spec: str) -> tuple[str, dict]:
     label, _, path = spec.partition("=")
     return label, json.loads((Path(path) / "summary.json").read_text())
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("runs", nargs="+", metavar="LABEL=DIR")
     ap.add_argument("--out", default="runs/compare.png")
     args = ap.parse_args(argv)
-    runs = [load(spec) for spec in args.runs]
+    runs = [read_run(spec) for spec in args.runs]
     print(table(runs))
     plot(runs, Path(args.out))
     print(f"plot: {args.out}")

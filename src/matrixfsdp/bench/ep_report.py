@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .config import PHASES
 from .ep_model import SYSTEMS
 from .measure import machine_line
 from .tp_model import KINDS
 from .tp_report import mib, stats_by_kind, unit_passes
 
 DOMAINS = ("experts", "dense")
-PHASES = ("forward", "backward", "step")
 
 
 def _empty() -> dict[str, Any]:

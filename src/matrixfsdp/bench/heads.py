@@ -22,6 +22,7 @@ import torch
 
 from ..optim.groups import MUON_DEFAULTS
 from ..optim.muon import zeropower_via_newtonschulz
+from ..planning.assign import ns_flops
 
 # (what, rows, cols, heads): the demo model's q, a Llama-3-8B-shaped q (32 heads of 128 at
 # d_model 4096, halved in both dims to keep a CPU run short) and its GQA k (8 heads of 128).
@@ -30,10 +31,10 @@ SHAPES = [("demo q (d 128, 4 heads)", 128, 128, 4),
           ("8B-like GQA k (4 heads of 128)", 512, 2048, 4)]
 
 
-def ns_flops(m: int, n: int, heads: int = 1, steps: int = MUON_DEFAULTS["ns_steps"]) -> float:
-    """FLOPs of ``steps`` NS iterations on ``heads`` row blocks of an ``m x n`` matrix."""
-    a, b = sorted((m // heads, n))
-    return steps * heads * (4 * a * a * b + 2 * a ** 3)
+def _flops(m: int, n: int, heads: int = 1) -> int:
+    """FLOPs of Muon's NS iterations on ``heads`` row blocks of an ``m x n`` matrix (the
+    planner's count, :func:`~matrixfsdp.planning.assign.ns_flops`, per block)."""
+    return heads * ns_flops((m // heads, n), MUON_DEFAULTS["ns_steps"])
 
 
 def _time(fn, repeats: int) -> float:
@@ -56,7 +57,7 @@ def measure(dtype: torch.dtype, repeats: int) -> list[dict]:
                            for x in (g, g.view(heads, m // heads, n)))
         rows.append(dict(what=what, shape=[m, n], heads=heads, whole_ms=whole * 1e3,
                          per_head_ms=per_head * 1e3, speedup=whole / per_head,
-                         flop_ratio=ns_flops(m, n) / ns_flops(m, n, heads)))
+                         flop_ratio=_flops(m, n) / _flops(m, n, heads)))
     return rows
 
 

@@ -38,9 +38,9 @@ from . import grouped_gloo
 from .grouped_gloo import Link
 
 # (system, overlap, uneven collectives): what each column times
-KEYS = (("matrixfsdp", True, True), ("matrixfsdp", False, True), ("matrixfsdp", True, False),
+SETUPS = (("matrixfsdp", True, True), ("matrixfsdp", False, True), ("matrixfsdp", True, False),
         ("fsdp2", False, True))
-COLUMN = {k: f"{k[0]}_{'on' if k[1] else 'off'}{'' if k[2] else '_gloo_path'}" for k in KEYS}
+COLUMN = {k: f"{k[0]}_{'on' if k[1] else 'off'}{'' if k[2] else '_gloo_path'}" for k in SETUPS}
 
 
 def _mesh(gbps: float | None, latency_s: float, uneven: bool) -> tuple[DeviceMesh, Link]:
@@ -93,22 +93,22 @@ def _time_steps(args, key: tuple, gbps: float | None) -> tuple[float, int, int]:
 
 def _measure(args) -> tuple[dict, list[dict]]:
     """Every configuration's time on this rank, then the slowest rank's (rank 0 only)."""
-    free = {k: _time_steps(args, k, None) for k in KEYS}
-    rows = [dict(gbps=gbps, **{f"{COLUMN[k]}_ms": _time_steps(args, k, gbps)[0] * 1e3 for k in KEYS})
+    free = {k: _time_steps(args, k, None) for k in SETUPS}
+    rows = [dict(gbps=gbps, **{f"{COLUMN[k]}_ms": _time_steps(args, k, gbps)[0] * 1e3 for k in SETUPS})
             for gbps in args.link]
-    flat = torch.tensor([free[k][0] * 1e3 for k in KEYS] + [v for r in rows for k, v in r.items()
+    flat = torch.tensor([free[k][0] * 1e3 for k in SETUPS] + [v for r in rows for k, v in r.items()
                                                            if k != "gbps"])
     every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(every, flat)  # the slowest rank's times decide a step
     worst = iter(torch.stack(every).max(dim=0).values.tolist())
-    base = {f"{COLUMN[k]}_free_ms": next(worst) for k in KEYS}
-    base.update(critical_bytes_per_step=free[KEYS[0]][1],
-                fsdp2_critical_bytes_per_step=free[KEYS[3]][1],
-                launches_per_step={COLUMN[k]: free[k][2] for k in KEYS})
+    base = {f"{COLUMN[k]}_free_ms": next(worst) for k in SETUPS}
+    base.update(critical_bytes_per_step=free[SETUPS[0]][1],
+                fsdp2_critical_bytes_per_step=free[SETUPS[3]][1],
+                launches_per_step={COLUMN[k]: free[k][2] for k in SETUPS})
     for r in rows:
         for k in [k for k in r if k != "gbps"]:
             r[k] = next(worst)
-        on, off = COLUMN[KEYS[0]], COLUMN[KEYS[1]]
+        on, off = COLUMN[SETUPS[0]], COLUMN[SETUPS[1]]
         added = r[f"{off}_ms"] - base[f"{off}_free_ms"]  # the time overlap could hide
         r["hidden"] = (1 - (r[f"{on}_ms"] - base[f"{on}_free_ms"]) / added
                        if added > 0.25 * base[f"{off}_free_ms"] else None)

@@ -29,8 +29,6 @@ from ..runtime.storage import UnitStorage
 from ..train.launch import launch
 from .measure import machine_info
 
-STEP_PHASES = ("forward", "backward", "step")  # when a call was issued
-
 # ---- recording torch.distributed's collectives ----------------------------------------------
 _RECORDED = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
              "reduce_scatter_tensor", "all_reduce", "broadcast", "reduce", "all_to_all_single",

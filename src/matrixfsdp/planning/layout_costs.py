@@ -301,6 +301,24 @@ def fsdp2_unit_comm(u: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitC
     return c
 
 
+def step_bytes(units: Sequence[UnitComm], m: int, pp: int = 1, prefix: str = ""
+               ) -> tuple[float, float]:
+    """(critical-path bytes per step, of which across replicas) of a stage's units (the
+    root's first): ``m`` micro-batches, each a forward gather, a backward gather (not the
+    root's), a reduce and the replicate dim's reduce, then the replicate dim's broadcast
+    once; ``pp > 1``: every unit gathered and reduced once per step. ``prefix``
+    ``"floor_"``: the whole-matrix floor's."""
+    total = rep = 0.0
+    for i, u in enumerate(units):
+        gathers, reduces = (1, 1) if pp > 1 else (m * (1 if i == 0 else 2), m)
+        r = (reduces * getattr(u, prefix + "rep_reduce_bytes")
+             + getattr(u, prefix + "rep_bcast_bytes"))
+        total += (gathers * getattr(u, prefix + "gather_bytes")
+                  + reduces * getattr(u, prefix + "reduce_bytes") + r)
+        rep += r
+    return total, rep
+
+
 @dataclass
 class NSLoads:
     """A plan's Newton-Schulz: the busiest rank's FLOPs, the bound ``max(largest, total /

@@ -8,8 +8,9 @@ runtime's layout and counters are redone over the plan
 ``matrixfsdp.comm_stats(model).summary()`` reads on each rank after one training step and
 what each rank holds (``tests/test_plan_model.py`` checks it at 8 ranks, 1-D and HSDP).
 
-:func:`matrixfsdp.planning.costs.plan_costs` (a :class:`~matrixfsdp.planning.types.Plan` in,
-max / mean summaries out) is the lower-level function this one's ``summary`` comes from.
+:func:`matrixfsdp.planning.costs.plan_summary` (a :class:`~matrixfsdp.planning.types.Plan`
+in, max / mean summaries out: the same plan costed as ``matrixfsdp plan`` costs a layout) is
+where this one's ``summary`` comes from.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .costs import PlanCosts
-from .costs import plan_costs as _summary
+from .costs import PlanCosts, plan_summary
 from .layout import unit_layouts
 from .planner import plan_module
 from .traffic import Dtypes, Held, predict_comm, rank_held
@@ -34,8 +34,8 @@ class PlanPrediction:
     ``comm_stats(model).summary()`` reads on rank ``w`` after one steady training step
     (collective kind -> calls, payload / sent / received / critical / mean bytes);
     ``held[w]`` the bytes it holds after an optimizer step (segments, shards, gradients,
-    optimizer state). ``summary``: the plan's max / mean costs (memory, NS, bytes per step
-    against FSDP2's)."""
+    optimizer state). ``summary``: the plan's max / mean costs (model state, buffers, NS, bytes
+    per step against FSDP2's), on NCCL's calls whatever ``uneven_collectives`` says."""
 
     plan: Plan
     comm: list[dict[str, dict[str, int]]]
@@ -97,4 +97,4 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
     layouts = unit_layouts(plan)
     held = [rank_held(layouts, w, 0, dtypes) for w in range(world)]
     return PlanPrediction(plan, predict_comm(plan, dtypes, micro_batches, uneven_collectives),
-                          held, _summary(plan, dtypes.gather))
+                          held, plan_summary(plan, dtypes, micro_batches))

@@ -22,6 +22,7 @@ from .layout_costs import (
     lpt_max,
     ns_loads,
     stage_costs,
+    step_bytes,
     units_part,
 )
 from .links import Links, Mesh, MeshCost
@@ -211,20 +212,6 @@ def _buckets(ns: NSLoads, storage: int) -> list[Bucket]:
             for _, idx in sorted(by_unit.items())]
 
 
-def _step_bytes(units, m: int, pp: int, prefix: str = "") -> tuple[float, float]:
-    """(critical-path bytes per step, of which across replicas) of a stage's units;
-    ``prefix`` ``"floor_"``: the whole-matrix floor's."""
-    total = rep = 0.0
-    for i, u in enumerate(units):
-        gathers, reduces = (1, 1) if pp > 1 else (m * (1 if i == 0 else 2), m)
-        r = (reduces * getattr(u, prefix + "rep_reduce_bytes")
-             + getattr(u, prefix + "rep_bcast_bytes"))
-        total += (gathers * getattr(u, prefix + "gather_bytes")
-                  + reduces * getattr(u, prefix + "reduce_bytes") + r)
-        rep += r
-    return total, rep
-
-
 def _launches(units, m: int, pp: int) -> int:
     """Data-parallel process-group calls per step of a stage's units (a busiest rank's)."""
     total = 0
@@ -256,9 +243,9 @@ def _evaluate(shapes: ModelShapes, sps: list[_StagePlan], layout: Layout, m: int
         steps = (ours(c, work, mesh, mc, w, m),
                  fsdp2_muon(c, work, mesh, mc, w, m, sp.ns.shapes, sp.plan.ns_steps),
                  distmuon(c, work, mesh, mc, w, m, sp.buckets))
-        rows.append((c, act, steps, _step_bytes(c.units, m, layout.pp),
-                     _step_bytes(c.fsdp2_units, m, layout.pp),
-                     _step_bytes(c.units, m, layout.pp, "floor_")))
+        rows.append((c, act, steps, step_bytes(c.units, m, layout.pp),
+                     step_bytes(c.fsdp2_units, m, layout.pp),
+                     step_bytes(c.units, m, layout.pp, "floor_")))
     mem = max(rows, key=lambda r: r[0].state_max + r[0].buffers + r[1])
     slow = [None if any(r[2][k] is None for r in rows) else
             max((r[2][k] for r in rows), key=lambda s: s.total) for k in range(3)]

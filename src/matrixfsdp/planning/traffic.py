@@ -39,6 +39,8 @@ from .layout import (
 )
 from .types import Placement, Plan
 
+# What a ``CommStats`` (runtime/collectives.py) counts per collective kind, and this module
+# predicts: one list for both.
 COUNTERS = ("calls", "payload_bytes", "sent_bytes", "received_bytes", "critical_bytes",
             "mean_bytes")
 

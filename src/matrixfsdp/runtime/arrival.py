@@ -13,13 +13,13 @@ is missing. To name it, at no cost per collective beyond a counter and a clock r
   gather, the gradient norm: :func:`issued`), each collective a checkpoint drives through
   torch's object collectives (:class:`Point`), and each stretch of local work between
   collectives that someone else issues (DCP's planning, write and read inside a save or a
-  load: :class:`Stage`);
+  load: :class:`LocalWork`);
 * a rank posts where it is to the default process group's store only where that is cheap
-  or may matter: a wait longer than :data:`SLOW_S` (``waiting``, then ``done``), a stage
+  or may matter: a wait longer than :data:`SLOW_S` (``waiting``, then ``done``), local work
   (``busy`` when entered, ``waiting`` for what follows when left), a checkpoint's
   collective; a quick runtime collective posts nothing;
 * a rank whose wait fails at the timeout reads every peer's post: a peer waiting at the
-  same point arrived; one busy in a stage, behind, or silent did not. Its
+  same point arrived; one busy in local work, behind, or silent did not. Its
   :class:`CollectiveTimeout` names those ranks, where each was last seen (its own post, or
   the last collective this rank completed with it, whichever is later, with the training
   step and phase the loop set: :func:`at`) and the time this rank actually waited,
@@ -61,7 +61,7 @@ def at(step: int | None = None, phase: str | None = None) -> None:
     _here.step, _here.phase = step, phase
 
 
-def where() -> tuple[int | None, str | None]:
+def current_place() -> tuple[int | None, str | None]:
     """This thread's ``(step, phase)`` as :func:`at` last set it."""
     return getattr(_here, "step", None), getattr(_here, "phase", None)
 
@@ -72,8 +72,8 @@ def _at_text(step: int | None, phase: str | None) -> str:
 
 
 def ranks_text(ranks: list[int]) -> str:
-    """``rank 1`` / ``ranks 1, 2``."""
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+    """``rank 1`` / ``ranks 1, 2`` (every message that names ranks says them so)."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class CollectiveTimeout(RuntimeError):
@@ -118,18 +118,18 @@ class _Group:
     def key(self, rank: int) -> str:
         return f"{_KEY}{self.name}/{rank}"
 
-    def completed(self, index: int, kind: str, place: tuple, stage: bool = False) -> None:
+    def completed(self, index: int, kind: str, place: tuple, local: bool = False) -> None:
         if self.last is None or index > self.last["index"]:
             self.last = {"index": index, "kind": kind, "step": place[0], "phase": place[1],
-                         "stage": stage}
+                         "local": local}
 
     def post(self, index: int, kind: str, state: str, place: tuple, since: float | None = None,
-             stage: bool = False) -> bool:
-        """Post this rank's place: at point ``index`` (``kind``; a ``stage`` of local work or a
+             local: bool = False) -> bool:
+        """Post this rank's place: at point ``index`` (``kind``; ``local`` work or a
         collective), ``state`` one of ``waiting`` (for the collective at that point, or that
-        follows the stage), ``done`` or ``busy`` (in the stage)."""
+        follows the local work), ``done`` or ``busy`` (in the local work)."""
         value = {"index": index, "kind": kind, "state": state, "since": since or time.time(),
-                 "step": place[0], "phase": place[1], "stage": stage}
+                 "step": place[0], "phase": place[1], "local": local}
         try:
             if self.store is None:
                 self.store = default_store()
@@ -177,7 +177,7 @@ def issued(group: dist.ProcessGroup, kind: str) -> Watch | None:
     if not g.watched:
         return None
     g.count += 1
-    return Watch(g, g.count, kind, time.monotonic(), time.time(), where())
+    return Watch(g, g.count, kind, time.monotonic(), time.time(), current_place())
 
 
 def wait(work: Any, watch: Watch | None) -> None:
@@ -213,33 +213,33 @@ def _on(g: _Group) -> str:
     return f" on ranks {r[0]}-{r[-1]}" if r == list(range(r[0], r[-1] + 1)) else f" on {ranks_text(r)}"
 
 
-def _last_seen(seen: dict | None, last: dict | None, me: int, stage: str | None = None) -> str:
+def _last_seen(seen: dict | None, last: dict | None, me: int, work: str | None = None) -> str:
     """Where a rank that did not arrive was last seen: its own post, or the last point this
-    rank completed with it, whichever is later. ``stage``: the stage this rank left."""
+    rank completed with it, whichever is later. ``work``: the local work this rank left."""
     if seen is not None and (last is None or seen.get("index", 0) >= last["index"]):
         at_ = _at_text(seen.get("step"), seen.get("phase"))
         age = time.time() - float(seen.get("since", time.time()))
         state, kind = seen.get("state"), seen.get("kind")
-        if state == "busy" and kind == stage:
+        if state == "busy" and kind == work:
             return f"still in it after {age:.1f} s"
         if state == "busy":
             return f"last seen in {kind}{at_}, {age:.1f} s before"
-        if seen.get("stage"):
+        if seen.get("local"):
             return f"last seen {'after' if state == 'waiting' else 'at the end of'} {kind}{at_}"
         return f"last seen {'waiting ' if state == 'waiting' else ''}at the {kind} #{seen.get('index')}{at_}"
     if last is not None:
-        what = f"the end of {last['kind']}" if last["stage"] else f"the {last['kind']} #{last['index']}"
+        what = f"the end of {last['kind']}" if last["local"] else f"the {last['kind']} #{last['index']}"
         return (f"last seen at {what}{_at_text(last['step'], last['phase'])}, the last collective "
                 f"rank {me} completed with it")
     return "not seen at any collective of this group"
 
 
 def failure(g: _Group, index: int, what: str, started: float, place: tuple,
-            exc: BaseException, stage: str | None = None) -> CollectiveTimeout | None:
+            exc: BaseException, work: str | None = None) -> CollectiveTimeout | None:
     """The :class:`CollectiveTimeout` of this rank's wait at point ``index`` (``what`` it
-    waited at, since ``time.monotonic()`` ``started``; after leaving ``stage``) that failed
+    waited at, since ``time.monotonic()`` ``started``; after leaving local ``work``) that failed
     with ``exc``, from the peers' posts; None where ``exc`` is no timeout (or a lost peer
-    with no peer seen stuck in a stage: the peer that ended is the story)."""
+    with no peer seen stuck in local work: the peer that ended is the story)."""
     if not g.watched or not (timed_out(exc) or lost_peer(exc)):
         return None
     waited = time.monotonic() - started
@@ -253,13 +253,13 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
         if seen is not None and (i > index or (i == index and state in ("waiting", "done"))):
             arrived.append(r)
         elif seen is not None and state == "waiting" and (g.last is None or i > g.last["index"]):
-            its = (f"the collectives after {seen.get('kind')}" if seen.get("stage")
+            its = (f"the collectives after {seen.get('kind')}" if seen.get("local")
                    else f"its {seen.get('kind')} #{i}")
             elsewhere.append(f"rank {r} waits at another collective ({its}, for "
                              f"{time.time() - float(seen.get('since', 0)):.1f} s)")
         else:
-            missing.append((r, _last_seen(seen, g.last, g.me, stage)))
-    if not timed_out(exc):  # a lost peer: only a rank seen stuck in a stage is named
+            missing.append((r, _last_seen(seen, g.last, g.me, work)))
+    if not timed_out(exc):  # a lost peer: only a rank seen stuck in local work is named
         missing = [(r, s) for r, s in missing if s.startswith(("last seen in ", "still in it"))]
         if not missing:
             return None
@@ -295,7 +295,7 @@ class Point:
 
     def __init__(self, group: dist.ProcessGroup, kind: str):
         self.g = _group(group)
-        self.kind, self.place = kind, where()
+        self.kind, self.place = kind, current_place()
         if self.g.watched:
             self.g.count += 1
         self.index = self.g.count
@@ -321,52 +321,53 @@ class Point:
         return False
 
 
-class Stage:
+class LocalWork:
     """A stretch of local work that runs between collectives someone else issues (a rank's
     planning, write or read inside DCP's save or load), posted ``busy`` when it starts
     (:meth:`enter`) and ``waiting`` when it ends (:meth:`leave`: the rank now waits in the
-    collectives that follow), on a watched gloo group. Every rank enters its stages in the
-    same order as its collectives, so a stage is numbered like them; a ``solo`` stage is one
+    collectives that follow), on a watched gloo group. Every rank enters its local work in
+    the same order as its collectives, so each is numbered like them; a ``solo`` one is one
     rank's (DCP's coordinator) and takes the number of the point before it. A peer whose
-    collective after the stage fails at the timeout names the ranks still inside a stage,
-    or behind (:meth:`failure`)."""
+    collective after it fails at the timeout names the ranks still inside local work, or
+    behind (:meth:`failure`). (Not a pipeline stage: that is
+    :class:`matrixfsdp.planning.model_shapes.Stage`.)"""
 
     def __init__(self, group: dist.ProcessGroup, kind: str, solo: bool = False,
                  place: tuple | None = None):
         self.g, self.kind, self.solo = _group(group), kind, solo
-        self.place = place if place is not None else where()
+        self.place = place if place is not None else current_place()
         self.index, self.left = self.g.count, None
 
-    def enter(self) -> Stage:
+    def enter(self) -> LocalWork:
         if self.g.watched:
             if not self.solo:
                 self.g.count += 1
             self.index = self.g.count
-            self.g.post(self.index, self.kind, "busy", self.place, stage=True)
+            self.g.post(self.index, self.kind, "busy", self.place, local=True)
         return self
 
     def leave(self) -> None:
         self.left = time.monotonic()
         if self.g.watched:
-            self.g.post(self.index, self.kind, "waiting", self.place, stage=True)
+            self.g.post(self.index, self.kind, "waiting", self.place, local=True)
 
     def done(self) -> None:
-        """The collectives that follow the stage completed (the DCP call returned): posted,
+        """The collectives that follow the local work completed (the DCP call returned): posted,
         so that a later timeout does not take this rank for one still waiting there."""
         if self.g.watched:
-            self.g.completed(self.index, self.kind, self.place, stage=True)
-            self.g.post(self.index, self.kind, "done", self.place, stage=True)
+            self.g.completed(self.index, self.kind, self.place, local=True)
+            self.g.post(self.index, self.kind, "done", self.place, local=True)
 
-    def __enter__(self) -> Stage:
+    def __enter__(self) -> LocalWork:
         return self.enter()
 
     def __exit__(self, *exc) -> None:
         self.leave()
 
     def failure(self, exc: BaseException) -> CollectiveTimeout | None:
-        """After this rank left the stage, a collective that follows it failed with ``exc``:
-        the :class:`CollectiveTimeout` naming the ranks still inside a stage or behind, and
-        the time this rank waited since leaving; None if ``exc`` is no timeout."""
+        """After this rank left the local work, a collective that follows it failed with
+        ``exc``: the :class:`CollectiveTimeout` naming the ranks still inside local work or
+        behind, and the time this rank waited since leaving; None if ``exc`` is no timeout."""
         if self.left is None:
             return None
         return failure(self.g, self.index, f"the end of {self.kind}", self.left, self.place, exc,

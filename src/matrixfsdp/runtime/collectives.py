@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.layout import Load, grouped_load, pipeline_load, ring_load
+from ..planning.traffic import COUNTERS
 from . import arrival
 
 
@@ -87,8 +88,6 @@ PHASE_OF = {"all_gather": "gather", "all_gather_v": "gather", "broadcast": "gath
             "replicate_reduce": "replicate", "replicate_reduce_scatter_v": "replicate",
             "replicate_broadcast": "replicate", "replicate_all_gather_v": "replicate",
             "tp_all_to_all": "gather", "tp_grad_all_to_all": "reduce"}
-COUNTERS = ("calls", "payload_bytes", "sent_bytes", "received_bytes", "critical_bytes",
-            "mean_bytes")
 
 
 @dataclass

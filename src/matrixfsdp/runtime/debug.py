@@ -32,8 +32,8 @@ from .arrival import CollectiveTimeout
 from .collectives import all_gather_single
 from .process_groups import group_timeout
 
-PHASES = ("forward gather", "backward gather", "gradient reduce",
-          "replicate reduce", "replicate broadcast")
+COLLECTIVE_PHASES = ("forward gather", "backward gather", "gradient reduce",
+                     "replicate reduce", "replicate broadcast")
 FORWARD_GATHER, BACKWARD_GATHER, REDUCE, REPLICATE_REDUCE, REPLICATE_BROADCAST = range(5)
 
 
@@ -60,7 +60,7 @@ class CollectiveCheck:
     def describe(self, sig: list[int]) -> str:
         step, unit, phase, numel, digest = sig
         size = f" of {numel} elements, layout {digest:08x}" if numel else ""
-        return f"step {step}, unit '{self.unit_names[unit]}', {PHASES[phase]}{size}"
+        return f"step {step}, unit '{self.unit_names[unit]}', {COLLECTIVE_PHASES[phase]}{size}"
 
     def __call__(self, unit: int, phase: int, numel: int = 0, digest: int = 0) -> None:
         mine = [self.step, unit, phase, numel, digest]

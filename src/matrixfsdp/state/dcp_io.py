@@ -1,15 +1,16 @@
-"""DCP's saves and loads as this library runs them: each rank's parts posted as arrival
-stages, so that a hang names its rank, and a file that cannot be read named by the load.
+"""DCP's saves and loads as this library runs them: each rank's parts posted as local work
+(:mod:`~matrixfsdp.runtime.arrival`), so that a hang names its rank, and a file that cannot
+be read named by the load.
 
 ``torch.distributed.checkpoint`` issues its own collectives (a gather of the plans to the
 coordinator and a scatter back, then a gather of the results), and when one of them times
 out, the backend's error names no rank. The writer, reader and planners here are DCP's
 own classes with each rank's local part of a save or load wrapped in an
-:class:`~matrixfsdp.runtime.arrival.Stage` on the call's group (:class:`Watched`): the
+:class:`~matrixfsdp.runtime.arrival.LocalWork` on the call's group (:class:`Watched`): the
 planning (from the planner's set-up, or the metadata read, to the storage's local plan),
 the coordinator's global planning, the write and the coordinator's metadata write, the
 read. A rank whose DCP collective then fails at the timeout names the ranks still inside
-a stage, or behind, and where each was last seen (:meth:`Watched.failure`). Only gloo
+their local work, or behind, and where each was last seen (:meth:`Watched.failure`). Only gloo
 groups are watched (:mod:`matrixfsdp.runtime.arrival`).
 
 The reader reads file by file, so that a file that cannot be read (missing, truncated,
@@ -30,32 +31,32 @@ from torch.futures import Future
 
 from ..runtime import arrival
 from ..runtime.arrival import CollectiveTimeout
-from .integrity import CheckpointError, CheckpointTimeout, first_failure
+from .integrity import CheckpointError, CheckpointTimeout, error_line
 
 
 class Watched:
-    """The stages of one DCP call about ``what`` (a checkpoint's path) on ``group`` (None:
+    """The local work of one DCP call about ``what`` (a checkpoint's path) on ``group`` (None:
     the world). Where this thread was when it was made (:func:`~matrixfsdp.runtime.arrival.at`)
-    goes with every stage, also those that DCP runs in its background thread."""
+    goes with every part, also those that DCP runs in its background thread."""
 
     def __init__(self, group, what: str):
         self.on = dist.is_available() and dist.is_initialized()
         self.group = (group if group is not None else dist.group.WORLD) if self.on else None
-        self.what, self.place = what, arrival.where()
-        self.stage: arrival.Stage | None = None
+        self.what, self.place = what, arrival.current_place()
+        self.work: arrival.LocalWork | None = None
 
     def enter(self, kind: str, solo: bool = False) -> None:
-        """Enter stage ``kind`` (again: nothing, while inside it)."""
+        """Enter the local work ``kind`` (again: nothing, while inside it)."""
         if not self.on:
             return
         full = f"{kind} of {self.what}"
-        if self.stage is not None and self.stage.kind == full and self.stage.left is None:
+        if self.work is not None and self.work.kind == full and self.work.left is None:
             return
-        self.stage = arrival.Stage(self.group, full, solo, self.place).enter()
+        self.work = arrival.LocalWork(self.group, full, solo, self.place).enter()
 
     def leave(self) -> None:
-        if self.stage is not None and self.stage.left is None:
-            self.stage.leave()
+        if self.work is not None and self.work.left is None:
+            self.work.leave()
 
     @contextlib.contextmanager
     def part(self, kind: str, solo: bool = False):
@@ -66,19 +67,19 @@ class Watched:
             self.leave()
 
     def done(self) -> None:
-        """The DCP call returned: every collective that followed the last stage completed."""
-        if self.stage is not None:
-            self.stage.done()
+        """The DCP call returned: every collective that followed the last local work completed."""
+        if self.work is not None:
+            self.work.done()
 
     def failure(self, exc: BaseException) -> CollectiveTimeout | None:
         """The :class:`~matrixfsdp.runtime.arrival.CollectiveTimeout` of a DCP collective
-        that failed with ``exc`` after this rank's last stage, or None (no timeout)."""
-        return self.stage.failure(exc) if self.stage is not None else None
+        that failed with ``exc`` after this rank's last local work, or None (no timeout)."""
+        return self.work.failure(exc) if self.work is not None else None
 
 
 class SaveWriter(dcp.FileSystemWriter):
     """DCP's file writer; the end of this rank's planning, its write and the coordinator's
-    metadata write are stages of ``watched``."""
+    metadata write are local work of ``watched``."""
 
     def __init__(self, path: Path, watched: Watched, **kwargs):
         super().__init__(str(path), **kwargs)
@@ -100,7 +101,7 @@ class SaveWriter(dcp.FileSystemWriter):
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner; this rank's planning starts at its set-up, and the
-    coordinator's global planning is a stage of ``watched``."""
+    coordinator's global planning is local work of ``watched``."""
 
     def __init__(self, watched: Watched):
         super().__init__()
@@ -116,8 +117,8 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadReader(dcp.FileSystemReader):
-    """DCP's file reader; this rank's planning starts at the metadata read, and its read is a
-    stage of ``watched``. It reads file by file: a file that cannot be read raises a
+    """DCP's file reader; this rank's planning starts at the metadata read, and its read is
+    local work of ``watched``. It reads file by file: a file that cannot be read raises a
     :class:`~matrixfsdp.state.integrity.CheckpointError` naming it and what went wrong."""
 
     def __init__(self, path: Path, watched: Watched):
@@ -147,7 +148,7 @@ class LoadReader(dcp.FileSystemReader):
                 except Exception as e:  # noqa: BLE001 (named, then raised on every rank by DCP)
                     raise CheckpointError(
                         f"checkpoint {self.path}: {name} is damaged: reading it failed "
-                        f"({first_failure(e)}); it was truncated, overwritten or swapped with "
+                        f"({error_line(e)}); it was truncated, overwritten or swapped with "
                         "another file after the save") from e
         done: Future = Future()
         done.set_result(None)
@@ -155,7 +156,8 @@ class LoadReader(dcp.FileSystemReader):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner; the coordinator's global planning is a stage of ``watched``."""
+    """DCP's default load planner; the coordinator's global planning is local work of
+    ``watched``."""
 
     def __init__(self, watched: Watched):
         super().__init__()
@@ -213,4 +215,4 @@ def load_alone(state: dict, path: Path) -> None:
             raise
         named = read_error(e)
         raise CheckpointError(str(named) if named is not None else
-                              f"checkpoint {path} cannot be read: {first_failure(e)}") from e
+                              f"checkpoint {path} cannot be read: {error_line(e)}") from e

@@ -87,7 +87,7 @@ def _on_rank0(fn: Callable[[], Any], group, what: str) -> Any:
     info: list[Any] = [None, None, False]
     if dist.get_rank(group) == 0:
         try:
-            with arrival.Stage(group, f"rank 0's part of {what}", solo=True):
+            with arrival.LocalWork(group, f"rank 0's part of {what}", solo=True):
                 info[0] = fn()
         except Exception as e:  # noqa: BLE001 (told to every rank, then raised)
             info[1], info[2] = (str(e), True) if isinstance(e, CheckpointError) \

@@ -75,7 +75,7 @@ def gather_digests(directory: Path, group, what: str) -> dict[str, str]:
     if not dist.is_initialized():
         return {}
     group = group if group is not None else dist.group.WORLD
-    with arrival.Stage(group, f"hashing its files of {what}"):
+    with arrival.LocalWork(group, f"hashing its files of {what}"):
         mine = own_digests(directory, dist.get_rank(group))
     with arrival.Point(group, f"gather of the checksums of {what}"):
         everyone = all_gather_object(mine, group)
@@ -166,7 +166,7 @@ def check_structure(path: str | os.PathLike, listed: dict[str, str] | None = Non
         for info in storage.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     except Exception as e:  # noqa: BLE001 (anything unpickling garbage may raise)
-        return f"{path / METADATA} is not DCP's metadata ({first_failure(e)})"
+        return f"{path / METADATA} is not DCP's metadata ({error_line(e)})"
     for name, end in sorted(ends.items()):
         f = path / name
         if not f.is_file():
@@ -226,7 +226,7 @@ def verify_checkpoint(path: str | os.PathLike, *, process_group=None) -> bool:
     if dist.is_initialized():
         group = process_group if process_group is not None else dist.group.WORLD
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        with arrival.Stage(group, f"checking the files of {path}"):
+        with arrival.LocalWork(group, f"checking the files of {path}"):
             problem = _problem(path, rank, world)
         with arrival.Point(group, f"gather of the checks of {path}"):
             problem = next((p for p in all_gather_object(problem, group) if p), None)
@@ -255,7 +255,7 @@ def disk_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def first_failure(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     """``Type: first line`` of ``exc``; for DCP's ``CheckpointException`` (every rank's
     failures, whose own message is only their ranks), ``rank R: Type: first line`` of the
     first rank's."""
@@ -263,7 +263,7 @@ def first_failure(exc: BaseException) -> str:
     if failures:
         rank = min(failures)
         pair = failures[rank]
-        return f"rank {rank}: {first_failure(pair[0] if isinstance(pair, tuple) else pair)}"
+        return f"rank {rank}: {error_line(pair[0] if isinstance(pair, tuple) else pair)}"
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}" + (f": {text[0]}" if text else "")
 
@@ -298,7 +298,7 @@ def write_failure(exc: BaseException, path: Path, previous: Path | None,
                 + ("; a file-size limit (ulimit -f) or the file system's largest file was reached"
                    if os_err.errno == errno.EFBIG else ""))
     else:
-        what = f"writing {path} failed: {first_failure(exc)}"
+        what = f"writing {path} failed: {error_line(exc)}"
         limit = file_size_limit()
         if limit is not None:  # a short write may be all the backend says of it
             what += f" (this process's file-size limit is {limit} bytes: ulimit -f)"

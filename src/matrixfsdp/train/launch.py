@@ -132,10 +132,10 @@ def _report_failure(rank: int, exc: BaseException) -> bool:
     return bool(hung)
 
 
-def first_failure(report_dir: str) -> dict | None:
-    """The report of the rank that failed first (earliest) of its own accord, or that first
-    timed out waiting for a peer that hung; None if none did (reports of ranks that only
-    lost a peer do not count)."""
+def first_report(report_dir: str) -> dict | None:
+    """The report (left by :func:`run_rank`) of the rank that failed first (earliest) of its
+    own accord, or that first timed out waiting for a peer that hung; None if none did
+    (reports of ranks that only lost a peer do not count)."""
     reports = []
     for name in os.listdir(report_dir):
         if name.startswith("rank") and name.endswith(".json"):
@@ -255,7 +255,7 @@ def _failure_line(ctx, failed: int, killed, report_dir: str | None) -> str:
     rank that failed first by its report, or the rank that hung (named by those that
     waited for it); else a rank a signal ended (``killed``), or the exit status."""
     p = ctx.processes[failed]
-    first = first_failure(report_dir) if report_dir and p.exitcode > 0 else None
+    first = first_report(report_dir) if report_dir and p.exitcode > 0 else None
     if first is not None and first.get("hung"):
         return (f"{ranks_text(first['hung'])} hung: {first['message']}; every rank was stopped "
                 f"(SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s)")
@@ -294,7 +294,7 @@ def _join_ranks(ctx, prog: str, report_dir: str | None = None) -> None:
         exited = ctx.processes[failed].exitcode
         killed = (failed, ctx.processes[failed].pid, signal.Signals(-exited).name) if exited < 0 \
             else _killed(ctx.processes)
-        first = first_failure(report_dir) if report_dir else None
+        first = first_report(report_dir) if report_dir else None
         _stop_ranks(ctx.processes, END_GRACE_S, tuple((first or {}).get("hung") or ()))
         raise SystemExit(f"\n{prog}: {_failure_line(ctx, failed, killed, report_dir)}")
     except (KeyboardInterrupt, _Stopped) as e:

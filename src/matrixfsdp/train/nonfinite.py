@@ -27,6 +27,7 @@ from torch import nn
 from .._compat import foreach_norm
 from ..optim.clip import clip_grad_norm_, nonfinite_grad_ranks, total_grad_norm
 from ..runtime import arrival
+from ..runtime.arrival import ranks_text
 from ..runtime.collectives import all_gather_object, all_gather_single
 
 SHOWN = 8  # parameters named in a message; the rest are counted
@@ -35,11 +36,6 @@ SHOWN = 8  # parameters named in a message; the rest are counted
 class NonFiniteError(RuntimeError):
     """A non-finite loss, gradient or parameter without ``--skip-nonfinite``: the run stops
     before it reaches the weights or a checkpoint. One line, the same on every rank."""
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """``rank 1`` / ``ranks 0, 1``."""
-    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
 @dataclass
