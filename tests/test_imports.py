@@ -1,11 +1,9 @@
-"""The package's import graph, read from every import statement that runs (module level and
-inside functions): no circle at any level, package modules imported only at module level (a
-deferred import is for an optional dependency, never a way around a circle), the layers'
-one-way order, no module over 450 lines, one name one meaning (no public top-level name
-defined twice where a library module is one of the two), and every module imports on its
-own in a fresh interpreter. Imports under ``if TYPE_CHECKING:`` never run: they type a
-back-reference (a unit's root, a parameter's unit) for the reader and the type checker, and
-are left out."""
+"""The package's import graph, read from every import statement (module level, inside
+functions, under ``if TYPE_CHECKING``): no circle at any level, package modules imported
+only at module level (a deferred import is for an optional dependency, never a way around
+a circle), the layers' one-way order, no module over 450 lines, one name one meaning (no
+public top-level name defined twice where a library module is one of the two), and every
+module imports on its own in a fresh interpreter."""
 
 from __future__ import annotations
 
@@ -44,13 +42,8 @@ def _imports(name: str, path: Path, known: set[str]) -> list[tuple[str, int, boo
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     deferred = {id(s) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                 for s in ast.walk(f) if isinstance(s, (ast.Import, ast.ImportFrom))}
-    typing_only = {id(s) for f in ast.walk(tree) if isinstance(f, ast.If)
-                   and getattr(f.test, "id", getattr(f.test, "attr", None)) == "TYPE_CHECKING"
-                   for s in ast.walk(f) if isinstance(s, (ast.Import, ast.ImportFrom))}
     found = []
     for s in ast.walk(tree):
-        if id(s) in typing_only:
-            continue
         if isinstance(s, ast.Import):
             targets = [a.name for a in s.names]
         elif isinstance(s, ast.ImportFrom):

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from .collectives import Pending
 
-if TYPE_CHECKING:  # a back-reference to a file above this one (never imported at run time)
+if TYPE_CHECKING:
     from .unit import Unit
 
 

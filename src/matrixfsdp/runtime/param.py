@@ -29,10 +29,8 @@ import torch
 from .._compat import FOREACH_NORM, plain_torch_function
 from ..planning.types import Placement
 
-if TYPE_CHECKING:  # back-references to the files above this one (never imported at run time)
-    from .root import Root
+if TYPE_CHECKING:
     from .tp import TPParam
-    from .unit import Unit
 
 _INFO = "_mf_param"  # on a shard: its ShardedParam
 _WAITING_FOR = "_mf_waiting_for"  # on a parameter not sharded yet: the unit that will shard it
@@ -43,7 +41,7 @@ class ShardedParam:
     """What MatrixFSDP knows about one sharded parameter."""
 
     placement: Placement
-    unit: Unit
+    unit: Any  # its Unit (unit.py, which imports this file: typing it would close a circle)
     index: int  # in the unit's parameter list
 
     @property
@@ -52,7 +50,7 @@ class ShardedParam:
         return self.placement.spec.name
 
     @property
-    def root(self) -> Root | None:
+    def root(self) -> Any:
         """The model's Root (None until the model is sharded)."""
         return self.unit.root
 
@@ -95,19 +93,19 @@ def placement_of(p: Any) -> Placement | None:
     return info.placement if info is not None else None
 
 
-def waiting_for(p: Any) -> Unit | None:
+def waiting_for(p: Any) -> Any:
     """The unit that will shard parameter ``p`` (None once sharded, or never)."""
     unit = getattr(p, _WAITING_FOR, None)
     return unit if unit is not None and unit.root is None else None
 
 
-def root_of(p: Any) -> Root | None:
+def root_of(p: Any) -> Any:
     """The Root of a sharded parameter's model (None for any other tensor)."""
     info = getattr(p, _INFO, None)
     return info.root if info is not None else None
 
 
-def mark_waiting(p: torch.Tensor, unit: Unit) -> None:
+def mark_waiting(p: torch.Tensor, unit: Any) -> None:
     setattr(p, _WAITING_FOR, unit)
 
 
@@ -128,7 +126,7 @@ def replaced_by(p: Any) -> torch.Tensor | None:
     return getattr(p, _REPLACED_BY, None)
 
 
-def unmark_sharded(p: torch.Tensor, unit: Unit) -> None:
+def unmark_sharded(p: torch.Tensor, unit: Any) -> None:
     """``p`` holds its full tensor again and waits for ``unit`` to shard it."""
     if hasattr(p, _INFO):
         delattr(p, _INFO)

@@ -38,9 +38,8 @@ from .param import set_sharded_grad
 from .storage import UnitStorage
 from .tp import refuse_compiled
 
-if TYPE_CHECKING:  # back-references to the files above this one (never imported at run time)
+if TYPE_CHECKING:
     from .domain import Domain
-    from .root import Root
 
 
 def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
@@ -101,7 +100,7 @@ class Unit:
         self.reshard_default = reshard_after_forward is None
         self.muon_filter, self.mp_policy = muon_filter, mp_policy
         self.debug, self.overlap = debug, overlap
-        self.root: Root | None = None  # the model's, once planned and sharded
+        self.root: Any = None  # the model's Root (root.py imports this file: no type here)
         self.domain: Domain | None = None  # of its mesh: groups, Comm, plan
         self.name, self.index = "", 0  # in root.units
         self.forward_prefetch: list[Unit] | None = None  # None: the recorded order decides
