@@ -220,6 +220,7 @@ class QKClip:
             raise RuntimeError(
                 f"matrixfsdp.QKClip: attention modules {silent[:4]} reported no logits this "
                 "step while others did: call self.qk_clip.observe(self, q, k) in their forward")
+        etas = []
         for layer in self.layers.values():
             if not layer.pending:
                 continue
@@ -229,8 +230,13 @@ class QKClip:
             s = torch.stack([m for _, m in layer.pending]).amax(0)
             layer.pending.clear()
             self.last_max[layer.name] = s
-            eta = (self.tau / s).clamp(max=1.0)
-            if bool((eta >= 1.0).all()):
+            etas.append((layer, (self.tau / s).clamp(max=1.0)))
+        if not etas:
+            return
+        # one host read per step (which layers have a head over tau), not one per layer
+        clipped = torch.stack([(eta < 1.0).any() for _, eta in etas]).tolist()
+        for (layer, eta), hit in zip(etas, clipped):
+            if not hit:
                 continue
             eta_k = eta.view(layer.kv_heads, -1).amin(1)  # a shared k head: its q heads' max
             for rows in layer.rows:
