@@ -12,6 +12,10 @@
 * :func:`check_same_setup` / :func:`check_same_optimizer`: the model's shapes, dtypes,
   buffers and mixed-precision policies, and an optimizer's settings, alike on every rank
   (compared once at set-up; a checkpoint's names are checked by ``state/entries.py``).
+* :func:`check_owned_matrices_stepped`: a rank that owns Muon matrices but steps none of
+  them (it built no matrix optimizer on ``matrix_params``) while other ranks step theirs:
+  its matrices would silently never train. Checked once, at the first forward after the
+  first optimizer step.
 * :func:`agree_on_local_checks`: what one rank's own checks found (a unit of mixed dtypes
   on that rank only) raised on every rank of the mesh, naming the rank, before the first
   collective that rank would miss.
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .arrival import ranks_text
 from .collectives import all_gather_object
 from .param import sharded_param
 from .unit import Unit
@@ -206,6 +211,38 @@ def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> Non
             raise ValueError(f"matrixfsdp: ranks set up {what} differently: {key}: {seen}. Every "
                              "rank must build the same model and optimizer"
                              + ("" if key in mine else " (this rank lacks it)"))
+
+
+def check_owned_matrices_stepped(units: list[Unit], stepped: set[int], group: Any) -> None:
+    """Raise ``RuntimeError`` on every rank of ``group`` if some rank owns trainable Muon
+    matrices (whole, stepped on that rank: ``matrix_params``) that no optimizer stepped
+    (``stepped``: the ids of the parameters the optimizers stepped so far held) while some
+    rank's are stepped. Each rank steps only the matrices it owns, so a rank without the
+    matrix optimizer would leave its matrices at their initial values and differ from one
+    process. No optimizer on any rank's matrices is one process's behaviour too and passes.
+    One gather of a few names: call it once, after the first optimizer step."""
+    mine = [(info.name, tuple(info.placement.spec.shape)) for u in units for p in u.sharded
+            if (info := sharded_param(p)) is not None and info.placement.spec.muon
+            and not info.placement.spec.is_experts and p.requires_grad and p.numel()
+            and info.steps_here() and id(p) not in stepped]
+    owns_stepped = any(id(p) in stepped for u in units for p in u.sharded
+                       if (info := sharded_param(p)) is not None and info.placement.spec.muon
+                       and p.requires_grad and p.numel() and info.steps_here())
+    every = [(mine, owns_stepped)] if not dist.is_initialized() or dist.get_world_size(group) == 1 \
+        else all_gather_object((mine, owns_stepped), group)
+    idle = [r for r, (names, _) in enumerate(every) if names]
+    if not idle or not any(s for _, s in every):
+        return
+    names, _ = every[idle[0]]
+    shown = ", ".join(f"'{n}' {s}" for n, s in names[:_SHOWN]) + (" ..." if len(names) > _SHOWN else "")
+    stepping = [r for r, (_, s) in enumerate(every) if s]
+    raise RuntimeError(
+        f"matrixfsdp: {ranks_text(idle)} own{'s' if len(idle) == 1 else ''} Muon matrices that no "
+        f"optimizer stepped ({len(names)} on rank {idle[0]}: {shown}), while {ranks_text(stepping)} "
+        "step theirs: each rank steps the whole matrices it owns, so those would never train. "
+        "Build the matrix optimizer on every rank: matrixfsdp.matrix_optimizer(model, cls, "
+        "**options) (a placeholder on a rank that owns none), or cls(matrixfsdp.matrix_params("
+        "model)) wherever that list is not empty")
 
 
 def model_setup(named_params: list[tuple[str, torch.Tensor]], module: nn.Module,

@@ -15,7 +15,7 @@ from torch import nn
 from .._compat import in_backward, queue_backward_callback
 from ..planning.layout import UnitLayout
 from ..planning.types import Plan
-from .checks import check_unsharded_trainable
+from .checks import check_owned_matrices_stepped, check_unsharded_trainable
 from .collectives import CommStats
 from .debug import CollectiveCheck
 from .domain import Domain, mesh_device
@@ -48,6 +48,9 @@ class Root:
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
         self.registration_check_due = True  # check_registered at the next root forward
+        # the parameters the optimizers stepped so far, until the first forward after the
+        # first step checks that every rank steps the matrices it owns (then None)
+        self.stepped: set[int] | None = set()
         self.collective_check = CollectiveCheck(self.groups.world, mesh_device(self.mesh),
                                                 [u.name for u in units]) \
             if debug and self.world_size > 1 else None
@@ -63,6 +66,8 @@ class Root:
         self.check_grads_reduced()
         self.before_step()  # unsharded copies kept past backward would go stale
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.stepped is not None:
+            self.stepped.update(map(id, params))
         self.mark_stepped(params)
         release_grads(params)  # the optimizer's own norms (per matrix, on its owner) are right
 
@@ -83,6 +88,9 @@ class Root:
         if self.registration_check_due:  # once per training step (each eval forward)
             self.check_registered()
             self.registration_check_due = not torch.is_grad_enabled()
+        if self.stepped:  # once: the first forward after the first optimizer step
+            check_owned_matrices_stepped(self.units, self.stepped, self.groups.world)
+            self.stepped = None
         if self.schedule.enabled:  # HSDP: every broadcast travels while forward runs
             self.start_broadcasts()
 
