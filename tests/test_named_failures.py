@@ -28,11 +28,13 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import DeviceMesh
 
 import matrixfsdp as mf
+from matrixfsdp.runtime import arrival
 from matrixfsdp.runtime.arrival import CollectiveTimeout
 from matrixfsdp.runtime.collectives import Comm, CommStats
 from matrixfsdp.state import dcp_io
 from matrixfsdp.state.files import is_complete
 from matrixfsdp.state.integrity import CheckpointError, write_failure
+from matrixfsdp.train.launch import verdict as launch_verdict
 from matrixfsdp.train.models import GPT, GPTConfig
 
 if not sys.platform.startswith("linux"):
@@ -389,3 +391,42 @@ def test_a_rank_stuck_between_the_collectives_of_a_save_or_load_is_named(tmp_pat
     found = re.fullmatch(expected + rf" \(it hangs, or is slower than the timeout\); rank {other} waited "
                          r"(\d+\.\d) s for it \(the process group's timeout is 2 s\).*", message)
     assert found and 1.5 <= float(found.group(1)) < HANG_GUARD_S, message
+
+
+def _posted_group(me: int, last_completed: int, posts: dict[int, dict]):
+    """A watched 4-rank group as rank ``me`` sees it after a timeout: the peers' posts in a
+    store of its own (``posts``: rank -> what it posted), ``last_completed`` the last point
+    this rank completed."""
+    g = object.__new__(arrival._Group)
+    g.count, g.ranks, g.watched, g.name, g.me, g.timeout = last_completed + 1, [0, 1, 2, 3], True, "world", me, 5.0
+    g.store = dist.HashStore()
+    g.last = {"index": last_completed, "kind": "all_gather", "step": 5, "phase": "forward and backward",
+              "local": False}
+    for r, post in posts.items():
+        g.store.set(g.key(r), json.dumps({"since": time.time() - 4.0, "step": 5, "phase": "forward and backward",
+                                          "local": False, **post}))
+    return g
+
+
+def test_a_peer_waiting_at_an_earlier_collective_is_not_named_as_the_hung_rank():
+    """A ring or a reduce completes on some ranks before others: rank 0 completed all_gather
+    #31 and times out at #32, while rank 3 still waits at #31 for rank 2 (frozen, last seen
+    at #30). Rank 0 names rank 2 only, and says rank 3 waits; then the launcher, from every
+    waiting rank's report (rank 3's names rank 2), names rank 2 alone."""
+    g = _posted_group(0, 31, {1: {"index": 32, "kind": "all_gather", "state": "waiting"},
+                              2: {"index": 30, "kind": "all_gather", "state": "done"},
+                              3: {"index": 31, "kind": "all_gather", "state": "waiting"}})
+    found = arrival.failure(g, 32, "the all_gather #32", time.monotonic() - 5.0, (5, "forward and backward"),
+                            RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
+    assert found.missing == [2], str(found)
+    assert "rank 3 still waits at the all_gather #31" in str(found) and "rank 1 arrived" in str(found), str(found)
+    # an earlier view, before rank 3 posted its wait, named rank 3 too: the launcher drops
+    # the ranks that reported a wait themselves
+    reports = [{"rank": 0, "time": 1.0, "waited": True, "hung": [2, 3], "message": "ranks 2, 3 did not arrive"},
+               {"rank": 3, "time": 1.5, "waited": True, "hung": [2], "message": "rank 2 did not arrive"},
+               {"rank": 1, "time": 1.2, "waited": True, "hung": [2], "message": "rank 2 did not arrive"}]
+    verdict = launch_verdict(reports)
+    assert verdict["hung"] == [2] and verdict["rank"] == 1, verdict
+    # a rank that failed of its own accord is the story, however many waited
+    own = {"rank": 2, "time": 2.0, "waited": False, "hung": [], "line": "rank 2 failed: ValueError: x"}
+    assert launch_verdict([*reports, own])["rank"] == 2

@@ -51,7 +51,8 @@ _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its
 _here = threading.local()  # this thread's training step and phase (:func:`at`)
 # What a collective says when a peer's process ended: a consequence, not the hang itself.
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-             "remote process exited", "communicator was aborted")
+             "remote process exited", "communicator was aborted",
+             "Application timeout caused pair closure")  # gloo: the peer timed out and left
 
 
 def at(step: int | None = None, phase: str | None = None) -> None:
@@ -244,19 +245,25 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
         return None
     waited = time.monotonic() - started
     missing: list[tuple[int, str]] = []
-    elsewhere, arrived = [], []
+    elsewhere, behind, arrived = [], [], []
     for r in g.ranks:
         if r == g.me:
             continue
         seen = g.read(r)
         i, state = (seen or {}).get("index", -1), (seen or {}).get("state")
+        for_s = f"for {time.time() - float((seen or {}).get('since', 0)):.1f} s"
         if seen is not None and (i > index or (i == index and state in ("waiting", "done"))):
             arrived.append(r)
         elif seen is not None and state == "waiting" and (g.last is None or i > g.last["index"]):
             its = (f"the collectives after {seen.get('kind')}" if seen.get("local")
                    else f"its {seen.get('kind')} #{i}")
-            elsewhere.append(f"rank {r} waits at another collective ({its}, for "
-                             f"{time.time() - float(seen.get('since', 0)):.1f} s)")
+            elsewhere.append(f"rank {r} waits at another collective ({its}, {for_s})")
+        elif seen is not None and state == "waiting" and not seen.get("local"):
+            # alive and blocked at an earlier collective this rank already completed (a ring
+            # or a reduce completes on some ranks before others): it waits for the rank that
+            # hangs too, and is not it
+            behind.append((r, f"the {seen.get('kind')} #{i}{_at_text(seen.get('step'), seen.get('phase'))}, "
+                              f"{for_s}"))
         else:
             missing.append((r, _last_seen(seen, g.last, g.me, work)))
     if not timed_out(exc):  # a lost peer: only a rank seen stuck in local work is named
@@ -279,8 +286,12 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
     parts += elsewhere
     if elsewhere:
         parts[-1] += " (the ranks issue different collectives; debug mode says which)"
-    if not parts:
-        parts.append(f"every rank arrived at {what}{_at_text(*place)}, but it did not complete")
+    if behind:
+        parts.append("; ".join(f"rank {r} still waits at {w}" for r, w in behind)
+                     + f", which rank {g.me} completed (waiting for the same rank)")
+    if not missing and not elsewhere:
+        parts.insert(0, f"{what}{_at_text(*place)} did not complete" if behind else
+                     f"every rank arrived at {what}{_at_text(*place)}, but it did not complete")
     parts.append(f"rank {g.me} waited {waited:.1f} s for it ({limit})")
     if arrived:
         parts.append(f"{ranks_text(arrived)} arrived and waited too")

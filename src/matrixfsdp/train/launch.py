@@ -110,15 +110,17 @@ def run_rank(fn, args, rank: int) -> NoReturn:
 
 def _report_failure(rank: int, exc: BaseException) -> bool:
     """Say why this rank stops (stderr, and a report for the launcher); True for a rank
-    that waited for a peer that hung (it failed nothing itself)."""
-    hung = exc.missing if isinstance(exc, CollectiveTimeout) else []
-    secondary = not hung and lost_peer(exc)
+    that timed out waiting (for a peer that hung, which it names where it can: it failed
+    nothing itself)."""
+    waited = isinstance(exc, CollectiveTimeout)
+    hung = exc.missing if waited else []
+    secondary = not waited and lost_peer(exc)
     line = failure_line(rank, exc)
-    if hung:  # the peer that hung is the story, and this rank is not "failed" for waiting
+    if waited:  # the peer that hung is the story, and this rank is not "failed" for waiting
         line = f"rank {rank} stopped: {str(exc).strip()}"
     elif secondary:  # one line: the peer that died is the story
         line = f"rank {rank} stopped: it lost a peer ({line.split(': ', 1)[-1][:160]})"
-    one_line = hung or secondary or isinstance(exc, (CheckpointError, NonFiniteError, SummaryError))
+    one_line = waited or secondary or isinstance(exc, (CheckpointError, NonFiniteError, SummaryError))
     tb = "" if one_line else "".join(traceback.format_exception(exc))
     print(f"\n{line}\n{tb}", end="", file=sys.stderr, flush=True)
     where = os.environ.get(REPORT_DIR_ENV)
@@ -126,16 +128,13 @@ def _report_failure(rank: int, exc: BaseException) -> bool:
         try:
             with open(os.path.join(where, f"rank{rank}.json"), "w") as f:
                 json.dump({"rank": rank, "time": time.time(), "line": line, "secondary": secondary,
-                           "hung": hung, "message": str(exc).strip()}, f)
+                           "waited": waited, "hung": hung, "message": str(exc).strip()}, f)
         except OSError:
             pass  # the launcher falls back to torch's exit status
-    return bool(hung)
+    return waited
 
 
-def first_report(report_dir: str) -> dict | None:
-    """The report (left by :func:`run_rank`) of the rank that failed first (earliest) of its
-    own accord, or that first timed out waiting for a peer that hung; None if none did
-    (reports of ranks that only lost a peer do not count)."""
+def _reports(report_dir: str) -> list[dict]:
     reports = []
     for name in os.listdir(report_dir):
         if name.startswith("rank") and name.endswith(".json"):
@@ -144,8 +143,33 @@ def first_report(report_dir: str) -> dict | None:
                     reports.append(json.load(f))
             except (OSError, ValueError):
                 continue
+    return reports
+
+
+def first_report(report_dir: str) -> dict | None:
+    """:func:`verdict` on the reports :func:`run_rank` left in ``report_dir``."""
+    return verdict(_reports(report_dir))
+
+
+def verdict(reports: list[dict]) -> dict | None:
+    """What the ranks' reports (left by :func:`run_rank`) say ended the run: the earliest report
+    of a rank that failed of its own accord; else, if ranks timed out waiting, the one
+    naming the ranks that hung, which are those the waiting ranks named less those that
+    reported a wait themselves (a rank that timed out was alive: a ring or a reduce
+    completes on some ranks before others, so a rank may see a peer that waits for the
+    same hung rank as missing); None if no rank did either (reports of ranks that only
+    lost a peer do not count). The hang's report has ``hung``: the ranks to name."""
     reports = [r for r in reports if not r.get("secondary")]
-    return min(reports, key=lambda r: r["time"]) if reports else None
+    failed = [r for r in reports if not r.get("waited")]
+    if failed:
+        return min(failed, key=lambda r: r["time"])
+    if not reports:
+        return None
+    named = {h for r in reports for h in r.get("hung", [])}
+    hung = sorted(named - {r["rank"] for r in reports}) or sorted(named)
+    exact = [r for r in reports if sorted(r.get("hung", [])) == hung]
+    some = [r for r in reports if set(r.get("hung", [])) & set(hung)]
+    return {**min(exact or some or reports, key=lambda r: r["time"]), "hung": hung}
 
 
 def _killed(processes) -> tuple[int, int, str] | None:
