@@ -47,25 +47,37 @@ def _swap(a, b) -> None:
     os.rename(tmp, b)
 
 
+def _forget_checksums(path) -> None:
+    """Make ``path`` a checkpoint as saved before checksums existed: no CHECKSUMS.json, a
+    marker that does not record one."""
+    os.remove(path / CHECKSUMS)
+    marker = json.loads((path / COMPLETE).read_text())
+    del marker["checksums"]
+    (path / COMPLETE).write_text(json.dumps(marker))
+
+
 def test_each_damaged_checkpoint_is_refused_naming_the_file_and_the_fallback_skips_it(tmp_path, capsys):
     out = tmp_path / "run"
-    first = run_cli(*TRAIN, "--steps", "12", "--save-every", "2", "--out", str(out), env=ENV)
+    first = run_cli(*TRAIN, "--steps", "14", "--save-every", "2", "--out", str(out), env=ENV)
     assert first.returncode == 0, first.stderr[-3000:]
-    ck = {n: checkpoint_dir(out / "checkpoints", n) for n in (2, 4, 6, 8, 10, 12)}
-    saved = (ck[10] / ".metadata").stat().st_size
-    os.remove(ck[12] / CHECKSUMS)
-    _truncate(ck[10] / ".metadata")
-    _garbage(ck[8] / ".metadata")
-    os.remove(ck[6] / "__1_0.distcp")
+    ck = {n: checkpoint_dir(out / "checkpoints", n) for n in (2, 4, 6, 8, 10, 12, 14)}
+    saved = (ck[12] / ".metadata").stat().st_size
+    os.remove(ck[14] / CHECKSUMS)
+    _truncate(ck[12] / ".metadata")
+    _garbage(ck[10] / ".metadata")
+    os.remove(ck[8] / "__1_0.distcp")
+    _swap(ck[6] / "__0_0.distcp", ck[6] / "__1_0.distcp")
+    _forget_checksums(ck[4])  # and then swapped: named by the name each file ends with
     _swap(ck[4] / "__0_0.distcp", ck[4] / "__1_0.distcp")
+    swapped = "holds the bytes the save wrote into __1_0.distcp (the files were swapped or copied over each other)"
     why = {
-        12: f"{ck[12] / CHECKSUMS} is missing (its COMPLETE marker records that the save wrote it), so "
+        14: f"{ck[14] / CHECKSUMS} is missing (its COMPLETE marker records that the save wrote it), so "
             "its files cannot be verified",
-        10: f"{ck[10] / '.metadata'} is truncated: {saved // 2} bytes, the save wrote {saved}",
-        8: f"{ck[8] / '.metadata'} is not DCP's metadata (UnpicklingError: ",
-        6: f"{ck[6] / '__1_0.distcp'} is missing",
-        4: f"{ck[4] / '__0_0.distcp'} holds the bytes the save wrote into __1_0.distcp (the files were "
-           "swapped or copied over each other)",
+        12: f"{ck[12] / '.metadata'} is truncated: {saved // 2} bytes, the save wrote {saved}",
+        10: f"{ck[10] / '.metadata'} is not DCP's metadata (UnpicklingError: ",
+        8: f"{ck[8] / '__1_0.distcp'} is missing",
+        6: f"{ck[6] / '__0_0.distcp'} {swapped}",
+        4: f"{ck[4] / '__0_0.distcp'} {swapped}",
     }
     for n, text in why.items():  # --resume of each one alone: refused before any rank starts
         capsys.readouterr()
@@ -82,7 +94,7 @@ def test_each_damaged_checkpoint_is_refused_naming_the_file_and_the_fallback_ski
                   "--out", str(out), env=ENV)
     assert run.returncode == 0, run.stderr[-3000:]
     skipped = [ln for ln in run.stdout.splitlines() if ln.startswith("--resume: checkpoint")]
-    assert len(skipped) == 5, run.stdout[-3000:]
+    assert len(skipped) == 6, run.stdout[-3000:]
     for line, (n, text) in zip(skipped, why.items()):  # newest first, each with its reason
         assert line.startswith(f"--resume: checkpoint {ck[n]} is damaged: {text}"), line
         assert line.endswith("refusing to load it; --resume-fallback: trying the previous complete "
@@ -109,10 +121,7 @@ def test_without_checksums_the_metadata_and_the_reads_name_the_file(world1, tmp_
     names; a shard of the right size that does not read is named by the load itself."""
     model, opt = _model()
     path = mf.save_checkpoint(mf.get_state_dict(model, opt), tmp_path / "step_1").path
-    os.remove(path / CHECKSUMS)
-    marker = json.loads((path / COMPLETE).read_text())
-    del marker["checksums"]
-    (path / COMPLETE).write_text(json.dumps(marker))
+    _forget_checksums(path)
     assert mf.verify_checkpoint(path) is False  # nothing to compare the bytes with: structure only
     shard = path / "__0_0.distcp"
     {"truncated metadata": lambda: _truncate(path / ".metadata"),

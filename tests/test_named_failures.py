@@ -125,7 +125,7 @@ def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
     0's own gloo error ("Timed out waiting 5000ms for send operation to complete"), no word
     of rank 1; with --debug, "waited 30 s" (the check's default, not what it waited); and
     the launcher said "rank 0 failed". Now rank 0 names rank 1, where it was last seen (the
-    last collective rank 0 completed with it: step 1's step check) and the seconds it
+    last collective rank 0 completed with it: step 2's step check) and the seconds it
     waited, measured; the launcher names rank 1 as the one that hung, and no rank failed."""
     t0 = time.monotonic()
     run = _train("--steps", "4", "--timeout", "3", "--out", str(tmp_path), *(["--debug"] if debug else []),
@@ -135,12 +135,12 @@ def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
     line = _launcher_line(run)
     if debug:
         pattern = (r"matrixfsdp train: rank 1 hung: matrixfsdp debug: rank 1 did not "
-                   r"arrive \(its last collective: step 1, .*\); rank 0 waited (\d+\.\d) s for it at "
-                   r"step 2, unit '<root>', forward gather .*")
+                   r"arrive \(its last collective: step 2, .*\); rank 0 waited (\d+\.\d) s for it at "
+                   r"step 3, unit '<root>', forward gather .*")
     else:
         pattern = (r"matrixfsdp train: rank 1 hung: rank 1 did not arrive at the \w+ #\d+ on ranks 0-1 "
-                   r"\(step 2, forward and backward\): last seen at the step check all_gather #\d+ "
-                   r"\(step 1, step check\), the last collective rank 0 completed with it \(it hangs, "
+                   r"\(step 3, forward and backward\): last seen at the step check all_gather #\d+ "
+                   r"\(step 2, step check\), the last collective rank 0 completed with it \(it hangs, "
                    r"is slower than the timeout, or left the training loop; debug mode says where each "
                    r"rank is\); rank 0 waited (\d+\.\d) s for it \(the process group's timeout is 3 "
                    r"s\); every rank was stopped \(SIGTERM, then SIGKILL after 5 s\)")

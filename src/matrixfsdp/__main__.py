@@ -282,8 +282,9 @@ def _add_train_args(sub) -> argparse.ArgumentParser:
     tr.add_argument("--resume-or-start", action="store_true",
                     help="with --resume: start from step 0 when there is no checkpoint")
     tr.add_argument("--resume-fallback", action="store_true",
-                    help="with --resume: if the newest checkpoint fails its checksums, load the "
-                         "previous complete one (saying so) instead of stopping")
+                    help="with --resume: if the newest checkpoint is damaged (its checksums, its "
+                         ".metadata, a shard or CHECKSUMS.json missing, a load that fails), load the "
+                         "newest one that loads, saying which it skipped and why, instead of stopping")
     tr.add_argument("--rss-every", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
     return tr
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import pickle
 from pathlib import Path
 
 import torch.distributed as dist
@@ -31,7 +32,7 @@ from torch.futures import Future
 
 from ..runtime import arrival
 from ..runtime.arrival import CollectiveTimeout
-from .integrity import CheckpointError, CheckpointTimeout, error_line
+from .integrity import CheckpointError, CheckpointTimeout, error_line, mark_file
 
 
 class Watched:
@@ -92,7 +93,10 @@ class SaveWriter(dcp.FileSystemWriter):
 
     def write_data(self, plan, planner):
         with self.watched.part("writing its part"):
-            return super().write_data(plan, planner)
+            written = super().write_data(plan, planner)  # done when it returns
+            for name in sorted({r.storage_data.relative_path for r in written.value()}):
+                mark_file(Path(str(self.path)) / name)
+            return written
 
     def finish(self, metadata, results) -> None:
         with self.watched.part("writing DCP's metadata (the coordinator)", solo=True):
@@ -146,9 +150,14 @@ class LoadReader(dcp.FileSystemReader):
                     raise CheckpointError(f"checkpoint {self.path}: {name} is missing (DCP's "
                                           ".metadata lists it)") from e
                 except Exception as e:  # noqa: BLE001 (named, then raised on every rank by DCP)
+                    # torch.load's refusal of bytes that are no tensor data advises loading
+                    # them with weights_only=False: never repeated for a damaged file
+                    why = (f"{type(e).__name__}: its bytes are not tensor data torch.load can read"
+                           if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e)
+                           else error_line(e))
                     raise CheckpointError(
                         f"checkpoint {self.path}: {name} is damaged: reading it failed "
-                        f"({error_line(e)}); it was truncated, overwritten or swapped with "
+                        f"({why}); it was truncated, overwritten or swapped with "
                         "another file after the save") from e
         done: Future = Future()
         done.set_result(None)

@@ -36,6 +36,10 @@ CHECKSUMS = "CHECKSUMS.json"  # {"files": {name: sha256 hex}, "sizes": {name: by
 COMPLETE = "COMPLETE"  # marker file rank 0 writes into a checkpoint directory before renaming it
 METADATA = ".metadata"  # DCP's index of the checkpoint: which bytes of which file hold what
 _CHUNK = 1 << 20
+# Each file a save writes ends with its own name after this mark (DCP reads only the byte
+# ranges its .metadata gives, so torch's readers never see it): a shard swapped with or
+# copied over another is named without checksums too.
+FILE_MARK = b"\x00matrixfsdp-file "
 
 
 class CheckpointError(RuntimeError):
@@ -153,11 +157,29 @@ def _check_sizes(path: Path, digests: dict[str, str], sizes: dict[str, int]) -> 
     return None
 
 
+def mark_file(f: Path) -> None:
+    """Append ``f``'s own name after :data:`FILE_MARK` (once the save has written it)."""
+    with open(f, "ab") as out:
+        out.write(FILE_MARK + f.name.encode() + b"\n")
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def file_mark(f: Path) -> str | None:
+    """The name the save wrote at the end of ``f`` (:func:`mark_file`), None if none."""
+    with open(f, "rb") as fh:
+        fh.seek(max(0, f.stat().st_size - 256))
+        tail = fh.read()
+    at = tail.rfind(FILE_MARK)
+    return tail[at + len(FILE_MARK):-1].decode(errors="replace") if at >= 0 and tail.endswith(b"\n") else None
+
+
 def check_structure(path: str | os.PathLike, listed: dict[str, str] | None = None) -> str | None:
     """What is wrong with checkpoint ``path``'s layout, read from DCP's ``.metadata`` alone
     (no tensor is read), or None: the metadata must unpickle to DCP's index, and every file
-    it places data in must be present and long enough; with ``listed`` (the checksums'
-    file names) every such file must be listed. Checksums or not."""
+    it places data in must be present and long enough, and hold the bytes the save wrote
+    into it by the name at its end (:func:`mark_file`, where the save wrote one); with
+    ``listed`` (the checksums' file names) every such file must be listed. Checksums or not."""
     import torch.distributed.checkpoint as dcp  # DCP imports numpy and more: only when checking
     path = Path(path)
     try:
@@ -174,6 +196,10 @@ def check_structure(path: str | os.PathLike, listed: dict[str, str] | None = Non
         if f.stat().st_size < end:
             return (f"{f} is truncated: {f.stat().st_size} bytes, DCP's {METADATA} places data up "
                     f"to byte {end}")
+        mark = file_mark(f)
+        if mark is not None and mark != name:
+            return (f"{f} holds the bytes the save wrote into {mark} (the files were swapped "
+                    "or copied over each other)")
     unlisted = sorted(set(ends) - set(listed)) if listed is not None else []
     if unlisted:
         return (f"{path / unlisted[0]} is not listed in {CHECKSUMS}, though DCP's {METADATA} "

@@ -171,7 +171,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     run.stats.reset()
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
-    arrival.at(step, "forward and backward")  # each phase said, for a hang's "last seen"
+    arrival.at(step + 1, "forward and backward")  # each phase said, for a hang's "last seen" (1-based, as the bar and checkpoint names)
     for k in range(accum):  # K micro-batches, each (loss / K).backward()
         x = batch_at(run.corpus, step * accum + k, run.dp_rank, run.dp_size, args.batch, args.seq,
                      args.seed)
@@ -179,7 +179,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
         (loss / accum).backward()
         loss_sum += loss.detach().float()
     # every rank's loss (for the log) and a non-finite check, before anything is scaled or stepped
-    arrival.at(step, "step check")
+    arrival.at(step + 1, "step check")
     checked = clip_and_check(run.model, args.clip, args.skip_nonfinite, loss_sum)
     norm, nonfinite = checked.norm, checked.nonfinite
     if nonfinite is not None and not args.skip_nonfinite:
@@ -189,7 +189,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
         raise NonFiniteError(stop_message(step, nonfinite, newest, bool(every)))
     sync(device)
     t1 = time.perf_counter()
-    arrival.at(step, "optimizer step")
+    arrival.at(step + 1, "optimizer step")
     if nonfinite is None:
         run.opt.step()
         run.sched.step()  # a skipped step does not advance the lr schedule
@@ -222,7 +222,7 @@ def _maybe_save(run: Run, step: int, hist: History, pending, bar):
     every = getattr(run.args, "save_every", 0)
     if not every or ((step + 1) % every and step + 1 != run.args.steps):
         return pending
-    arrival.at(step, "checkpoint save")
+    arrival.at(step + 1, "checkpoint save")
     if pending is not None:  # the previous asynchronous save: wait for it (the next save would)
         hist.saves.append(pending.result())
         _report_save(bar, hist.saves[-1])
