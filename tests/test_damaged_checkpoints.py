@@ -69,7 +69,8 @@ def test_each_damaged_checkpoint_is_refused_naming_the_file_and_the_fallback_ski
     _swap(ck[6] / "__0_0.distcp", ck[6] / "__1_0.distcp")
     _forget_checksums(ck[4])  # and then swapped: named by the name each file ends with
     _swap(ck[4] / "__0_0.distcp", ck[4] / "__1_0.distcp")
-    swapped = "holds the bytes the save wrote into __1_0.distcp (the files were swapped or copied over each other)"
+    swapped = ("holds the bytes the save wrote into __1_0.distcp (the files were swapped or copied "
+               "over each other)")
     why = {
         14: f"{ck[14] / CHECKSUMS} is missing (its COMPLETE marker records that the save wrote it), so "
             "its files cannot be verified",

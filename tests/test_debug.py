@@ -63,8 +63,9 @@ def _diverge(rank, world_size, debug, out_dir):
 
 
 def test_debug_mode_names_the_diverging_rank_on_every_rank(tmp_path):
-    """Rank 1 skips block 1 at step 2: with debug on, every rank raises the debug check's
-    error, naming each rank's step, unit and phase, at the step it happened (without it: a
+    """Rank 1 skips block 1 at step 2 (0-based; "step 3" in the message): with debug on,
+    every rank raises the debug check's error, naming each rank's step, unit and phase, at
+    the step it happened (without it: a
     gloo timeout after 60 s, or worse, a gather of one unit paired with another's). With
     prefetch on, the first collective that differs may come a little later than the
     skipped block (the next block's prefetched gather looks the same on both ranks), but
@@ -76,7 +77,7 @@ def test_debug_mode_names_the_diverging_rank_on_every_rank(tmp_path):
         assert "ranks diverged" in message and "waited" not in message, message
         where = re.findall(r"rank (\d): (step \d+, unit '[^']+', [a-z ]+)", message)
         assert [r for r, _ in where] == ["0", "1"] and where[0][1] != where[1][1], message
-        assert all(w.startswith("step 2, ") for _, w in where), message  # the step it happened
+        assert all(w.startswith("step 3, ") for _, w in where), message  # the step it happened, 1-based
 
 
 def _frozen_apart(rank, world_size, out_dir):
@@ -119,7 +120,7 @@ def test_debug_mode_names_ranks_that_froze_different_parameters(tmp_path):
                                  "on rank 1"), before
         # frozen after sharding: debug mode names both ranks' collectives
         assert "ranks diverged" in message and "froze the model" in message, message
-        where = re.findall(r"step 0, unit '([^']+)', gradient reduce of (\d+) elements, "
+        where = re.findall(r"step 1, unit '([^']+)', gradient reduce of (\d+) elements, "
                            r"layout (\w+)", message)  # the frozen matrix leaves rank 1's reduce
         assert len(where) == 2 and where[0][0] == where[1][0], message
         assert where[0][1] != where[1][1] and where[0][2] != where[1][2], message

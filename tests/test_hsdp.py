@@ -405,7 +405,7 @@ def test_checkpoint_resumes_bit_identically_and_loads_on_a_1d_mesh(four_ranks):
 def test_debug_mode_names_a_diverging_rank_on_every_rank(four_ranks):
     for r, res in enumerate(four_ranks):  # the same error on every rank, naming rank 3's
         message = res["diverge"]  # position (the first collective that differs)
-        assert "ranks diverged" in message and "rank 3: step 2, " in message, (r, message)
+        assert "ranks diverged" in message and "rank 3: step 3, " in message, (r, message)
 
 
 def test_replicate_dim_bytes_follow_the_layout_and_equal_fsdp2_hsdp(four_ranks):

@@ -205,19 +205,29 @@ def _owners_of_nothing_by_hand(rank, world, out_dir):
         for o in opts:
             o.step()
     # an owner that forgets its Shampoo: its matrices would never train. Refused on every
-    # rank, naming it, at the next forward (any optimizer may still step in the first step)
-    model = _sharded(world, blocks=1)
-    owners = [None] * world
-    dist.all_gather_object(owners, bool(mf.matrix_params(model)))
-    forgetful = owners.index(True)
-    opts = _by_hand(model)[(rank == forgetful):]
-    model(torch.randn(PER_RANK, D)).sum().backward()
-    for o in opts:
-        o.step()
-        o.zero_grad()
-    with pytest.raises(RuntimeError, match=rf"rank {forgetful} owns Muon matrices that no optimizer "
-                                           r"stepped .*matrixfsdp\.matrix_optimizer"):
-        model(torch.randn(PER_RANK, D))
+    # rank, naming it: at the first step of the AdamW after the Shampoo, before the AdamW
+    # moves anything; with the AdamW first, at the next forward (the Shampoo may come later)
+    for shampoo_first in (True, False):
+        model = _sharded(world, blocks=1)
+        owners = [None] * world
+        dist.all_gather_object(owners, bool(mf.matrix_params(model)))
+        forgetful = owners.index(True)
+        opts = _by_hand(model)[(rank == forgetful):]
+        opts = opts if shampoo_first else opts[::-1]
+        model(torch.randn(PER_RANK, D)).sum().backward()
+        refused = pytest.raises(RuntimeError, match=rf"rank {forgetful} owns Muon matrices that no "
+                                                    r"optimizer stepped .*matrixfsdp\.matrix_optimizer")
+        if shampoo_first:
+            rows = [p.detach().clone() for p in mf.shard_params(model)]
+            with refused:
+                for o in opts:
+                    o.step()
+            assert all(torch.equal(a, p) for a, p in zip(rows, mf.shard_params(model)))
+        else:
+            for o in opts:
+                o.step()
+            with refused:
+                model(torch.randn(PER_RANK, D))
     if rank == 0:
         with open(os.path.join(out_dir, "nothing4.json"), "w") as f:
             json.dump(diff, f)

@@ -398,13 +398,14 @@ def _posted_group(me: int, last_completed: int, posts: dict[int, dict]):
     store of its own (``posts``: rank -> what it posted), ``last_completed`` the last point
     this rank completed."""
     g = object.__new__(arrival._Group)
-    g.count, g.ranks, g.watched, g.name, g.me, g.timeout = last_completed + 1, [0, 1, 2, 3], True, "world", me, 5.0
+    g.count, g.ranks, g.watched, g.name = last_completed + 1, [0, 1, 2, 3], True, "world"
+    g.me, g.timeout = me, 5.0
     g.store = dist.HashStore()
     g.last = {"index": last_completed, "kind": "all_gather", "step": 5, "phase": "forward and backward",
               "local": False}
     for r, post in posts.items():
-        g.store.set(g.key(r), json.dumps({"since": time.time() - 4.0, "step": 5, "phase": "forward and backward",
-                                          "local": False, **post}))
+        g.store.set(g.key(r), json.dumps({"since": time.time() - 4.0, "step": 5, "local": False,
+                                          "phase": "forward and backward", **post}))
     return g
 
 
@@ -416,15 +417,17 @@ def test_a_peer_waiting_at_an_earlier_collective_is_not_named_as_the_hung_rank()
     g = _posted_group(0, 31, {1: {"index": 32, "kind": "all_gather", "state": "waiting"},
                               2: {"index": 30, "kind": "all_gather", "state": "done"},
                               3: {"index": 31, "kind": "all_gather", "state": "waiting"}})
-    found = arrival.failure(g, 32, "the all_gather #32", time.monotonic() - 5.0, (5, "forward and backward"),
+    found = arrival.failure(g, 32, "the all_gather #32", time.monotonic() - 5.0,
+                            (5, "forward and backward"),
                             RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     assert found.missing == [2], str(found)
-    assert "rank 3 still waits at the all_gather #31" in str(found) and "rank 1 arrived" in str(found), str(found)
+    text = str(found)
+    assert "rank 3 still waits at the all_gather #31" in text and "rank 1 arrived" in text, text
     # an earlier view, before rank 3 posted its wait, named rank 3 too: the launcher drops
     # the ranks that reported a wait themselves
-    reports = [{"rank": 0, "time": 1.0, "waited": True, "hung": [2, 3], "message": "ranks 2, 3 did not arrive"},
-               {"rank": 3, "time": 1.5, "waited": True, "hung": [2], "message": "rank 2 did not arrive"},
-               {"rank": 1, "time": 1.2, "waited": True, "hung": [2], "message": "rank 2 did not arrive"}]
+    reports = [{"rank": 0, "time": 1.0, "waited": True, "hung": [2, 3], "message": "ranks 2, 3 ..."},
+               {"rank": 3, "time": 1.5, "waited": True, "hung": [2], "message": "rank 2 ..."},
+               {"rank": 1, "time": 1.2, "waited": True, "hung": [2], "message": "rank 2 ..."}]
     verdict = launch_verdict(reports)
     assert verdict["hung"] == [2] and verdict["rank"] == 1, verdict
     # a rank that failed of its own accord is the story, however many waited

@@ -74,7 +74,7 @@ def test_set_up_checks_on_two_ranks(tmp_path):
     world, mesh_default, shard, replicate = r0[1].split(" ")
     assert world == "0:01:00" and mesh_default == "0:30:00", r0[1]  # _dist's 60 s; torch's default
     assert shard == world and replicate == world, r0[1]
-    assert r0[2].startswith("matrixfsdp debug: rank 1 did not arrive (its last collective: step 0, "
+    assert r0[2].startswith("matrixfsdp debug: rank 1 did not arrive (its last collective: step 1, "
                             "unit 'layers.0', forward gather)"), r0[2]
     # measured: rank 1 left the job, closing its connections, so rank 0 stopped waiting at
     # once, not after the configured 3 s (before: "waited 3 s" whatever the wait was)

@@ -201,6 +201,18 @@ def check_same_optimizer(optimizer: torch.optim.Optimizer, with_params: bool = T
     _CHECKED.add(optimizer)
 
 
+def _check_first_step(optimizer: torch.optim.Optimizer, root: Root) -> None:
+    """:func:`check_same_optimizer` at ``optimizer``'s first step, with each rank's
+    matrices that no optimizer stepped so far in the same gather: a rank that owns matrices
+    and steps none while others step theirs is refused there, before this optimizer moves
+    anything (:meth:`~matrixfsdp.runtime.root.Root.judged_matrix_coverage`)."""
+    items = _BY_HAND.pop(root, []) + optimizer_setup(optimizer)
+    every = check_same_setup(items, root.groups.world, f"the {type(optimizer).__name__} optimizer",
+                             extra=root.matrix_coverage())
+    _CHECKED.add(optimizer)
+    root.judged_matrix_coverage(every)
+
+
 def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Root) -> None:
     """An optimizer this library did not build and nobody checked (torch's AdamW over
     ``model.parameters()`` or ``mf.shard_params``): compared across ranks at its first step,
@@ -212,7 +224,8 @@ def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Root) -> 
     owns no matrix has none to step (``matrix_optimizer`` gives it a placeholder instead),
     and such a rank steps nothing of it, so training is exact either way. Its settings
     (class, group count, options) are compared, among the ranks that have it, with the next
-    optimizer this hook checks (typically the AdamW on ``shard_params`` stepped after it)."""
+    optimizer this hook checks (typically the AdamW on ``shard_params`` stepped after it),
+    where a rank that owns matrices and stepped no optimizer on them is refused."""
     if optimizer in _CHECKED:
         return
     found = _root_of_optimizer(optimizer)
@@ -224,4 +237,4 @@ def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Root) -> 
             (f"{name} {key}", value) for key, value in optimizer_setup(optimizer, False))
         _CHECKED.add(optimizer)
     elif found is root:
-        check_same_optimizer(optimizer, root=root)
+        _check_first_step(optimizer, root)

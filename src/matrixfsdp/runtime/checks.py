@@ -12,10 +12,10 @@
 * :func:`check_same_setup` / :func:`check_same_optimizer`: the model's shapes, dtypes,
   buffers and mixed-precision policies, and an optimizer's settings, alike on every rank
   (compared once at set-up; a checkpoint's names are checked by ``state/entries.py``).
-* :func:`check_owned_matrices_stepped`: a rank that owns Muon matrices but steps none of
-  them (it built no matrix optimizer on ``matrix_params``) while other ranks step theirs:
-  its matrices would silently never train. Checked once, at the first forward after the
-  first optimizer step.
+* :func:`judge_matrix_coverage`: a rank that owns Muon matrices but steps none of them
+  (it built no matrix optimizer on ``matrix_params``) while other ranks step theirs: its
+  matrices would silently never train. Judged once, from the first-step comparison of an
+  optimizer's settings (or, if undecided there, at the next forward).
 * :func:`agree_on_local_checks`: what one rank's own checks found (a unit of mixed dtypes
   on that rank only) raised on every rank of the mesh, naming the rank, before the first
   collective that rank would miss.
@@ -186,17 +186,19 @@ def agree_on_local_checks(problem: Exception | None, mesh: Any) -> None:
                 "raises this)") from problem
 
 
-def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> None:
+def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str, extra: Any = None) -> list:
     """Raise ``ValueError`` on every rank of ``group`` naming the first of ``items``
     (``(description, value)``, in the same order on every rank) whose value differs
     between ranks, with each rank's value; ``what`` says what was set up ("the model",
     "the Muon optimizer"). Items whose description starts with "matrix optimizer " are
     compared among the ranks that have them (an optimizer over ``matrix_params``, which a
     rank owning no matrix may not have). One gather of the list: call it once, at
-    set-up, never in a step. Values must compare with ``==`` (no tensors)."""
+    set-up, never in a step. Values must compare with ``==`` (no tensors). ``extra`` travels
+    in the same gather, uncompared: every rank's is returned, in rank order."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    every = all_gather_object(items, group)
+        return [extra]
+    gathered = all_gather_object((items, extra), group)
+    every = [ranks_items for ranks_items, _ in gathered]
     keys = [dict(ranks_items) for ranks_items in every]
     mine = dict(items)
     for key in dict.fromkeys(k for ranks_items in every for k, _ in ranks_items):
@@ -211,31 +213,36 @@ def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str) -> Non
             raise ValueError(f"matrixfsdp: ranks set up {what} differently: {key}: {seen}. Every "
                              "rank must build the same model and optimizer"
                              + ("" if key in mine else " (this rank lacks it)"))
+    return [e for _, e in gathered]
 
 
-def check_owned_matrices_stepped(units: list[Unit], stepped: set[int], group: Any) -> None:
-    """Raise ``RuntimeError`` on every rank of ``group`` if some rank owns trainable Muon
-    matrices (whole, stepped on that rank: ``matrix_params``) that no optimizer stepped
-    (``stepped``: the ids of the parameters the optimizers stepped so far held) while some
-    rank's are stepped. Each rank steps only the matrices it owns, so a rank without the
-    matrix optimizer would leave its matrices at their initial values and differ from one
-    process. No optimizer on any rank's matrices is one process's behaviour too and passes.
-    One gather of a few names: call it once, after the first optimizer step."""
-    mine = [(info.name, tuple(info.placement.spec.shape)) for u in units for p in u.sharded
+def matrix_coverage(units: list[Unit], stepped: set[int]) -> tuple[list[tuple[str, tuple]], bool]:
+    """This rank's trainable Muon matrices that it owns and steps (``matrix_params``) which
+    no optimizer stepped so far (``stepped``: the ids of the parameters the optimizers that
+    stepped held), by name and shape, and whether any it owns was stepped."""
+    mine = [(info, p) for u in units for p in u.sharded
             if (info := sharded_param(p)) is not None and info.placement.spec.muon
-            and not info.placement.spec.is_experts and p.requires_grad and p.numel()
-            and info.steps_here() and id(p) not in stepped]
-    owns_stepped = any(id(p) in stepped for u in units for p in u.sharded
-                       if (info := sharded_param(p)) is not None and info.placement.spec.muon
-                       and p.requires_grad and p.numel() and info.steps_here())
-    every = [(mine, owns_stepped)] if not dist.is_initialized() or dist.get_world_size(group) == 1 \
-        else all_gather_object((mine, owns_stepped), group)
+            and not info.placement.spec.is_experts and p.requires_grad and p.numel() and info.steps_here()]
+    return ([(i.name, tuple(i.placement.spec.shape)) for i, p in mine if id(p) not in stepped],
+            any(id(p) in stepped for _, p in mine))
+
+
+def judge_matrix_coverage(every: list[tuple[list, bool]]) -> bool:
+    """From every rank's :func:`matrix_coverage` (the same list on every rank), raise
+    ``RuntimeError`` if some rank owns matrices that no optimizer stepped while some rank's
+    are stepped: each rank steps only the matrices it owns, so a rank without the matrix
+    optimizer would leave them at their initial values and differ from one process. Returns
+    whether it is decided: False while no rank has stepped a matrix and some own unstepped
+    ones (the matrix optimizer may still step later in this step, or there is none on any
+    rank, which is one process's behaviour too)."""
     idle = [r for r, (names, _) in enumerate(every) if names]
-    if not idle or not any(s for _, s in every):
-        return
-    names, _ = every[idle[0]]
-    shown = ", ".join(f"'{n}' {s}" for n, s in names[:_SHOWN]) + (" ..." if len(names) > _SHOWN else "")
     stepping = [r for r, (_, s) in enumerate(every) if s]
+    if not idle:
+        return True
+    if not stepping:
+        return False
+    names = every[idle[0]][0]
+    shown = ", ".join(f"'{n}' {s}" for n, s in names[:_SHOWN]) + (" ..." if len(names) > _SHOWN else "")
     raise RuntimeError(
         f"matrixfsdp: {ranks_text(idle)} own{'s' if len(idle) == 1 else ''} Muon matrices that no "
         f"optimizer stepped ({len(names)} on rank {idle[0]}: {shown}), while {ranks_text(stepping)} "

@@ -60,7 +60,7 @@ class CollectiveCheck:
     def describe(self, sig: list[int]) -> str:
         step, unit, phase, numel, digest = sig
         size = f" of {numel} elements, layout {digest:08x}" if numel else ""
-        return f"step {step}, unit '{self.unit_names[unit]}', {COLLECTIVE_PHASES[phase]}{size}"
+        return f"step {step + 1}, unit '{self.unit_names[unit]}', {COLLECTIVE_PHASES[phase]}{size}"  # 1-based
 
     def __call__(self, unit: int, phase: int, numel: int = 0, digest: int = 0) -> None:
         mine = [self.step, unit, phase, numel, digest]

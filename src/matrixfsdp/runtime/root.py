@@ -15,8 +15,8 @@ from torch import nn
 from .._compat import in_backward, queue_backward_callback
 from ..planning.layout import UnitLayout
 from ..planning.types import Plan
-from .checks import check_owned_matrices_stepped, check_unsharded_trainable
-from .collectives import CommStats
+from .checks import check_unsharded_trainable, judge_matrix_coverage, matrix_coverage
+from .collectives import CommStats, all_gather_object
 from .debug import CollectiveCheck
 from .domain import Domain, mesh_device
 from .overlap import Schedule
@@ -48,9 +48,11 @@ class Root:
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
         self.registration_check_due = True  # check_registered at the next root forward
-        # the parameters the optimizers stepped so far, until the first forward after the
-        # first step checks that every rank steps the matrices it owns (then None)
+        # the parameters the optimizers stepped so far, until it is judged that every rank
+        # steps the matrices it owns (then None); judged at an optimizer's first-step
+        # comparison of settings, or, if undecided there, at the next forward (``due``)
         self.stepped: set[int] | None = set()
+        self.matrix_coverage_due = False
         self.collective_check = CollectiveCheck(self.groups.world, mesh_device(self.mesh),
                                                 [u.name for u in units]) \
             if debug and self.world_size > 1 else None
@@ -71,6 +73,21 @@ class Root:
         self.mark_stepped(params)
         release_grads(params)  # the optimizer's own norms (per matrix, on its owner) are right
 
+    def matrix_coverage(self) -> tuple[list, bool] | None:
+        """This rank's :func:`~matrixfsdp.runtime.checks.matrix_coverage`, None once judged."""
+        return None if self.stepped is None else matrix_coverage(self.units, self.stepped)
+
+    def judged_matrix_coverage(self, every: list) -> None:
+        """Every rank's :meth:`matrix_coverage` (gathered with an optimizer's first-step
+        settings): raise if a rank steps none of its matrices while others step theirs;
+        else done, or, if undecided, judged again at the next forward."""
+        if self.stepped is None or any(c is None for c in every):
+            return
+        decided = judge_matrix_coverage(every)
+        self.matrix_coverage_due = not decided
+        if decided:
+            self.stepped = None
+
     def check_grads_reduced(self) -> None:
         """Before an optimizer step: raise if a pipeline stage still holds this step's
         gradients unreduced (its schedule never called ``perform_reduce_grad``), the same
@@ -88,8 +105,11 @@ class Root:
         if self.registration_check_due:  # once per training step (each eval forward)
             self.check_registered()
             self.registration_check_due = not torch.is_grad_enabled()
-        if self.stepped:  # once: the first forward after the first optimizer step
-            check_owned_matrices_stepped(self.units, self.stepped, self.groups.world)
+        if self.matrix_coverage_due:  # once, undecided at the first step: one small gather
+            self.matrix_coverage_due = False
+            mine = self.matrix_coverage()
+            judge_matrix_coverage(all_gather_object(mine, self.groups.world) if self.world_size > 1
+                                  else [mine])
             self.stepped = None
         if self.schedule.enabled:  # HSDP: every broadcast travels while forward runs
             self.start_broadcasts()

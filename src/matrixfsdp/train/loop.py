@@ -171,7 +171,8 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     run.stats.reset()
     t0 = time.perf_counter()
     loss_sum = torch.zeros((), device=device)
-    arrival.at(step + 1, "forward and backward")  # each phase said, for a hang's "last seen" (1-based, as the bar and checkpoint names)
+    # each phase said, for a hang's "last seen" (steps 1-based, as the bar and checkpoint names)
+    arrival.at(step + 1, "forward and backward")
     for k in range(accum):  # K micro-batches, each (loss / K).backward()
         x = batch_at(run.corpus, step * accum + k, run.dp_rank, run.dp_size, args.batch, args.seq,
                      args.seed)
