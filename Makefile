@@ -8,12 +8,12 @@ PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.
 
 .PHONY: demo test lint bench plan clean
 
+# --no-compile: no bytecode for all of torch at install (some 15 s here); what the suite
+# and the demo import is compiled once, at first import.
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test,bench]"
-	$(BIN)/pip install -q --no-deps $(PEERS)
+	$(BIN)/pip install -q --no-compile "$(TORCH)" -e ".[test,bench]"
+	$(BIN)/pip install -q --no-compile --no-deps $(PEERS)
 	touch $@
 
 demo: $(BIN)/.installed
