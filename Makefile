@@ -17,7 +17,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: $(BIN)/.installed
-	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp train --ranks 4 --steps 60 --out runs/demo
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/matrixfsdp train --ranks 4 --steps 60 --out runs/demo
 
 # Two pytest workers, one test file each at a time (a file's ranks and module fixtures stay
 # in one worker): the suite is CPU-bound, and two keep both cores of a small machine busy.
