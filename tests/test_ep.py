@@ -10,6 +10,8 @@ without EP."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed.checkpoint as dcp
 from _dist import spawn
@@ -17,6 +19,7 @@ from collectives import Collectives
 from ep_models import VOCAB, apply_ep, build_moe
 from reference import assert_params_close, reference_ns_fp32
 from test_parity import ADAMW, MUON, _groups
+from test_titan_trainer import titan_hf_export
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -113,6 +116,11 @@ def _ep_2x2(rank, world, ckpt):
     # torch's full export: every expert gathered over dp_shard_mod_ep, then ep
     exported = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     assert all(torch.equal(exported[n], t) for n, t in full.items())
+    # torchtitan's HF export of the same sharded state (DCP + HuggingFaceStorageWriter): exact
+    hf = titan_hf_export(model, os.path.dirname(ckpt), len(data))
+    if rank == 0:
+        assert sorted(hf) == sorted(full), sorted(set(hf) ^ set(full))
+        assert all(torch.equal(hf[n], t) for n, t in full.items())
     # the checkpoint, at dp 4 without expert parallelism
     plain = build_moe(seed=3)
     for block in plain.layers:

@@ -17,10 +17,12 @@ replica with the same optimizers, whose values go back into the DTensor shards.
 
 from __future__ import annotations
 
+import glob
 import os
 
 import pytest
 import torch
+import torch.distributed as dist
 from _dist import spawn
 from reference import PARITY_TOL, assert_params_close, batches, rank_slice, train_reference
 from test_parity import ADAMW, MUON, ODD, _groups
@@ -282,6 +284,27 @@ def _adapter():
     return GPTAdapter()
 
 
+def titan_hf_export(model, folder: str, step: int) -> dict | None:
+    """torchtitan's CheckpointManager, unchanged, saving the last step in HF format (DCP with
+    a HuggingFaceStorageWriter over the model's sharded state dict, through the adapter's
+    to_hf), on every rank of ``model``'s mesh (TP and EP included); rank 0 reads the
+    safetensors back through from_hf and returns them (other ranks: None)."""
+    from safetensors.torch import load_file
+    from torchtitan.components.checkpoint import CheckpointManager
+    ckpt = CheckpointManager(
+        CheckpointManager.Config(enable=True, folder="titan", interval=1, keep_latest_k=0,
+                                 last_save_model_only=True, last_save_in_hf=True),
+        dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={},
+        sd_adapter=_adapter(), base_folder=folder)
+    ckpt.save(curr_step=step, last_step=True)
+    ckpt.close()
+    dist.barrier()
+    if dist.get_rank():
+        return None
+    files = glob.glob(os.path.join(folder, "titan", "step-*", "*.safetensors"))
+    return _adapter().from_hf({k: v for f in files for k, v in load_file(f).items()})
+
+
 def _hf_export(rank, world, folder, out):
     """torchtitan's CheckpointManager, unchanged, saving the last step in HF format (its
     model's state_dict, the adapter's to_hf, DCP with a HuggingFaceStorageWriter
@@ -322,8 +345,6 @@ def test_hf_export_loads_back_into_the_plain_model(reference, tmp_path):
     within PARITY_TOL of one process; a transformers Llama exported through torch's
     get_model_state_dict(full_state_dict, cpu_offload) and save_pretrained loads back
     with from_pretrained, equal."""
-    import glob
-
     import transformers
     from safetensors.torch import load_file
     out = str(tmp_path / "out.pt")

@@ -36,6 +36,7 @@ the dp dim to fully_shard.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -44,6 +45,7 @@ from _dist import spawn
 from collectives import Collectives
 from reference import assert_params_close, is_muon_name, reference_ns_fp32
 from test_parity import ADAMW, MUON, _groups
+from test_titan_trainer import titan_hf_export
 from torch.distributed.device_mesh import init_device_mesh
 from tp_models import VOCAB, Llama, apply_tp, build_llama
 
@@ -205,7 +207,9 @@ def _feature(rank, world, name, out):
         counts = _train(model, [opt], dp_rank, micro)
         if name == "torch_full_export":
             extra.update(_torch_export(model, opt, mesh))
+            extra["titan_hf"] = titan_hf_export(model, os.path.dirname(out), STEPS)
     _save(out, model, counts, **extra)
+
 
 
 def _torch_export(model, opt, mesh) -> dict:
@@ -253,6 +257,9 @@ def test_feature_with_tp_matches_one_process(name, tmp_path):
     if name == "torch_full_export":  # torch's full_state_dict, rank 0's, and FSDP2 + TP's
         assert_params_close(ours["torch_full"], _reference("llama"), what="torch's full export: ")
         assert_params_close(ours["fsdp2_full"], _reference("llama"), what="FSDP2 + TP's full export: ")
+        hf = ours["titan_hf"]  # torchtitan's HF export: mf.full_state_dict's values exactly
+        assert sorted(hf) == sorted(ours["params"]), sorted(set(hf) ^ set(ours["params"]))
+        assert all(torch.equal(hf[n], t) for n, t in ours["params"].items())
 
 
 # ---- bf16 mixed precision, against FSDP2 + TP ------------------------------------------------
