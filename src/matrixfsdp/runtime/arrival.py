@@ -15,11 +15,14 @@ is missing. To name it, at no cost per collective beyond a counter and a clock r
   collectives that someone else issues (DCP's planning, write and read inside a save or a
   load: :class:`LocalWork`);
 * a rank posts where it is to the default process group's store only where that is cheap
-  or may matter: a wait longer than :data:`SLOW_S` (``waiting``, then ``done``), local work
-  (``busy`` when entered, ``waiting`` for what follows when left), a checkpoint's
-  collective; a quick runtime collective posts nothing;
+  or may matter: a wait longer than :data:`SLOW_S` (``waiting``, posted by a watchdog
+  thread while the wait blocks, then ``done``), local work (``busy`` when entered,
+  ``waiting`` for what follows when left), a checkpoint's collective; a quick runtime
+  collective posts nothing;
 * a rank whose wait fails at the timeout reads every peer's post: a peer waiting at the
-  same point arrived; one busy in local work, behind, or silent did not. Its
+  same point arrived; one waiting at an earlier point that this rank completed (a ring or
+  a reduce completes on some ranks before others) is alive and waits for the same rank;
+  one busy in local work, behind, or silent did not arrive. Its
   :class:`CollectiveTimeout` names those ranks, where each was last seen (its own post, or
   the last collective this rank completed with it, whichever is later, with the training
   step and phase the loop set: :func:`at`) and the time this rank actually waited,
@@ -181,29 +184,85 @@ def issued(group: dist.ProcessGroup, kind: str) -> Watch | None:
     return Watch(g, g.count, kind, time.monotonic(), time.time(), current_place())
 
 
+class _Wait:
+    """One watched wait in progress: posted ``waiting`` by the watchdog once past its
+    deadline (``time.monotonic()``)."""
+
+    __slots__ = ("watch", "deadline", "posted")
+
+    def __init__(self, watch: Watch, deadline: float):
+        self.watch, self.deadline, self.posted = watch, deadline, False
+
+
+class _Watchdog:
+    """Posts ``waiting`` for each watched wait that has lasted longer than its group's
+    ``slow`` threshold: one daemon thread per process, started at the first wait that is
+    not over at once. A thread rather than ``work.wait(timeout)``: some gloo works ignore
+    that timeout and block to the group's own (``reduce_scatter_tensor``'s: a 1 s wait
+    returned after the group's 6 s, here), so the rank would post nothing before it failed
+    and every peer would count it missing. The waiting thread only registers its wait
+    (a lock and a set insert) and leaves it; the post happens under the same lock, so a
+    ``waiting`` post never lands after the ``done`` that follows it."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.waits: set[_Wait] = set()
+        threading.Thread(target=self._run, name="matrixfsdp-arrival", daemon=True).start()
+
+    def enter(self, watch: Watch) -> _Wait:
+        entry = _Wait(watch, time.monotonic() + watch.group.slow.total_seconds())
+        with self.cond:
+            self.waits.add(entry)
+            self.cond.notify()
+        return entry
+
+    def leave(self, entry: _Wait) -> bool:
+        """The wait is over; whether it was posted ``waiting``."""
+        with self.cond:
+            self.waits.discard(entry)
+            return entry.posted
+
+    def _run(self) -> None:
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                pending = [w for w in self.waits if not w.posted]
+                for w in (w for w in pending if w.deadline <= now):
+                    w.posted = w.watch.group.post(w.watch.index, w.watch.kind, "waiting",
+                                                  w.watch.place, w.watch.wall)
+                later = [w.deadline for w in pending if w.deadline > now]
+                self.cond.wait(timeout=min(later) - now if later else None)
+
+
+_watchdog: _Watchdog | None = None
+
+
 def wait(work: Any, watch: Watch | None) -> None:
-    """``work.wait()``; for a watched gloo collective, in two parts (see the module's
-    docstring). Raises :class:`CollectiveTimeout` when the collective timed out."""
+    """``work.wait()``; for a watched gloo collective not over at once, posted ``waiting``
+    by :class:`_Watchdog` once it has lasted the group's ``slow`` threshold (see the
+    module's docstring). Raises :class:`CollectiveTimeout` when the collective timed out."""
+    global _watchdog
     if watch is None or not isinstance(work, dist.Work):
         work.wait()
         return
     g = watch.group
-    try:
-        work.wait(timeout=g.slow)
+    if work.is_completed():
+        work.wait()  # raises the work's error, if it failed
         g.completed(watch.index, watch.kind, watch.place)
         return
-    except RuntimeError:
-        pass  # still running ("Operation timed out!"), or failed: the full wait says which
-    posted = not work.is_completed() and g.post(watch.index, watch.kind, "waiting", watch.place,
-                                                watch.wall)
+    if _watchdog is None:
+        _watchdog = _Watchdog()
+    entry = _watchdog.enter(watch)
     try:
         work.wait()
     except RuntimeError as e:
+        _watchdog.leave(entry)
         found = failure(g, watch.index, f"the {watch.kind} #{watch.index}{_on(g)}", watch.issued,
                         watch.place, e)
         if found is None:
             raise
         raise found from e
+    posted = _watchdog.leave(entry)
     g.completed(watch.index, watch.kind, watch.place)
     if posted:
         g.post(watch.index, watch.kind, "done", watch.place)

@@ -247,7 +247,7 @@ def judge_matrix_coverage(every: list[tuple[list, bool]]) -> bool:
         f"matrixfsdp: {ranks_text(idle)} own{'s' if len(idle) == 1 else ''} Muon matrices that no "
         f"optimizer stepped ({len(names)} on rank {idle[0]}: {shown}), while {ranks_text(stepping)} "
         "step theirs: each rank steps the whole matrices it owns, so those would never train. "
-        "Build the matrix optimizer on every rank: matrixfsdp.matrix_optimizer(model, cls, "
+        "Build the matrix optimizer on every rank: matrixfsdp.matrix_optimizer(cls, model, "
         "**options) (a placeholder on a rank that owns none), or cls(matrixfsdp.matrix_params("
         "model)) wherever that list is not empty")
 
