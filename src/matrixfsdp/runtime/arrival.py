@@ -85,18 +85,27 @@ class CollectiveTimeout(RuntimeError):
     where each was last seen, and the time this rank (``rank``) actually waited. The
     backend's own error is its ``__cause__``."""
 
-    def __init__(self, message: str = "", missing: list[int] | tuple = (), rank: int | None = None):
+    def __init__(self, message: str = "", missing: list[int] | tuple = (), rank: int | None = None,
+                 lost: bool = False):
         super().__init__(message)
-        self.missing, self.rank = list(missing), rank
+        # ``lost``: this rank's wait ended because a peer closed its connection (a rank that
+        # timed out and left, or one whose process ended), before its own timeout
+        self.missing, self.rank, self.lost = list(missing), rank, lost
 
     def __reduce__(self):
-        return type(self), (str(self), self.missing, self.rank)
+        return type(self), (str(self), self.missing, self.rank, self.lost)
 
 
 def timed_out(exc: BaseException) -> bool:
     """Whether ``exc`` (a backend error, or DCP's exception holding every rank's) says a
     wait timed out."""
     return "timed out" in str(exc).lower()
+
+
+def error_text(exc: BaseException) -> str:
+    """The backend error's last line, without gloo's source location."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+    return text.split("] ", 1)[-1] if text.startswith("[") else text
 
 
 def lost_peer(exc: BaseException) -> bool:
@@ -298,8 +307,10 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
             exc: BaseException, work: str | None = None) -> CollectiveTimeout | None:
     """The :class:`CollectiveTimeout` of this rank's wait at point ``index`` (``what`` it
     waited at, since ``time.monotonic()`` ``started``; after leaving local ``work``) that failed
-    with ``exc``, from the peers' posts; None where ``exc`` is no timeout (or a lost peer
-    with no peer seen stuck in local work: the peer that ended is the story)."""
+    with ``exc``, from the peers' posts; None where ``exc`` is neither a timeout nor a lost
+    peer, or a lost peer with every peer seen (the peer that ended is the story). A lost
+    peer with a rank seen stuck in local work names that rank; with silent ranks only, it
+    names them, ``lost``: each hangs, or its process ended."""
     if not g.watched or not (timed_out(exc) or lost_peer(exc)):
         return None
     waited = time.monotonic() - started
@@ -325,17 +336,23 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
                               f"{for_s}"))
         else:
             missing.append((r, _last_seen(seen, g.last, g.me, work)))
-    if not timed_out(exc):  # a lost peer: only a rank seen stuck in local work is named
-        missing = [(r, s) for r, s in missing if s.startswith(("last seen in ", "still in it"))]
+    lost = False
+    if not timed_out(exc):  # a lost peer: a rank seen stuck in local work is the story
+        stuck = [(r, s) for r, s in missing if s.startswith(("last seen in ", "still in it"))]
         if not missing:
             return None
+        # else the silent ones: the peer whose process ended, or the one that hangs while
+        # the peers that timed out on it left (gloo closes their pairs with this rank)
+        lost, missing = not stuck, stuck or missing
     limit = f"the process group's timeout is {g.timeout:g} s" if g.timeout else "at the backend's timeout"
     parts = []
     if missing:
         ranks = [r for r, _ in missing]
         they = "they hang, are" if len(ranks) > 1 else "it hangs, is"
         inside = all(t.startswith(("last seen in ", "still in it")) for _, t in missing)
-        why = (f"{'they hang, or are' if len(ranks) > 1 else 'it hangs, or is'} slower than the "
+        why = (f"{'they hang, or their processes' if len(ranks) > 1 else 'it hangs, or its process'} "
+               f"ended: this rank lost its connection to a peer ({error_text(exc)})" if lost else
+               f"{'they hang, or are' if len(ranks) > 1 else 'it hangs, or is'} slower than the "
                "timeout" if inside else
                f"{they} slower than the timeout, or left the training loop; debug mode says where "
                "each rank is")
@@ -354,7 +371,7 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
     parts.append(f"rank {g.me} waited {waited:.1f} s for it ({limit})")
     if arrived:
         parts.append(f"{ranks_text(arrived)} arrived and waited too")
-    return CollectiveTimeout("; ".join(parts), [r for r, _ in missing], g.me)
+    return CollectiveTimeout("; ".join(parts), [r for r, _ in missing], g.me, lost=lost)
 
 
 class Point:

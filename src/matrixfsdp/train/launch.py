@@ -114,7 +114,9 @@ def _report_failure(rank: int, exc: BaseException) -> bool:
     nothing itself)."""
     waited = isinstance(exc, CollectiveTimeout)
     hung = exc.missing if waited else []
-    secondary = not waited and lost_peer(exc)
+    # a lost peer is a consequence (of a rank that ended, or of the peers that timed out on
+    # a hung rank and left): its report never decides the launcher's line
+    secondary = getattr(exc, "lost", False) or (not waited and lost_peer(exc))
     line = failure_line(rank, exc)
     if waited:  # the peer that hung is the story, and this rank is not "failed" for waiting
         line = f"rank {rank} stopped: {str(exc).strip()}"
