@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from .._compat import default_store
 from .process_groups import group_timeout
+from .waiting import watchdog
 
 SLOW_S = 1.0  # a wait longer than this (or a quarter of the group's timeout) is posted
 _KEY = "matrixfsdp-wait/"
@@ -193,64 +194,11 @@ def issued(group: dist.ProcessGroup, kind: str) -> Watch | None:
     return Watch(g, g.count, kind, time.monotonic(), time.time(), current_place())
 
 
-class _Wait:
-    """One watched wait in progress: posted ``waiting`` by the watchdog once past its
-    deadline (``time.monotonic()``)."""
-
-    __slots__ = ("watch", "deadline", "posted")
-
-    def __init__(self, watch: Watch, deadline: float):
-        self.watch, self.deadline, self.posted = watch, deadline, False
-
-
-class _Watchdog:
-    """Posts ``waiting`` for each watched wait that has lasted longer than its group's
-    ``slow`` threshold: one daemon thread per process, started at the first wait that is
-    not over at once. A thread rather than ``work.wait(timeout)``: some gloo works ignore
-    that timeout and block to the group's own (``reduce_scatter_tensor``'s: a 1 s wait
-    returned after the group's 6 s, here), so the rank would post nothing before it failed
-    and every peer would count it missing. The waiting thread only registers its wait
-    (a lock and a set insert) and leaves it; the post happens under the same lock, so a
-    ``waiting`` post never lands after the ``done`` that follows it."""
-
-    def __init__(self):
-        self.cond = threading.Condition()
-        self.waits: set[_Wait] = set()
-        threading.Thread(target=self._run, name="matrixfsdp-arrival", daemon=True).start()
-
-    def enter(self, watch: Watch) -> _Wait:
-        entry = _Wait(watch, time.monotonic() + watch.group.slow.total_seconds())
-        with self.cond:
-            self.waits.add(entry)
-            self.cond.notify()
-        return entry
-
-    def leave(self, entry: _Wait) -> bool:
-        """The wait is over; whether it was posted ``waiting``."""
-        with self.cond:
-            self.waits.discard(entry)
-            return entry.posted
-
-    def _run(self) -> None:
-        with self.cond:
-            while True:
-                now = time.monotonic()
-                pending = [w for w in self.waits if not w.posted]
-                for w in (w for w in pending if w.deadline <= now):
-                    w.posted = w.watch.group.post(w.watch.index, w.watch.kind, "waiting",
-                                                  w.watch.place, w.watch.wall)
-                later = [w.deadline for w in pending if w.deadline > now]
-                self.cond.wait(timeout=min(later) - now if later else None)
-
-
-_watchdog: _Watchdog | None = None
-
-
 def wait(work: Any, watch: Watch | None) -> None:
     """``work.wait()``; for a watched gloo collective not over at once, posted ``waiting``
-    by :class:`_Watchdog` once it has lasted the group's ``slow`` threshold (see the
-    module's docstring). Raises :class:`CollectiveTimeout` when the collective timed out."""
-    global _watchdog
+    by the :func:`~matrixfsdp.runtime.waiting.watchdog` once it has lasted the group's
+    ``slow`` threshold (see the module's docstring). Raises :class:`CollectiveTimeout` when
+    the collective timed out."""
     if watch is None or not isinstance(work, dist.Work):
         work.wait()
         return
@@ -259,19 +207,19 @@ def wait(work: Any, watch: Watch | None) -> None:
         work.wait()  # raises the work's error, if it failed
         g.completed(watch.index, watch.kind, watch.place)
         return
-    if _watchdog is None:
-        _watchdog = _Watchdog()
-    entry = _watchdog.enter(watch)
+    dog = watchdog()
+    entry = dog.enter(g.slow.total_seconds(),
+                      lambda: g.post(watch.index, watch.kind, "waiting", watch.place, watch.wall))
     try:
         work.wait()
     except RuntimeError as e:
-        _watchdog.leave(entry)
+        dog.leave(entry)
         found = failure(g, watch.index, f"the {watch.kind} #{watch.index}{_on(g)}", watch.issued,
                         watch.place, e)
         if found is None:
             raise
         raise found from e
-    posted = _watchdog.leave(entry)
+    posted = dog.leave(entry)
     g.completed(watch.index, watch.kind, watch.place)
     if posted:
         g.post(watch.index, watch.kind, "done", watch.place)

@@ -1,0 +1,73 @@
+"""A thread that says a wait is still waiting, while the waiting thread blocks.
+
+:func:`matrixfsdp.runtime.arrival.wait` posts ``waiting`` for a gloo collective that has
+lasted longer than its group's ``slow`` threshold, so that a peer that times out can tell
+a rank waiting with it from one that never arrived. It cannot do so itself with
+``work.wait(timeout)``: some gloo works ignore that timeout and block to the group's own
+(``reduce_scatter_tensor``'s: a 1 s wait returned after the group's 6 s, here), and the
+rank would post nothing before it failed. So the waiting thread registers its wait here
+(a lock and a set insert), blocks in ``work.wait()``, and leaves; one daemon thread per
+process, started at the first wait that is not over at once, posts for each wait past its
+deadline. The post runs under the same lock as :meth:`Watchdog.leave`, so a ``waiting``
+post never lands after the ``done`` that the waiting thread posts when its wait is over.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+
+class Waiting:
+    """One wait in progress: ``post()`` is called once it is past ``deadline``
+    (``time.monotonic()``); ``posted``: what it returned."""
+
+    __slots__ = ("deadline", "post", "posted")
+
+    def __init__(self, deadline: float, post: Callable[[], bool]):
+        self.deadline, self.post, self.posted = deadline, post, False
+
+
+class Watchdog:
+    """The thread that posts each :class:`Waiting` once past its deadline."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.waits: set[Waiting] = set()
+        threading.Thread(target=self._run, name="matrixfsdp-waiting", daemon=True).start()
+
+    def enter(self, seconds: float, post: Callable[[], bool]) -> Waiting:
+        """A wait starts: ``post()`` if it lasts ``seconds``."""
+        entry = Waiting(time.monotonic() + seconds, post)
+        with self.cond:
+            self.waits.add(entry)
+            self.cond.notify()
+        return entry
+
+    def leave(self, entry: Waiting) -> bool:
+        """The wait is over; whether it was posted."""
+        with self.cond:
+            self.waits.discard(entry)
+            return entry.posted
+
+    def _run(self) -> None:
+        with self.cond:
+            while True:
+                now = time.monotonic()
+                pending = [w for w in self.waits if not w.posted]
+                for w in (w for w in pending if w.deadline <= now):
+                    w.posted = w.post()
+                later = [w.deadline for w in pending if w.deadline > now]
+                self.cond.wait(timeout=min(later) - now if later else None)
+
+
+_watchdog: Watchdog | None = None
+
+
+def watchdog() -> Watchdog:
+    """This process's :class:`Watchdog`, started at the first call."""
+    global _watchdog
+    if _watchdog is None:
+        _watchdog = Watchdog()
+    return _watchdog
