@@ -35,14 +35,18 @@ class Watchdog:
     def __init__(self):
         self.cond = threading.Condition()
         self.waits: set[Waiting] = set()
+        self.wakes_at: float | None = None  # the thread's next deadline; None: asleep for good
         threading.Thread(target=self._run, name="matrixfsdp-waiting", daemon=True).start()
 
     def enter(self, seconds: float, post: Callable[[], bool]) -> Waiting:
-        """A wait starts: ``post()`` if it lasts ``seconds``."""
+        """A wait starts: ``post()`` if it lasts ``seconds``. The thread is woken only if it
+        would otherwise wake too late (about once per ``seconds`` while waits keep coming)."""
         entry = Waiting(time.monotonic() + seconds, post)
         with self.cond:
             self.waits.add(entry)
-            self.cond.notify()
+            if self.wakes_at is None or entry.deadline < self.wakes_at:
+                self.wakes_at = entry.deadline
+                self.cond.notify()
         return entry
 
     def leave(self, entry: Waiting) -> bool:
@@ -59,7 +63,8 @@ class Watchdog:
                 for w in (w for w in pending if w.deadline <= now):
                     w.posted = w.post()
                 later = [w.deadline for w in pending if w.deadline > now]
-                self.cond.wait(timeout=min(later) - now if later else None)
+                self.wakes_at = min(later) if later else None
+                self.cond.wait(timeout=self.wakes_at - now if later else None)
 
 
 _watchdog: Watchdog | None = None
