@@ -43,8 +43,8 @@ def test_train_runs_and_learns(tmp_path):
 
 
 def test_train_accumulates_clips_and_skips_nonfinite_steps(tmp_path):
-    # An AdamW lr of 1e30 makes step 0's update overflow the weights, so from step 1 on
-    # every gradient is NaN: those steps are skipped on both ranks, not applied.
+    # An AdamW lr of 1e30 makes step 1's update overflow the weights, so from step 2 on
+    # (1-based) every gradient is NaN: those steps are skipped on both ranks, not applied.
     out = _run("train", "--ranks", "2", "--steps", "3", *TINY, "--grad-accum", "2",
                "--clip", "1.0", "--skip-nonfinite", "--adamw-lr", "1e30", "--timeout", "60",
                "--out", str(tmp_path))
@@ -54,9 +54,9 @@ def test_train_accumulates_clips_and_skips_nonfinite_steps(tmp_path):
                                                "reduce_scatter": 4}
     norms = summary["grad_norms"]
     assert len(norms) == 3 and norms[0] > 0 and norms[1:] == [None, None]
-    assert [s["step"] for s in summary["skipped_steps"]] == [1, 2]
+    assert [s["step"] for s in summary["skipped_steps"]] == [2, 3]
     assert "layers.0.attn.q.weight" in summary["skipped_steps"][0]["nonfinite"]
-    assert "step 1: gradient norm is not finite, step skipped on every rank" in out.stdout
+    assert "step 2: gradient norm is not finite, step skipped on every rank" in out.stdout
     assert "clipped to 1.0" in out.stdout
 
 

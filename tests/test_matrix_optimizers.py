@@ -25,6 +25,7 @@ from reference import PARITY_TOL
 from torch import nn
 
 import matrixfsdp as mf
+from matrixfsdp.runtime.param import sharded_param
 
 po = pytest.importorskip("pytorch_optimizer")
 hb = pytest.importorskip("heavyball")
@@ -180,6 +181,13 @@ def _by_hand(model) -> list[torch.optim.Optimizer]:
         [torch.optim.AdamW(mf.shard_params(model), lr=1e-2)]
 
 
+def _step_all(model, opts) -> None:
+    model(torch.randn(PER_RANK, D)).sum().backward()
+    for o in opts:
+        o.step()
+        o.zero_grad()
+
+
 def _owners_of_nothing_by_hand(rank, world, out_dir):
     """4 ranks, one block (2 matrices): two ranks own none and build no Shampoo. Training
     is exact: nothing issues a collective for Shampoo, and those ranks have nothing of it to
@@ -205,29 +213,28 @@ def _owners_of_nothing_by_hand(rank, world, out_dir):
         for o in opts:
             o.step()
     # an owner that forgets its Shampoo: its matrices would never train. Refused on every
-    # rank, naming it: at the first step of the AdamW after the Shampoo, before the AdamW
-    # moves anything; with the AdamW first, at the next forward (the Shampoo may come later)
+    # rank, naming it, at the next forward (when every optimizer of the step has stepped),
+    # in either order; with the Shampoo first the AdamW's first step settles nothing alone
     for shampoo_first in (True, False):
         model = _sharded(world, blocks=1)
         owners = [None] * world
         dist.all_gather_object(owners, bool(mf.matrix_params(model)))
         forgetful = owners.index(True)
         opts = _by_hand(model)[(rank == forgetful):]
-        opts = opts if shampoo_first else opts[::-1]
-        model(torch.randn(PER_RANK, D)).sum().backward()
-        refused = pytest.raises(RuntimeError, match=rf"rank {forgetful} owns Muon matrices that no "
-                                                    r"optimizer stepped .*matrixfsdp\.matrix_optimizer")
-        if shampoo_first:
-            rows = [p.detach().clone() for p in mf.shard_params(model)]
-            with refused:
-                for o in opts:
-                    o.step()
-            assert all(torch.equal(a, p) for a, p in zip(rows, mf.shard_params(model)))
-        else:
-            for o in opts:
-                o.step()
-            with refused:
-                model(torch.randn(PER_RANK, D))
+        _step_all(model, opts if shampoo_first else opts[::-1])
+        refused = (rf"rank {forgetful} owns Muon matrices that no optimizer stepped "
+                   r".*matrixfsdp\.matrix_optimizer\(cls, model")
+        with pytest.raises(RuntimeError, match=refused):
+            model(torch.randn(PER_RANK, D))
+    # not refused: each matrix stepped by an optimizer of its own, one before the AdamW and
+    # one after it (the AdamW's first step cannot settle it; the next forward does)
+    model = _sharded(world, blocks=1)
+    ups = [p for p in mf.matrix_params(model) if sharded_param(p).name.endswith("up.weight")]
+    downs = [p for p in mf.matrix_params(model) if sharded_param(p).name.endswith("down.weight")]
+    _step_all(model, ([torch.optim.SGD(ups, lr=0.1)] if ups else [])
+              + [torch.optim.AdamW(mf.shard_params(model), lr=1e-2)]
+              + ([torch.optim.SGD(downs, lr=0.1)] if downs else []))
+    model(torch.randn(PER_RANK, D))
     if rank == 0:
         with open(os.path.join(out_dir, "nothing4.json"), "w") as f:
             json.dump(diff, f)

@@ -78,10 +78,11 @@ def _all_finite(checkpoint, tmp_path) -> bool:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_nan_gradient_stops_the_run_and_every_kept_checkpoint_is_finite(tmp_path, mode):
-    """A NaN in rank 1's piece of one gradient at step 4 (of 6; a save every 2, the last 2
-    kept). Before: training went on with NaN weights, exited 0, and --keep-last 2 pruned the
-    finite checkpoints (both kept ones all-NaN). Now: exit 1 at step 4, before its optimizer
-    step, naming the step, the parameter and rank 1; steps 2 and 4 are kept, both finite."""
+    """A NaN in rank 1's piece of one gradient at step 5 (of 6, 1-based: the fault's 4; a save
+    every 2, the last 2 kept). Before: training went on with NaN weights, exited 0, and
+    --keep-last 2 pruned the finite checkpoints (both kept ones all-NaN). Now: exit 1 at
+    step 5, before its optimizer step, naming the step, the parameter and rank 1; steps 2
+    and 4 are kept, both finite."""
     out = tmp_path / "run"
     run = _train("--steps", "6", "--save-every", "2", "--keep-last", "2", "--out", str(out),
                  *(["--async-save"] if mode == "async" else []), fault="nan@1:4")
@@ -89,7 +90,7 @@ def test_a_nan_gradient_stops_the_run_and_every_kept_checkpoint_is_finite(tmp_pa
     line = _launcher_line(run)
     ckpts = out / "checkpoints"
     assert re.fullmatch(
-        r"matrixfsdp train: rank [01] failed: NonFiniteError: step 4: non-finite gradients: [\w.]+ "
+        r"matrixfsdp train: rank [01] failed: NonFiniteError: step 5: non-finite gradients: [\w.]+ "
         r"\(rank 1\)\. Training stopped before the optimizer step, on every rank: no checkpoint "
         rf"holds these values \(the newest checkpoint, {re.escape(str(ckpts / 'step_00000004'))}, "
         r"is from before it\); --skip-nonfinite skips such steps instead; the other ranks were stopped",
@@ -102,19 +103,20 @@ def test_a_nan_gradient_stops_the_run_and_every_kept_checkpoint_is_finite(tmp_pa
 
 
 def test_skipped_steps_name_the_ranks(tmp_path):
-    """--skip-nonfinite: a NaN gradient on rank 1 at step 1 and a NaN loss on rank 0 at
-    step 3 are skipped, each line naming where (before: the parameters only)."""
+    """--skip-nonfinite: a NaN gradient on rank 1 at step 2 and a NaN loss on rank 0 at
+    step 4 (1-based; the faults' 1 and 3) are skipped, each line naming where (before: the
+    parameters only)."""
     run = _train("--steps", "5", "--skip-nonfinite", "--out", str(tmp_path),
                  fault="nan@1:1,nanloss@0:3")
     assert run.returncode == 0, run.stderr[-3000:]
     text = run.stdout.replace("\r", "\n")
-    step1 = re.search(r"step 1: gradient norm is not finite, step skipped on every rank; "
+    step1 = re.search(r"step 2: gradient norm is not finite, step skipped on every rank; "
                       r"non-finite gradients: ([\w.]+) \(rank 1\)\n", text)
     assert step1, text[-3000:]
-    assert ("step 3: gradient norm is not finite, step skipped on every rank; the loss is not "
+    assert ("step 4: gradient norm is not finite, step skipped on every rank; the loss is not "
             "finite on rank 0; non-finite gradients: ") in text
     skipped = json.loads((tmp_path / "summary.json").read_text())["skipped_steps"]
-    assert [s["step"] for s in skipped] == [1, 3]
+    assert [s["step"] for s in skipped] == [2, 4]
     assert skipped[0]["nonfinite_ranks"] == {step1.group(1): [1]} and skipped[0]["ranks"] == [1]
     assert skipped[1]["loss_ranks"] == [0] and skipped[1]["ranks"] == [0, 1]
 
@@ -422,7 +424,7 @@ def test_a_peer_waiting_at_an_earlier_collective_is_not_named_as_the_hung_rank()
                             RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     assert found.missing == [2], str(found)
     text = str(found)
-    assert "rank 3 still waits at the all_gather #31" in text and "rank 1 arrived" in text, text
+    assert "rank 3 was last seen waiting at the all_gather #31" in text and "rank 1 arrived" in text, text
     # an earlier view, before rank 3 posted its wait, named rank 3 too: the launcher drops
     # the ranks that reported a wait themselves
     reports = [{"rank": 0, "time": 1.0, "waited": True, "hung": [2, 3], "message": "ranks 2, 3 ..."},

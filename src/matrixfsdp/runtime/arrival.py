@@ -203,23 +203,23 @@ def wait(work: Any, watch: Watch | None) -> None:
         work.wait()
         return
     g = watch.group
-    if work.is_completed():
-        work.wait()  # raises the work's error, if it failed
-        g.completed(watch.index, watch.kind, watch.place)
-        return
-    dog = watchdog()
+    # a wait not over at once is posted by the watchdog once it lasts (a failed work is over)
+    dog = None if work.is_completed() else watchdog()
     entry = dog.enter(g.slow.total_seconds(),
-                      lambda: g.post(watch.index, watch.kind, "waiting", watch.place, watch.wall))
+                      lambda: g.post(watch.index, watch.kind, "waiting", watch.place, watch.wall)) \
+        if dog is not None else None
+    posted = False
     try:
         work.wait()
     except RuntimeError as e:
-        dog.leave(entry)
         found = failure(g, watch.index, f"the {watch.kind} #{watch.index}{_on(g)}", watch.issued,
                         watch.place, e)
         if found is None:
             raise
         raise found from e
-    posted = dog.leave(entry)
+    finally:
+        if dog is not None:
+            posted = dog.leave(entry)
     g.completed(watch.index, watch.kind, watch.place)
     if posted:
         g.post(watch.index, watch.kind, "done", watch.place)
@@ -311,7 +311,7 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
     if elsewhere:
         parts[-1] += " (the ranks issue different collectives; debug mode says which)"
     if behind:
-        parts.append("; ".join(f"rank {r} still waits at {w}" for r, w in behind)
+        parts.append("; ".join(f"rank {r} was last seen waiting at {w}" for r, w in behind)
                      + f", which rank {g.me} completed (waiting for the same rank)")
     if not missing and not elsewhere:
         parts.insert(0, f"{what}{_at_text(*place)} did not complete" if behind else

@@ -14,8 +14,9 @@
   (compared once at set-up; a checkpoint's names are checked by ``state/entries.py``).
 * :func:`judge_matrix_coverage`: a rank that owns Muon matrices but steps none of them
   (it built no matrix optimizer on ``matrix_params``) while other ranks step theirs: its
-  matrices would silently never train. Judged once, from the first-step comparison of an
-  optimizer's settings (or, if undecided there, at the next forward).
+  matrices would silently never train. Settled by the first-step comparison of an
+  optimizer's settings where every rank steps one of its own; else judged at the next
+  forward, once every optimizer of the first step has stepped.
 * :func:`agree_on_local_checks`: what one rank's own checks found (a unit of mixed dtypes
   on that rank only) raised on every rank of the mesh, naming the rank, before the first
   collective that rank would miss.
@@ -227,20 +228,24 @@ def matrix_coverage(units: list[Unit], stepped: set[int]) -> tuple[list[tuple[st
             any(id(p) in stepped for _, p in mine))
 
 
-def judge_matrix_coverage(every: list[tuple[list, bool]]) -> bool:
-    """From every rank's :func:`matrix_coverage` (the same list on every rank), raise
-    ``RuntimeError`` if some rank owns matrices that no optimizer stepped while some rank's
-    are stepped: each rank steps only the matrices it owns, so a rank without the matrix
-    optimizer would leave them at their initial values and differ from one process. Returns
-    whether it is decided: False while no rank has stepped a matrix and some own unstepped
-    ones (the matrix optimizer may still step later in this step, or there is none on any
-    rank, which is one process's behaviour too)."""
-    idle = [r for r, (names, _) in enumerate(every) if names]
+def judge_matrix_coverage(every: list[tuple[list, bool]], final: bool) -> bool:
+    """From every rank's :func:`matrix_coverage` (the same list on every rank): whether it
+    is decided that each rank steps the matrices it owns; with ``final`` (every optimizer of
+    a step has stepped), raise ``RuntimeError`` if some rank owns matrices of which none was
+    stepped while some rank steps its own: each rank steps only the matrices it owns, so a
+    rank without the matrix optimizer would leave them at their initial values and differ
+    from one process. A rank that steps some of its matrices chose which (as one process
+    would), and no rank stepping any is one process's behaviour too: both pass. Before
+    ``final`` (an optimizer's first step: another may step after it) only "every rank
+    steps one of its matrices, or owns none" decides."""
+    idle = [r for r, (names, stepped) in enumerate(every) if names and not stepped]
     stepping = [r for r, (_, s) in enumerate(every) if s]
     if not idle:
         return True
-    if not stepping:
+    if not final:
         return False
+    if not stepping:
+        return True
     names = every[idle[0]][0]
     shown = ", ".join(f"'{n}' {s}" for n, s in names[:_SHOWN]) + (" ..." if len(names) > _SHOWN else "")
     raise RuntimeError(
@@ -249,7 +254,8 @@ def judge_matrix_coverage(every: list[tuple[list, bool]]) -> bool:
         "step theirs: each rank steps the whole matrices it owns, so those would never train. "
         "Build the matrix optimizer on every rank: matrixfsdp.matrix_optimizer(cls, model, "
         "**options) (a placeholder on a rank that owns none), or cls(matrixfsdp.matrix_params("
-        "model)) wherever that list is not empty")
+        "model)) wherever that list is not empty; matrices meant not to train: "
+        "requires_grad_(False) before fully_shard")
 
 
 def model_setup(named_params: list[tuple[str, torch.Tensor]], module: nn.Module,

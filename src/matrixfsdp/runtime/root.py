@@ -49,8 +49,8 @@ class Root:
         self.forward_open = False  # the root unit's forward started and has not returned
         self.registration_check_due = True  # check_registered at the next root forward
         # the parameters the optimizers stepped so far, until it is judged that every rank
-        # steps the matrices it owns (then None); judged at an optimizer's first-step
-        # comparison of settings, or, if undecided there, at the next forward (``due``)
+        # steps the matrices it owns (then None): settled by an optimizer's first-step
+        # comparison of settings, or judged at the next forward (``due``)
         self.stepped: set[int] | None = set()
         self.matrix_coverage_due = False
         self.collective_check = CollectiveCheck(self.groups.world, mesh_device(self.mesh),
@@ -79,11 +79,11 @@ class Root:
 
     def judged_matrix_coverage(self, every: list) -> None:
         """Every rank's :meth:`matrix_coverage` (gathered with an optimizer's first-step
-        settings): raise if a rank steps none of its matrices while others step theirs;
-        else done, or, if undecided, judged again at the next forward."""
+        settings): done if every rank steps one of its matrices (or owns none); else judged
+        at the next forward, when every optimizer of the step has stepped."""
         if self.stepped is None or any(c is None for c in every):
             return
-        decided = judge_matrix_coverage(every)
+        decided = judge_matrix_coverage(every, final=False)
         self.matrix_coverage_due = not decided
         if decided:
             self.stepped = None
@@ -109,7 +109,7 @@ class Root:
             self.matrix_coverage_due = False
             mine = self.matrix_coverage()
             judge_matrix_coverage(all_gather_object(mine, self.groups.world) if self.world_size > 1
-                                  else [mine])
+                                  else [mine], final=True)
             self.stepped = None
         if self.schedule.enabled:  # HSDP: every broadcast travels while forward runs
             self.start_broadcasts()

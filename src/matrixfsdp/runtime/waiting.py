@@ -61,7 +61,10 @@ class Watchdog:
                 now = time.monotonic()
                 pending = [w for w in self.waits if not w.posted]
                 for w in (w for w in pending if w.deadline <= now):
-                    w.posted = w.post()
+                    try:
+                        w.posted = w.post()
+                    except Exception:  # noqa: BLE001 (a post that fails says less; the thread goes on)
+                        w.posted = True  # not retried
                 later = [w.deadline for w in pending if w.deadline > now]
                 self.wakes_at = min(later) if later else None
                 self.cond.wait(timeout=self.wakes_at - now if later else None)

@@ -52,8 +52,9 @@ class CheckpointTimeout(CheckpointError, CollectiveTimeout):
     :class:`CheckpointError`) that names the ranks that did not arrive and where each was
     last seen (a :class:`~matrixfsdp.runtime.arrival.CollectiveTimeout`, ``missing``)."""
 
-    def __init__(self, message: str = "", missing: list[int] | tuple = (), rank: int | None = None):
-        CollectiveTimeout.__init__(self, message, missing, rank)
+    def __init__(self, message: str = "", missing: list[int] | tuple = (), rank: int | None = None,
+                 lost: bool = False):
+        CollectiveTimeout.__init__(self, message, missing, rank, lost)
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -171,7 +172,8 @@ def file_mark(f: Path) -> str | None:
         fh.seek(max(0, f.stat().st_size - 256))
         tail = fh.read()
     at = tail.rfind(FILE_MARK)
-    return tail[at + len(FILE_MARK):-1].decode(errors="replace") if at >= 0 and tail.endswith(b"\n") else None
+    name = tail[at + len(FILE_MARK):-1].decode(errors="replace") if at >= 0 and tail.endswith(b"\n") else ""
+    return name or None
 
 
 def check_structure(path: str | os.PathLike, listed: dict[str, str] | None = None) -> str | None:

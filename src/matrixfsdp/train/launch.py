@@ -25,7 +25,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ..runtime.arrival import CollectiveTimeout, lost_peer, ranks_text
+from ..runtime.arrival import CollectiveTimeout, lost_peer, ranks_text, timed_out
 from ..runtime.exit import exit_rank
 from ..state.integrity import CheckpointError
 from .nonfinite import NonFiniteError
@@ -112,8 +112,10 @@ def _report_failure(rank: int, exc: BaseException) -> bool:
     """Say why this rank stops (stderr, and a report for the launcher); True for a rank
     that timed out waiting (for a peer that hung, which it names where it can: it failed
     nothing itself)."""
-    waited = isinstance(exc, CollectiveTimeout)
-    hung = exc.missing if waited else []
+    # a wait that timed out, named (a CollectiveTimeout) or not (a collective the library
+    # does not watch: NCCL's, another group's): this rank failed nothing itself
+    waited = isinstance(exc, CollectiveTimeout) or timed_out(exc)
+    hung = getattr(exc, "missing", [])
     # a lost peer is a consequence (of a rank that ended, or of the peers that timed out on
     # a hung rank and left): its report never decides the launcher's line
     secondary = getattr(exc, "lost", False) or (not waited and lost_peer(exc))

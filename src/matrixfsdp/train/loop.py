@@ -187,7 +187,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
         wait_for_checkpoint()  # an asynchronous save in flight (an earlier, finite step) commits first
         every = getattr(args, "save_every", 0)
         newest = latest_checkpoint(checkpoint_root(args), warn=False) if every else None
-        raise NonFiniteError(stop_message(step, nonfinite, newest, bool(every)))
+        raise NonFiniteError(stop_message(step + 1, nonfinite, newest, bool(every)))
     sync(device)
     t1 = time.perf_counter()
     arrival.at(step + 1, "optimizer step")
@@ -198,9 +198,9 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     sync(device)
     t2 = time.perf_counter()
     if nonfinite is not None:
-        hist.skipped.append(nonfinite.record(step))
+        hist.skipped.append(nonfinite.record(step + 1))
         if run.rank == 0:
-            bar.write(f"step {step}: gradient norm is not finite, step skipped on every rank; "
+            bar.write(f"step {step + 1}: gradient norm is not finite, step skipped on every rank; "
                       f"{nonfinite.describe()}")
     if norm is not None:
         hist.norms.append(norm.item())

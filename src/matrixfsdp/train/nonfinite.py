@@ -135,7 +135,8 @@ def clip_and_check(model: nn.Module, clip: float | None, skip_nonfinite: bool,
 
 
 def stop_message(step: int, found: Nonfinite, newest: Path | None, saving: bool) -> str:
-    """The :class:`NonFiniteError` of ``step`` (0-based, as the log's): what, where, and that
+    """The :class:`NonFiniteError` of ``step`` (1-based, as the progress bar and the checkpoint
+    names: ``step_00000004`` is saved after step 4): what, where, and that
     no checkpoint holds it (``newest``: the newest complete one)."""
     kept = (f"the newest checkpoint, {newest}, is from before it" if newest is not None
             else "none was saved yet" if saving else "no checkpoints were saved (--save-every)")
