@@ -203,9 +203,9 @@ def check_same_optimizer(optimizer: torch.optim.Optimizer, with_params: bool = T
 
 def _check_first_step(optimizer: torch.optim.Optimizer, root: Root) -> None:
     """:func:`check_same_optimizer` at ``optimizer``'s first step, with each rank's
-    matrices that no optimizer stepped so far in the same gather: a rank that owns matrices
-    and steps none while others step theirs is refused there, before this optimizer moves
-    anything (:meth:`~matrixfsdp.runtime.root.Root.judged_matrix_coverage`)."""
+    matrices that no optimizer stepped so far in the same gather: settled there if every
+    rank stepped one of its own, else judged at the next forward
+    (:meth:`~matrixfsdp.runtime.root.Root.judged_matrix_coverage`)."""
     items = _BY_HAND.pop(root, []) + optimizer_setup(optimizer)
     every = check_same_setup(items, root.groups.world, f"the {type(optimizer).__name__} optimizer",
                              extra=root.matrix_coverage())
@@ -225,7 +225,8 @@ def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Root) -> 
     and such a rank steps nothing of it, so training is exact either way. Its settings
     (class, group count, options) are compared, among the ranks that have it, with the next
     optimizer this hook checks (typically the AdamW on ``shard_params`` stepped after it),
-    where a rank that owns matrices and stepped no optimizer on them is refused."""
+    which also settles, or leaves to the next forward, whether every rank steps the
+    matrices it owns."""
     if optimizer in _CHECKED:
         return
     found = _root_of_optimizer(optimizer)
