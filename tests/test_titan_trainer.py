@@ -311,17 +311,10 @@ def _hf_export(rank, world, folder, out):
     consolidating into safetensors); and transformers' save_pretrained of torch's full
     export (get_model_state_dict with full_state_dict and cpu_offload: rank 0's)."""
     import transformers
-    from torchtitan.components.checkpoint import CheckpointManager
     mesh = init_device_mesh("cpu", (world,))
     model = _build("before_wrapper", mf.fully_shard, mesh)  # a compiled model, too
     _ours_run(model, rank, world)
-    ckpt = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="titan", interval=1, keep_latest_k=0,
-                                 last_save_model_only=True, last_save_in_hf=True),
-        dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={},
-        sd_adapter=_adapter(), base_folder=folder)
-    ckpt.save(curr_step=STEPS, last_step=True)
-    ckpt.close()
+    titan_hf_export(model, folder, STEPS)  # the test reads the safetensors itself
     full = mf.full_state_dict(model)
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, num_attention_heads=4,
                                    num_key_value_heads=2, num_hidden_layers=2, intermediate_size=64,

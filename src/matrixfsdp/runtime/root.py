@@ -48,9 +48,10 @@ class Root:
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
         self.registration_check_due = True  # check_registered at the next root forward
-        # the parameters the optimizers stepped so far, until it is judged that every rank
-        # steps the matrices it owns (then None): settled by an optimizer's first-step
-        # comparison of settings, or judged at the next forward (``due``)
+        # the parameters the optimizers of the first step stepped, until it is judged that
+        # every rank steps the matrices it owns (then None): settled by an optimizer's
+        # first-step comparison of settings, or judged at the next forward (``due``); not
+        # collected past the first step (mf.Muon alone: nothing to judge)
         self.stepped: set[int] | None = set()
         self.matrix_coverage_due = False
         self.collective_check = CollectiveCheck(self.groups.world, mesh_device(self.mesh),
@@ -110,6 +111,8 @@ class Root:
             mine = self.matrix_coverage()
             judge_matrix_coverage(all_gather_object(mine, self.groups.world) if self.world_size > 1
                                   else [mine], final=True)
+            self.stepped = None
+        elif self.stepped:  # a step passed with nothing left to judge: stop collecting
             self.stepped = None
         if self.schedule.enabled:  # HSDP: every broadcast travels while forward runs
             self.start_broadcasts()
