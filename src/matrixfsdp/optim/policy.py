@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..runtime.checks import OPTIONAL, check_same_setup
+from ..runtime.agree import OPTIONAL, check_same_setup
+from ..runtime.checks import coverage_flags
 from ..runtime.param import replaced_by, root_of, sharded_param
 from ..runtime.root import Root
 
@@ -202,22 +203,22 @@ def check_same_optimizer(optimizer: torch.optim.Optimizer, with_params: bool = T
 
 
 def _check_first_step(optimizer: torch.optim.Optimizer, root: Root) -> None:
-    """:func:`check_same_optimizer` at ``optimizer``'s first step, with each rank's
-    matrices that no optimizer stepped so far in the same gather: settled there if every
-    rank stepped one of its own, else judged at the next forward
-    (:meth:`~matrixfsdp.runtime.root.Root.judged_matrix_coverage`)."""
+    """:func:`check_same_optimizer` at ``optimizer``'s first step, with whether each rank
+    steps the matrices it owns (:func:`~matrixfsdp.runtime.checks.coverage_flags`) in the
+    same all-reduce: settled there if every rank stepped one of its own, else judged at the
+    next forward (:meth:`~matrixfsdp.runtime.root.Root.judged_matrix_coverage`)."""
     items = _BY_HAND.pop(root, []) + optimizer_setup(optimizer)
-    every = check_same_setup(items, root.groups.world, f"the {type(optimizer).__name__} optimizer",
-                             extra=root.matrix_coverage())
+    seen = check_same_setup(items, root.groups.world, f"the {type(optimizer).__name__} optimizer",
+                            any_of=coverage_flags(root.matrix_coverage()))
     _CHECKED.add(optimizer)
-    root.judged_matrix_coverage(every)
+    root.judged_matrix_coverage(seen)
 
 
 def check_optimizer_first_step(optimizer: torch.optim.Optimizer, root: Root) -> None:
     """An optimizer this library did not build and nobody checked (torch's AdamW over
     ``model.parameters()`` or ``mf.shard_params``): compared across ranks at its first step,
     before it moves anything, by the step pre-hook of ``root`` (the root of its first sharded
-    parameter). That one step issues the check's small gather; ``check_optimizer`` after
+    parameter). That one step issues the check's small all-reduce; ``check_optimizer`` after
     construction moves it out of the step.
 
     One built by hand on ``matrix_params`` issues no collective of its own: a rank that

@@ -1,17 +1,19 @@
 """Set-up checks: silent divergence caught before the first step.
 
 * :func:`check_same_init`: ranks whose models were initialised differently (another seed)
-  would each shard their own values, and training would mix them silently. One small
-  all-gather of two int64 digests per parameter finds the first parameter that differs;
+  would each shard their own values, and training would mix them silently. One digest
+  over all parameters, compared in one small all-reduce; only where it differs are the
+  per-parameter digests compared, to name the first parameter that differs;
   ``sync=True`` broadcasts rank 0's values instead. Runs on the full (unsharded) tensors,
   so at ``fully_shard`` time, before the shards are cut. Meta tensors (a model built on the
   meta device and initialised by ``matrixfsdp.init_weights``) are skipped.
 * :func:`check_unsharded_trainable` / :func:`check_optimizer_params`: a trainable parameter
   outside every unit (a module added after ``fully_shard``) gets no gradient reduce, so each
   rank would train its own copy.
-* :func:`check_same_setup` / :func:`check_same_optimizer`: the model's shapes, dtypes,
-  buffers and mixed-precision policies, and an optimizer's settings, alike on every rank
-  (compared once at set-up; a checkpoint's names are checked by ``state/entries.py``).
+* :func:`model_setup`: the model's shapes, dtypes, buffers and mixed-precision policies,
+  compared across ranks by :func:`~matrixfsdp.runtime.agree.check_same_setup` (a digest
+  first, details only on a mismatch), as an optimizer's settings are
+  (``check_same_optimizer``); a checkpoint's names are checked by ``state/entries.py``.
 * :func:`judge_matrix_coverage`: a rank that owns Muon matrices but steps none of them
   (it built no matrix optimizer on ``matrix_params``) while other ranks step theirs: its
   matrices would silently never train. Settled by the first-step comparison of an
@@ -20,6 +22,9 @@
 * :func:`agree_on_local_checks`: what one rank's own checks found (a unit of mixed dtypes
   on that rank only) raised on every rank of the mesh, naming the rank, before the first
   collective that rank would miss.
+
+Each compares a fixed-size digest or flag first (O(1) bytes per rank, :mod:`.agree`) and
+exchanges more only when something differs, to name the rank, parameter and values.
 """
 
 from __future__ import annotations
@@ -31,8 +36,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .agree import any_rank, every_rank, min_max
 from .arrival import ranks_text
-from .collectives import all_gather_object
+from .collectives import _object_device, broadcast_object
 from .param import sharded_param
 from .unit import Unit
 
@@ -52,13 +58,32 @@ def _digest(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([bits.sum(dtype=torch.int64), bits[1::2].sum(dtype=torch.int64)])
 
 
+# int64 constants of splitmix64 (signed), mixing each parameter's digest with its position
+_MIX = (0x9E3779B97F4A7C15 - 2 ** 64, 0xBF58476D1CE4E5B9 - 2 ** 64, 0x94D049BB133111EB - 2 ** 64)
+
+
+def _table_lanes(table: torch.Tensor) -> torch.Tensor:
+    """Two int64 lanes of an ``[n, 2]`` table of digests, each depending on every digest
+    and its position (splitmix64's mix, int64 arithmetic wrapping), on the table's device."""
+    x = table * _MIX[0] + torch.arange(1, len(table) + 1, device=table.device)[:, None] * _MIX[1]
+    x = x ^ (x >> 30)
+    x = x * _MIX[2]
+    return (x ^ (x >> 27)).sum(0)
+
+
 def check_same_init(named_params: Iterable[tuple[str, torch.Tensor]], group: Any = None, *,
                     sync: bool = False) -> int:
     """Raise ``ValueError`` on every rank of ``group`` (default: the world) naming the first
     parameter whose initial values differ between ranks; with ``sync=True`` copy rank 0's
     values into every rank's tensors instead (a broadcast per parameter). Meta tensors are
-    skipped. A collective (two tiny all-gathers: the count, then ``2 x P`` int64 digests).
-    Returns the number of parameters compared (or synced).
+    skipped. Returns the number of parameters compared (or synced).
+
+    A collective. When the ranks agree: two int64 digests per parameter (on its device,
+    no host sync per parameter), folded into one digest of all of them, compared in one
+    all-reduce of 48 bytes. Only on a mismatch (the failure path) rank 0's per-parameter
+    digests are broadcast (16 bytes per parameter), each rank finds its first parameter
+    that differs, one all-reduce picks the first, and one int64 per rank names the ranks
+    that differ there (P of them, as the message does).
 
     Call it on the full tensors before sharding, e.g. ``check_same_init(
     model.named_parameters(), mesh_world_group)``.
@@ -72,27 +97,31 @@ def check_same_init(named_params: Iterable[tuple[str, torch.Tensor]], group: Any
             for _, p in named:
                 dist.broadcast(p.data, src=src, group=group)
         return len(named)
-    device = named[0][1].device
-    world = dist.get_world_size(group)
-    count = torch.tensor([len(named)], dtype=torch.int64, device=device)
-    counts = [torch.empty_like(count) for _ in range(world)]
-    dist.all_gather(counts, count, group=group)
-    if len({int(c) for c in counts}) > 1:
+    here = named[0][1].device
+    table = torch.stack([_digest(p).to(here) for _, p in named])
+    low, high, _ = min_max([len(named), *_table_lanes(table).tolist()], group)
+    if low == high:
+        return len(named)
+    if low[0] != high[0]:
+        counts = [c for c, in every_rank([len(named)], group)]
         raise ValueError("matrixfsdp: ranks hold different numbers of parameters at set-up ("
-                         + ", ".join(f"rank {r}: {int(c)}" for r, c in enumerate(counts))
+                         + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
                          + "); every rank must build the same model")
-    mine = torch.stack([_digest(p) for _, p in named])
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
-    for i, (name, _) in enumerate(named):
-        differ = [r for r in range(1, world) if not torch.equal(rows[r][i], rows[0][i])]
-        if differ:
-            raise ValueError(
-                f"matrixfsdp: parameter '{name}' differs between ranks at set-up (ranks "
-                f"{differ} hold other initial values than rank 0): seed every rank alike before "
-                "building the model (torch.manual_seed), load the same weights everywhere, or "
-                "ask for rank 0's values to be copied to every rank (sync=True)")
-    return len(named)
+    device = _object_device(group)
+    table = table.to(device)
+    reference = table.clone()
+    dist.broadcast(reference, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    differs = (table != reference).any(1)
+    mine = differs.nonzero()
+    i = min_max([int(mine[0]) if len(mine) else None], group)[0][0]
+    if i is None:
+        return len(named)  # the folded digests collided, the parameters agree
+    differ = [r for r, (d,) in enumerate(every_rank([int(differs[i])], group, device)) if d]
+    raise ValueError(
+        f"matrixfsdp: parameter '{named[i][0]}' differs between ranks at set-up (ranks "
+        f"{differ} hold other initial values than rank 0): seed every rank alike before "
+        "building the model (torch.manual_seed), load the same weights everywhere, or "
+        "ask for rank 0's values to be copied to every rank (sync=True)")
 
 
 def check_unsharded_trainable(model: nn.Module, unsharded: set[int] = frozenset()) -> None:
@@ -154,67 +183,40 @@ def unguard_unit(unit: Unit) -> None:
 
 
 # ---- set-up that must be the same on every rank -----------------------------------------
-def _shown(value: Any) -> str:
-    return str(value).replace("torch.", "")
-
-
-OPTIONAL = "matrix optimizer "  # items a rank may lack (a rank that owns no matrix)
-
-
 def agree_on_local_checks(problem: Exception | None, mesh: Any) -> None:
     """Raise, on every rank of ``mesh``, the first error (lowest rank) that a rank's own
     set-up checks found (``problem`` on this rank, None if none): the same type and
-    message everywhere, naming that rank. One all-gather per mesh dim, at set-up only.
-    Before, the rank that found it raised alone and the others went on into the next
-    collective, where they saw "Connection closed by peer"."""
+    message everywhere, naming that rank. Before, the rank that found it raised alone and
+    the others went on into the next collective, where they saw "Connection closed by peer".
+
+    When no rank found one: one 16-byte all-reduce per mesh dim (the lowest rank with a
+    problem, along one dim, then the next). Otherwise the message travels from that rank
+    hop by hop, one broadcast per dim (failure path; the text names the whole mesh)."""
     if not dist.is_initialized() or mesh.size() == 1:
         if problem is not None:
             raise problem
         return
-    found = {dist.get_rank(): (type(problem).__name__, str(problem))} if problem is not None else {}
+    me = dist.get_rank()
+    first = me if problem is not None else None
     for dim in range(mesh.ndim):  # every rank of the mesh: along one dim, then the next
-        merged: dict[int, tuple[str, str]] = {}
-        for seen in all_gather_object(found, mesh.get_group(dim)):
-            merged.update(seen)
-        found = merged
-    if not found:
+        first = min_max([first], mesh.get_group(dim))[0][0]
+    if first is None:
         return
-    rank = min(found)
-    kind, text = found[rank]
+    # after the broadcast along dim d, the ranks whose coordinates past d are the first
+    # rank's hold its message: after the last dim, every rank does
+    at = [int(c) for c in (mesh.mesh == first).nonzero()[0]]
+    mine = list(mesh.get_coordinate())
+    found = (type(problem).__name__, str(problem)) if me == first else None
+    for dim in range(mesh.ndim):
+        src = int(mesh.mesh[tuple(mine[:dim] + [at[dim]] + mine[dim + 1:])])
+        got = broadcast_object(found if me == src else None, src, mesh.get_group(dim))
+        if mine[dim + 1:] == at[dim + 1:]:
+            found = got
+    kind, text = found
     error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError,
              "TypeError": TypeError}.get(kind, RuntimeError)
-    raise error(f"{text} (found on rank {rank} of the mesh {mesh.mesh.tolist()}; every rank of it "
+    raise error(f"{text} (found on rank {first} of the mesh {mesh.mesh.tolist()}; every rank of it "
                 "raises this)") from problem
-
-
-def check_same_setup(items: list[tuple[str, Any]], group: Any, what: str, extra: Any = None) -> list:
-    """Raise ``ValueError`` on every rank of ``group`` naming the first of ``items``
-    (``(description, value)``, in the same order on every rank) whose value differs
-    between ranks, with each rank's value; ``what`` says what was set up ("the model",
-    "the Muon optimizer"). Items whose description starts with "matrix optimizer " are
-    compared among the ranks that have them (an optimizer over ``matrix_params``, which a
-    rank owning no matrix may not have). One gather of the list: call it once, at
-    set-up, never in a step. Values must compare with ``==`` (no tensors). ``extra`` travels
-    in the same gather, uncompared: every rank's is returned, in rank order."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return [extra]
-    gathered = all_gather_object((items, extra), group)
-    every = [ranks_items for ranks_items, _ in gathered]
-    keys = [dict(ranks_items) for ranks_items in every]
-    mine = dict(items)
-    for key in dict.fromkeys(k for ranks_items in every for k, _ in ranks_items):
-        values = [k.get(key, "(missing)") for k in keys]
-        have = [v for v in values if not (key.startswith(OPTIONAL) and v == "(missing)")]
-        if any(v != have[0] for v in have):
-            by_value: dict[str, list[int]] = {}
-            for r, v in enumerate(values):
-                by_value.setdefault(_shown(v), []).append(r)
-            seen = "; ".join(f"{v} on rank{'s' if len(rs) > 1 else ''} "
-                             f"{', '.join(map(str, rs))}" for v, rs in by_value.items())
-            raise ValueError(f"matrixfsdp: ranks set up {what} differently: {key}: {seen}. Every "
-                             "rank must build the same model and optimizer"
-                             + ("" if key in mine else " (this rank lacks it)"))
-    return [e for _, e in gathered]
 
 
 def matrix_coverage(units: list[Unit], stepped: set[int]) -> tuple[list[tuple[str, tuple]], bool]:
@@ -228,25 +230,46 @@ def matrix_coverage(units: list[Unit], stepped: set[int]) -> tuple[list[tuple[st
             any(id(p) in stepped for _, p in mine))
 
 
-def judge_matrix_coverage(every: list[tuple[list, bool]], final: bool) -> bool:
-    """From every rank's :func:`matrix_coverage` (the same list on every rank): whether it
-    is decided that each rank steps the matrices it owns; with ``final`` (every optimizer of
-    a step has stepped), raise ``RuntimeError`` if some rank owns matrices of which none was
-    stepped while some rank steps its own: each rank steps only the matrices it owns, so a
-    rank without the matrix optimizer would leave them at their initial values and differ
-    from one process. A rank that steps some of its matrices chose which (as one process
-    would), and no rank stepping any is one process's behaviour too: both pass. Before
-    ``final`` (an optimizer's first step: another may step after it) only "every rank
-    steps one of its matrices, or owns none" decides."""
-    idle = [r for r, (names, stepped) in enumerate(every) if names and not stepped]
-    stepping = [r for r, (_, s) in enumerate(every) if s]
-    if not idle:
+def coverage_flags(mine: tuple[list, bool] | None) -> list[int]:
+    """This rank's :func:`matrix_coverage` as three flags to reduce with ``MAX`` over the
+    ranks: ``[not collected any more, owns matrices of which none was stepped, stepped
+    one of its own]``."""
+    if mine is None:
+        return [1, 0, 0]
+    names, stepped = mine
+    return [0, int(bool(names) and not stepped), int(stepped)]
+
+
+def judge_matrix_coverage(seen: list[int], final: bool, mine: tuple[list, bool] | None = None,
+                          group: Any = None) -> bool:
+    """From :func:`coverage_flags` reduced over the ranks (``seen``, 1 where any rank set
+    one; the same on every rank): whether it is decided that each rank steps the matrices
+    it owns; with ``final`` (every optimizer of a step has stepped), raise ``RuntimeError``
+    if some rank owns matrices of which none was stepped while some rank steps its own:
+    each rank steps only the matrices it owns, so a rank without the matrix optimizer
+    would leave them at their initial values and differ from one process. A rank that
+    steps some of its matrices chose which (as one process would), and no rank stepping
+    any is one process's behaviour too: both pass. Before ``final`` (an optimizer's first
+    step: another may step after it) only "every rank steps one of its matrices, or owns
+    none" decides.
+
+    Only to raise (a collective of ``group``, with this rank's :func:`matrix_coverage`
+    ``mine``): one int64 pair per rank says which ranks are idle and which step, and the
+    lowest idle rank's names are broadcast."""
+    _, idle_any, stepping_any = seen
+    if not idle_any:
         return True
     if not final:
         return False
-    if not stepping:
+    if not stepping_any:
         return True
-    names = every[idle[0]][0]
+    every = every_rank(coverage_flags(mine)[1:], group)
+    idle = [r for r, (i, _) in enumerate(every) if i]
+    stepping = [r for r, (_, s) in enumerate(every) if s]
+    me = dist.get_rank(group) if dist.is_initialized() else 0
+    names = broadcast_object(mine[0] if me == idle[0] else None,
+                             dist.get_global_rank(group, idle[0]) if group is not None else idle[0], group) \
+        if len(every) > 1 else mine[0]
     shown = ", ".join(f"'{n}' {s}" for n, s in names[:_SHOWN]) + (" ..." if len(names) > _SHOWN else "")
     raise RuntimeError(
         f"matrixfsdp: {ranks_text(idle)} own{'s' if len(idle) == 1 else ''} Muon matrices that no "
@@ -256,6 +279,12 @@ def judge_matrix_coverage(every: list[tuple[list, bool]], final: bool) -> bool:
         "**options) (a placeholder on a rank that owns none), or cls(matrixfsdp.matrix_params("
         "model)) wherever that list is not empty; matrices meant not to train: "
         "requires_grad_(False) before fully_shard")
+
+
+def agree_on_matrix_coverage(mine: tuple[list, bool] | None, group: Any) -> None:
+    """:func:`judge_matrix_coverage` with ``final``, every rank's flags reduced first (one
+    all-reduce of 24 bytes)."""
+    judge_matrix_coverage(any_rank(coverage_flags(mine), group), True, mine, group)
 
 
 def model_setup(named_params: list[tuple[str, torch.Tensor]], module: nn.Module,

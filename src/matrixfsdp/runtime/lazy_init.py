@@ -23,10 +23,10 @@ from .._compat import root_mesh
 from ..planning.layout import unit_layout
 from ..planning.planner import Collected, collect_params, make_plan
 from ..planning.types import MuonFilter, Plan
+from .agree import check_same_setup
 from .checks import (
     agree_on_local_checks,
     check_same_init,
-    check_same_setup,
     guard_unit,
     model_setup,
     sync_buffers,

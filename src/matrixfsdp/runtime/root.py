@@ -15,8 +15,13 @@ from torch import nn
 from .._compat import in_backward, queue_backward_callback
 from ..planning.layout import UnitLayout
 from ..planning.types import Plan
-from .checks import check_unsharded_trainable, judge_matrix_coverage, matrix_coverage
-from .collectives import CommStats, all_gather_object
+from .checks import (
+    agree_on_matrix_coverage,
+    check_unsharded_trainable,
+    judge_matrix_coverage,
+    matrix_coverage,
+)
+from .collectives import CommStats
 from .debug import CollectiveCheck
 from .domain import Domain, mesh_device
 from .overlap import Schedule
@@ -78,13 +83,14 @@ class Root:
         """This rank's :func:`~matrixfsdp.runtime.checks.matrix_coverage`, None once judged."""
         return None if self.stepped is None else matrix_coverage(self.units, self.stepped)
 
-    def judged_matrix_coverage(self, every: list) -> None:
-        """Every rank's :meth:`matrix_coverage` (gathered with an optimizer's first-step
-        settings): done if every rank steps one of its matrices (or owns none); else judged
-        at the next forward, when every optimizer of the step has stepped."""
-        if self.stepped is None or any(c is None for c in every):
+    def judged_matrix_coverage(self, seen: list[int]) -> None:
+        """Every rank's :meth:`matrix_coverage` as :func:`~matrixfsdp.runtime.checks.coverage_flags`
+        reduced over the ranks (with an optimizer's first-step settings, in the same
+        all-reduce): done if every rank steps one of its matrices (or owns none); else
+        judged at the next forward, when every optimizer of the step has stepped."""
+        if self.stepped is None or seen[0]:
             return
-        decided = judge_matrix_coverage(every, final=False)
+        decided = judge_matrix_coverage(seen, final=False)
         self.matrix_coverage_due = not decided
         if decided:
             self.stepped = None
@@ -106,11 +112,9 @@ class Root:
         if self.registration_check_due:  # once per training step (each eval forward)
             self.check_registered()
             self.registration_check_due = not torch.is_grad_enabled()
-        if self.matrix_coverage_due:  # once, undecided at the first step: one small gather
+        if self.matrix_coverage_due:  # once, undecided at the first step: one small all-reduce
             self.matrix_coverage_due = False
-            mine = self.matrix_coverage()
-            judge_matrix_coverage(all_gather_object(mine, self.groups.world) if self.world_size > 1
-                                  else [mine], final=True)
+            agree_on_matrix_coverage(self.matrix_coverage(), self.groups.world)
             self.stepped = None
         elif self.stepped:  # a step passed with nothing left to judge: stop collecting
             self.stepped = None
