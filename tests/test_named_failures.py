@@ -141,7 +141,7 @@ def test_a_hung_rank_is_named_with_the_time_actually_waited(tmp_path, debug):
                    r"step 3, unit '<root>', forward gather .*")
     else:
         pattern = (r"matrixfsdp train: rank 1 hung: rank 1 did not arrive at the \w+ #\d+ on ranks 0-1 "
-                   r"\(step 3, forward and backward\): last seen at the step check all_gather #\d+ "
+                   r"\(step 3, forward and backward\): last seen at the step check all_reduce #\d+ "
                    r"\(step 2, step check\), the last collective rank 0 completed with it \(it hangs, "
                    r"is slower than the timeout, or left the training loop; debug mode says where each "
                    r"rank is\); rank 0 waited (\d+\.\d) s for it \(the process group's timeout is 3 "

@@ -179,7 +179,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
         loss = run.loss_fn(x.to(device))
         (loss / accum).backward()
         loss_sum += loss.detach().float()
-    # every rank's loss (for the log) and a non-finite check, before anything is scaled or stepped
+    # the loss summed over the ranks (for the log), a non-finite check: before anything is scaled
     arrival.at(step + 1, "step check")
     checked = clip_and_check(run.model, args.clip, args.skip_nonfinite, loss_sum)
     norm, nonfinite = checked.norm, checked.nonfinite
@@ -209,7 +209,7 @@ def _step(run: Run, step: int, hist: History, bar) -> None:
     hist.step_bytes.append(sum(run.stats.payload_bytes.values()))
     hist.step_calls = dict(run.stats.calls)
     hist.step_ms.append((t2 - t1) * 1e3)
-    hist.losses.append(sum(checked.losses) / (run.world * accum))
+    hist.losses.append(checked.loss_sum / (run.world * accum))
     hist.tok_s.append(run.dp_size * accum * args.batch * args.seq / (t2 - t0))
     bar.set_postfix(loss=f"{hist.losses[-1]:.3f}", tok_s=f"{hist.tok_s[-1]:.0f}")
     if args.rss_every and (step + 1) % args.rss_every == 0:

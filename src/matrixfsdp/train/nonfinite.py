@@ -1,10 +1,11 @@
 """Non-finite values in ``matrixfsdp train``: found after backward, before anything is
 scaled or stepped, with the step, the parameters and the ranks where they appeared.
 
-* :func:`clip_and_check`: every rank's loss and whether its gradient pieces are finite, in
-  one all-gather per step (which also carries the loss for the log, in place of its
-  all-reduce), then the clipping. Where a value is not finite, one more all-gather names
-  the parameters and, for each, the ranks whose piece of its gradient is not finite.
+* :func:`clip_and_check`: the loss summed over the ranks (for the log) and how many ranks
+  hold a non-finite loss or may hold a non-finite gradient piece, in one all-reduce of
+  three numbers per step (O(1) bytes per rank at any world size), then the clipping.
+  Where a value is not finite, more collectives name the ranks whose loss is not finite
+  and the parameters and, for each, the ranks whose piece of its gradient is not finite.
 * Without ``--skip-nonfinite`` the loop stops there with a :class:`NonFiniteError`
   (before the optimizer step, so no checkpoint ever holds those values); with it the step
   is skipped on every rank.
@@ -27,6 +28,7 @@ from torch import nn
 from .._compat import foreach_norm
 from ..optim.clip import clip_grad_norm_, nonfinite_grad_ranks, total_grad_norm
 from ..runtime import arrival
+from ..runtime.agree import any_rank
 from ..runtime.arrival import ranks_text
 from ..runtime.collectives import all_gather_object, all_gather_single
 
@@ -71,11 +73,12 @@ class Nonfinite:
 @dataclass
 class Checked:
     """What :func:`clip_and_check` found: the global gradient norm before clipping (None
-    unless clipping or skipping), every rank's loss (as given; [] without one), and where
-    values were not finite (None: the step may go ahead)."""
+    unless clipping or skipping), the loss summed over the ranks (NaN or inf where one
+    rank's is; None without a loss), and where values were not finite (None: the step may
+    go ahead)."""
 
     norm: torch.Tensor | None
-    losses: list[float]
+    loss_sum: float | None
     nonfinite: Nonfinite | None
 
 
@@ -97,41 +100,53 @@ def clip_and_check(model: nn.Module, clip: float | None, skip_nonfinite: bool,
     """After backward: check this step's values, then clip to the global grad norm ``clip``
     (if given). A collective of every rank of the world.
 
-    One all-gather of ``(loss, whether this rank's gradient pieces may not be finite)`` per
-    rank decides, the same on every rank, whether any loss or gradient may not be finite;
-    if so, one more all-gather checks exactly and names the parameters and ranks
-    (:func:`nonfinite_grad_ranks`), and where one is not finite nothing is scaled:
+    One all-reduce (sum) of ``(loss, whether this rank's loss is not finite, whether its
+    gradient pieces may not be finite)`` decides, the same on every rank, whether any loss
+    or gradient may not be finite: 12 bytes per rank, whatever the world size. Only if so
+    (the failure path) one all-gather of every rank's loss names the ranks whose loss is
+    not finite (4 bytes per rank), and one more checks the gradients exactly and names
+    the parameters and ranks (:func:`nonfinite_grad_ranks`); where one is not finite
+    nothing is scaled:
     clipping by a NaN norm, as torch does, would turn every gradient into NaN and hide
     which ones were bad. Otherwise ``clip`` scales the gradients by the
     global norm; with ``skip_nonfinite`` a norm that overflowed (every gradient finite)
     skips the step too (:class:`Nonfinite` with no names)."""
     params = list(model.parameters())
     device = next((p.device for p in params if p.numel()), torch.device("cpu"))
-    world = dist.get_world_size()
-    mine = torch.stack([loss.detach().float().reshape(()).to(device) if loss is not None
-                        else torch.zeros((), device=device), _grads_suspect(params, device)])
-    every = torch.empty(2 * world, device=device)
-    work = all_gather_single(every, mine, group=dist.group.WORLD, async_op=True)
-    arrival.wait(work, arrival.issued(dist.group.WORLD, "step check all_gather"))
-    rows = every.view(world, 2).cpu()
-    losses = rows[:, 0].tolist() if loss is not None else []
-    loss_ranks = [r for r, v in enumerate(losses) if not math.isfinite(v)]
-    if loss_ranks or bool(rows[:, 1].any()):  # the same verdict on every rank
+    mine = loss.detach().float().reshape(()).to(device) if loss is not None \
+        else torch.zeros((), device=device)
+    summed = torch.stack([mine, (~torch.isfinite(mine)).to(torch.float32), _grads_suspect(params, device)])
+    work = dist.all_reduce(summed, group=dist.group.WORLD, async_op=True)
+    arrival.wait(work, arrival.issued(dist.group.WORLD, "step check all_reduce"))
+    loss_sum, bad_losses, suspects = summed.tolist()
+    loss_sum = loss_sum if loss is not None else None
+    loss_ranks = _nonfinite_loss_ranks(mine) if bad_losses else []
+    if loss_ranks or suspects:  # the same verdict on every rank
         grads = nonfinite_grad_ranks(params)  # the exact check, naming parameters and ranks
         if loss_ranks or grads:
             norm = total_grad_norm(params) if clip is not None or skip_nonfinite else None
-            return Checked(norm, losses, Nonfinite(loss_ranks, grads))
+            return Checked(norm, loss_sum, Nonfinite(loss_ranks, grads))
         # every value finite, a norm overflowed: as below
     if clip is None and not skip_nonfinite:
-        return Checked(None, losses, None)
+        return Checked(None, loss_sum, None)
     if not skip_nonfinite:  # finite gradients: a norm that overflowed scales them to 0, as torch
-        return Checked(clip_grad_norm_(params, clip).detach(), losses, None)
+        return Checked(clip_grad_norm_(params, clip).detach(), loss_sum, None)
     norm = total_grad_norm(params)  # global: every rank takes the same branch
     if not torch.isfinite(norm):
-        return Checked(norm, losses, Nonfinite())
+        return Checked(norm, loss_sum, Nonfinite())
     if clip is not None:
         torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
-    return Checked(norm, losses, None)
+    return Checked(norm, loss_sum, None)
+
+
+def _nonfinite_loss_ranks(loss: torch.Tensor) -> list[int]:
+    """The ranks whose ``loss`` (a 0-d float32 tensor) is not finite: one all-gather of
+    every rank's loss (4 bytes per rank; only where one is not finite)."""
+    world = dist.get_world_size()
+    every = torch.empty(world, device=loss.device)
+    work = all_gather_single(every, loss.reshape(1), group=dist.group.WORLD, async_op=True)
+    arrival.wait(work, arrival.issued(dist.group.WORLD, "non-finite loss all_gather"))
+    return [r for r, v in enumerate(every.tolist()) if not math.isfinite(v)]
 
 
 def stop_message(step: int, found: Nonfinite, newest: Path | None, saving: bool) -> str:
@@ -149,8 +164,8 @@ def stop_message(step: int, found: Nonfinite, newest: Path | None, saving: bool)
 def nonfinite_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, list[int]]:
     """{name: the ranks where it holds a NaN or inf} over the parameters (this rank's shards)
     and the optimizer state (``'<name>' optimizer state 'exp_avg'``), the same on every rank:
-    a local check, then one all-gather of each rank's list (usually empty). A collective;
-    meant for save time, not for every step."""
+    a local check, then one all-reduce of a flag (8 bytes); only where a rank found one,
+    an all-gather of each rank's list. A collective; meant for save time, not every step."""
     names: dict[Any, str] = {}
     checked: list[tuple[str, torch.Tensor]] = []
     for name, p in model.named_parameters():
@@ -170,6 +185,10 @@ def nonfinite_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) 
     if not dist.is_initialized():
         return {n: [0] for n in bad}
     found: dict[str, list[int]] = {}
+    with arrival.Point(dist.group.WORLD, "non-finite state all_reduce"):
+        (anywhere,) = any_rank([int(bool(bad))], dist.group.WORLD)
+    if not anywhere:
+        return found
     with arrival.Point(dist.group.WORLD, "non-finite state all_gather"):
         every = all_gather_object(bad)  # numpy-free, unlike torch's
     for r, names_r in enumerate(every):
