@@ -401,7 +401,7 @@ def _posted_group(me: int, last_completed: int, posts: dict[int, dict]):
     this rank completed."""
     g = object.__new__(arrival._Group)
     g.count, g.ranks, g.watched, g.name = last_completed + 1, [0, 1, 2, 3], True, "world"
-    g.me, g.timeout = me, 5.0
+    g.me, g.timeout, g.slow = me, 5.0, timedelta(0)
     g.store = dist.HashStore()
     g.last = {"index": last_completed, "kind": "all_gather", "step": 5, "phase": "forward and backward",
               "local": False}

@@ -19,14 +19,16 @@ is missing. To name it, at no cost per collective beyond a counter and a clock r
   thread while the wait blocks, then ``done``), local work (``busy`` when entered,
   ``waiting`` for what follows when left), a checkpoint's collective; a quick runtime
   collective posts nothing;
-* a rank whose wait fails at the timeout reads every peer's post: a peer waiting at the
-  same point arrived; one waiting at an earlier point that this rank completed (a ring or
-  a reduce completes on some ranks before others) is alive and waits for the same rank;
-  one busy in local work, behind, or silent did not arrive. Its
-  :class:`CollectiveTimeout` names those ranks, where each was last seen (its own post, or
-  the last collective this rank completed with it, whichever is later, with the training
-  step and phase the loop set: :func:`at`) and the time this rank actually waited,
-  measured (not the configured timeout).
+* the ranks whose waits fail at the same point share one reading of the posts
+  (:mod:`~matrixfsdp.runtime.collector`; before, each read every peer's: ~5e8 reads of one
+  store at 16384 ranks): the first to fail reads them all once (:func:`_collect`), the
+  others read its finding, three store requests whatever P. Each judges it with its own
+  history: a peer waiting at the same point arrived; one waiting at an earlier point that
+  this rank completed (a ring or a reduce completes on some ranks before others) is alive
+  and waits for the same rank; one busy in local work, behind, or silent did not arrive.
+  Its :class:`CollectiveTimeout` names those ranks, where each was last seen (its own post,
+  or the last collective this rank completed with it, whichever is later, with the step
+  and phase the loop set: :func:`at`) and the time this rank actually waited, measured.
 
 Only gloo groups: an NCCL ``wait()`` does not block the host (NCCL's watchdog ends a stuck
 collective), and a wait with a timeout would make it block. Debug mode
@@ -39,6 +41,7 @@ import json
 import threading
 import time
 import weakref
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -46,10 +49,12 @@ from typing import Any
 import torch.distributed as dist
 
 from .._compat import default_store
+from .collector import collect_limit_s, ranks_of, ranks_text, read_all, shared, spans
 from .process_groups import group_timeout
 from .waiting import watchdog
 
 SLOW_S = 1.0  # a wait longer than this (or a quarter of the group's timeout) is posted
+MAX_LISTED = 32  # ranks a timeout's finding lists with their posts; any more, as spans of ranks
 _KEY = "matrixfsdp-wait/"
 _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> its _Group
 _here = threading.local()  # this thread's training step and phase (:func:`at`)
@@ -74,11 +79,6 @@ def current_place() -> tuple[int | None, str | None]:
 def _at_text(step: int | None, phase: str | None) -> str:
     parts = [p for p in (None if step is None else f"step {step}", phase) if p]
     return f" ({', '.join(parts)})" if parts else ""
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """``rank 1`` / ``ranks 1, 2`` (every message that names ranks says them so)."""
-    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
 class CollectiveTimeout(RuntimeError):
@@ -151,16 +151,6 @@ class _Group:
             return True
         except Exception:  # noqa: BLE001 (no store: the timeout will say less)
             return False
-
-    def read(self, rank: int) -> dict | None:
-        try:
-            if self.store is None:
-                self.store = default_store()
-            if not self.store.check([self.key(rank)]):
-                return None
-            return json.loads(self.store.get(self.key(rank)))
-        except Exception:  # noqa: BLE001 (a store that cannot answer: say what we know)
-            return None
 
 
 def _group(group: dist.ProcessGroup) -> _Group:
@@ -251,28 +241,73 @@ def _last_seen(seen: dict | None, last: dict | None, me: int, work: str | None =
     return "not seen at any collective of this group"
 
 
+def _arrived(seen: dict | None, index: int) -> bool:
+    """Whether a post says its rank waits or waited at point ``index``, or is past it."""
+    i = (seen or {}).get("index", -1)
+    return seen is not None and (i > index or (i == index and seen.get("state") in ("waiting", "done")))
+
+
+def _collect(g: _Group, index: int) -> dict:
+    """The collector's reading for point ``index``: after the group's ``slow`` threshold (a
+    rank that waited here before this rank's timeout has posted by then), every rank's post,
+    read once: the spans of ranks that arrived (this rank among them) and the posts of the
+    others (at most :data:`MAX_LISTED`, the rest as spans). O(P) reads, once per point."""
+    time.sleep(g.slow.total_seconds())
+    raw = read_all(g.store, [g.key(r) for r in g.ranks])
+    arrived, others = [], []
+    for r, value in zip(g.ranks, raw):
+        try:
+            seen = json.loads(value) if value is not None else None
+        except ValueError:
+            seen = None
+        if r == g.me or _arrived(seen, index):
+            arrived.append(r)
+        else:
+            others.append([r, seen])
+    return {"arrived": spans(arrived), "others": others[:MAX_LISTED],
+            "unlisted": spans([r for r, _ in others[MAX_LISTED:]])}
+
+
+def _finding(g: _Group, index: int, what: str) -> tuple[dict | None, int | None]:
+    """:func:`_collect` on the first rank to fail at point ``index``, read by the others."""
+    if g.store is None:
+        try:
+            g.store = default_store()
+        except Exception:  # noqa: BLE001 (no store: the timeout says less)
+            return None, None
+    key = f"{_KEY}{g.name}/found/{index}/{zlib.crc32(what.encode()):08x}"
+    return shared(g.store, key, g.me, lambda: _collect(g, index),
+                  collect_limit_s(len(g.ranks), g.slow.total_seconds()))
+
+
 def failure(g: _Group, index: int, what: str, started: float, place: tuple,
             exc: BaseException, work: str | None = None) -> CollectiveTimeout | None:
     """The :class:`CollectiveTimeout` of this rank's wait at point ``index`` (``what`` it
     waited at, since ``time.monotonic()`` ``started``; after leaving local ``work``) that failed
-    with ``exc``, from the peers' posts; None where ``exc`` is neither a timeout nor a lost
-    peer, or a lost peer with every peer seen (the peer that ended is the story). A lost
-    peer with a rank seen stuck in local work names that rank; with silent ranks only, it
-    names them, ``lost``: each hangs, or its process ended."""
+    with ``exc``, from the peers' posts as one rank read them (:func:`_finding`); None where
+    ``exc`` is neither a timeout nor a lost peer, or a lost peer with every peer seen (the
+    peer that ended is the story). A lost peer with a rank seen stuck in local work names
+    that rank; with silent ranks only, it names them, ``lost``: each hangs, or its process
+    ended."""
     if not g.watched or not (timed_out(exc) or lost_peer(exc)):
         return None
     waited = time.monotonic() - started
+    limit = f"the process group's timeout is {g.timeout:g} s" if g.timeout else "at the backend's timeout"
+    found, by = _finding(g, index, what)
+    if found is None:
+        who = (f"rank {by} was to read where every rank is and did not say in time" if by not in (None, g.me)
+               else "where the other ranks are could not be read from the store")
+        return CollectiveTimeout(f"{what}{_at_text(*place)} did not complete ({who}); rank {g.me} waited "
+                                 f"{waited:.1f} s for it ({limit})", [], g.me)
     missing: list[tuple[int, str]] = []
-    elsewhere, behind, arrived = [], [], []
-    for r in g.ranks:
+    elsewhere, behind = [], []
+    arrived = [r for r in ranks_of(found["arrived"]) if r != g.me]
+    for r, seen in found["others"]:
         if r == g.me:
             continue
-        seen = g.read(r)
         i, state = (seen or {}).get("index", -1), (seen or {}).get("state")
         for_s = f"for {time.time() - float((seen or {}).get('since', 0)):.1f} s"
-        if seen is not None and (i > index or (i == index and state in ("waiting", "done"))):
-            arrived.append(r)
-        elif seen is not None and state == "waiting" and (g.last is None or i > g.last["index"]):
+        if seen is not None and state == "waiting" and (g.last is None or i > g.last["index"]):
             its = (f"the collectives after {seen.get('kind')}" if seen.get("local")
                    else f"its {seen.get('kind')} #{i}")
             elsewhere.append(f"rank {r} waits at another collective ({its}, {for_s})")
@@ -284,27 +319,29 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
                               f"{for_s}"))
         else:
             missing.append((r, _last_seen(seen, g.last, g.me, work)))
+    unlisted = [r for r in ranks_of(found["unlisted"]) if r != g.me]  # more than MAX_LISTED
     lost = False
     if not timed_out(exc):  # a lost peer: a rank seen stuck in local work is the story
         stuck = [(r, s) for r, s in missing if s.startswith(("last seen in ", "still in it"))]
-        if not missing:
+        if not missing and not unlisted:
             return None
         # else the silent ones: the peer whose process ended, or the one that hangs while
         # the peers that timed out on it left (gloo closes their pairs with this rank)
         lost, missing = not stuck, stuck or missing
-    limit = f"the process group's timeout is {g.timeout:g} s" if g.timeout else "at the backend's timeout"
+        unlisted = [] if stuck else unlisted
     parts = []
-    if missing:
-        ranks = [r for r, _ in missing]
+    if missing or unlisted:
+        ranks = [r for r, _ in missing] + unlisted
         they = "they hang, are" if len(ranks) > 1 else "it hangs, is"
-        inside = all(t.startswith(("last seen in ", "still in it")) for _, t in missing)
+        inside = all(t.startswith(("last seen in ", "still in it")) for _, t in missing) and not unlisted
         why = (f"{'they hang, or their processes' if len(ranks) > 1 else 'it hangs, or its process'} "
                f"ended: this rank lost its connection to a peer ({error_text(exc)})" if lost else
                f"{'they hang, or are' if len(ranks) > 1 else 'it hangs, or is'} slower than the "
                "timeout" if inside else
                f"{they} slower than the timeout, or left the training loop; debug mode says where "
                "each rank is")
-        seen_text = "; ".join(f"rank {r} {s}" if len(ranks) > 1 else s for r, s in missing)
+        seen_text = "; ".join([f"rank {r} {s}" if len(ranks) > 1 else s for r, s in missing]
+                              + ([f"{ranks_text(unlisted)} not listed"] if unlisted else []))
         parts.append(f"{ranks_text(ranks)} did not arrive at {what}{_at_text(*place)}: {seen_text} "
                      f"({why})")
     parts += elsewhere
@@ -313,13 +350,13 @@ def failure(g: _Group, index: int, what: str, started: float, place: tuple,
     if behind:
         parts.append("; ".join(f"rank {r} was last seen waiting at {w}" for r, w in behind)
                      + f", which rank {g.me} completed (waiting for the same rank)")
-    if not missing and not elsewhere:
+    if not missing and not unlisted and not elsewhere:
         parts.insert(0, f"{what}{_at_text(*place)} did not complete" if behind else
                      f"every rank arrived at {what}{_at_text(*place)}, but it did not complete")
     parts.append(f"rank {g.me} waited {waited:.1f} s for it ({limit})")
     if arrived:
         parts.append(f"{ranks_text(arrived)} arrived and waited too")
-    return CollectiveTimeout("; ".join(parts), [r for r, _ in missing], g.me, lost=lost)
+    return CollectiveTimeout("; ".join(parts), [r for r, _ in missing] + unlisted, g.me, lost=lost)
 
 
 class Point:

@@ -7,10 +7,21 @@
   once and kept: HSDP's mesh groups bounded by the world's timeout
   (:meth:`~matrixfsdp.runtime.hsdp.MeshGroups.from_mesh`), and the gloo group of an
   asynchronous save's background thread (:func:`matrixfsdp.state.files.save_checkpoint`).
+
+A gloo group connects every pair of its ranks when it is made (``connectFullMesh``: P - 1
+connections and P - 1 store reads per rank, 16383 at 16384 ranks), whatever its collectives
+use. The asynchronous save's group is made with lazy connections instead (gloo connects a
+pair at its first use; torch's ``TORCH_GLOO_LAZY_INIT``): made in one store write a rank,
+it then holds what DCP's collectives use: every rank on the coordinator (DCP gathers each
+rank's plan there), a few on the others (gloo's trees and rings). Measured in
+``python -m matrixfsdp.bench.async_save --group``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import weakref
 from datetime import timedelta
 
@@ -21,6 +32,8 @@ from .._compat import backend_timeout
 
 # group -> {(backend, timeout): its twin}; an entry goes with its group
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo when it is made
+_env_lock = threading.Lock()
 
 
 def group_timeout(group: dist.ProcessGroup, device: str | torch.device | None = None
@@ -47,8 +60,8 @@ def _registered(group: dist.ProcessGroup) -> bool:
 
 
 def twin_group(group: dist.ProcessGroup, *, backend: str | None = None,
-               timeout: timedelta | None = None, local: bool | None = None
-               ) -> dist.ProcessGroup:
+               timeout: timedelta | None = None, local: bool | None = None,
+               lazy: bool | None = None) -> dist.ProcessGroup:
     """A process group of ``group``'s ranks with ``backend`` (default: ``group``'s own) and
     ``timeout`` (default: ``group``'s own, :func:`group_timeout`), made on the first call and
     returned again by every later one with the same ``backend`` and ``timeout``, as long as
@@ -60,20 +73,44 @@ def twin_group(group: dist.ProcessGroup, *, backend: str | None = None,
     (each rank its own shard group); ``local=False``: of every rank of the world, as any new
     group. Default: ``local`` unless ``group`` is the whole world. Whether a twin exists is
     the same on every rank that made it, so a later call is a collective exactly where the
-    first was."""
+    first was.
+
+    ``lazy``: a gloo twin connects each pair of ranks at its first use, not all pairs when
+    made (:func:`lazy_gloo`). Default: when ``backend="gloo"`` is asked for by name (the
+    asynchronous save's group, beside training on the group's own backend); a twin on the
+    group's own backend (HSDP's, tp's) connects as that backend does by default."""
+    if lazy is None:
+        lazy = backend is not None and str(backend) == "gloo"
     if timeout is None:
         timeout = group_timeout(group)
     if backend is None:
         backend = dist.get_backend(group)
     made = _twins.setdefault(group, {})
-    key = (str(backend), timeout)
+    key = (str(backend), timeout, lazy)
     twin = made.get(key)
     if twin is None or not _registered(group) or not _registered(twin):
         ranks = dist.get_process_group_ranks(group)
         whole = len(ranks) == dist.get_world_size()
         if local is None:
             local = not whole
-        twin = dist.new_group(None if whole and not local else ranks, timeout=timeout,
-                              backend=backend, use_local_synchronization=local)
+        with lazy_gloo(lazy and str(backend) == "gloo"):
+            twin = dist.new_group(None if whole and not local else ranks, timeout=timeout,
+                                  backend=backend, use_local_synchronization=local)
         made[key] = twin
     return twin
+
+
+@contextlib.contextmanager
+def lazy_gloo(on: bool = True):
+    """Within: a gloo group made (by any thread) connects each pair of ranks at its first use
+    (torch's ``TORCH_GLOO_LAZY_INIT``, read when ``ProcessGroupGloo`` is made), unless the
+    environment already says (the user's choice stands). A no-op when ``on`` is False."""
+    if not on or LAZY_ENV in os.environ:
+        yield
+        return
+    with _env_lock:
+        os.environ[LAZY_ENV] = "1"
+        try:
+            yield
+        finally:
+            os.environ.pop(LAZY_ENV, None)
