@@ -202,16 +202,15 @@ def agree_on_local_checks(problem: Exception | None, mesh: Any) -> None:
         first = min_max([first], mesh.get_group(dim))[0][0]
     if first is None:
         return
-    # after the broadcast along dim d, the ranks whose coordinates past d are the first
-    # rank's hold its message: after the last dim, every rank does
+    # along dim d, from the rank at the first rank's coordinate d: after it, every rank
+    # whose coordinates past d are the first rank's holds its message (the others, what
+    # their source held), so after the last dim every rank does
     at = [int(c) for c in (mesh.mesh == first).nonzero()[0]]
     mine = list(mesh.get_coordinate())
     found = (type(problem).__name__, str(problem)) if me == first else None
     for dim in range(mesh.ndim):
         src = int(mesh.mesh[tuple(mine[:dim] + [at[dim]] + mine[dim + 1:])])
-        got = broadcast_object(found if me == src else None, src, mesh.get_group(dim))
-        if mine[dim + 1:] == at[dim + 1:]:
-            found = got
+        found = broadcast_object(found if me == src else None, src, mesh.get_group(dim))
     kind, text = found
     error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError,
              "TypeError": TypeError}.get(kind, RuntimeError)
