@@ -69,21 +69,22 @@ def read_all(store: Any, keys: Sequence[str]) -> list[bytes | None]:
     """Every key's value, None where a key is absent: per :data:`BATCH` keys one ``check``
     and one ``multi_get`` when all are there; a batch with absent keys is halved until its
     parts are (a few absent keys cost a few checks each), and a part of at most 16 keys is
-    checked key by key."""
+    checked key by key (one ``multi_get`` for those there)."""
     out: list[bytes | None] = [None] * len(keys)
     multi = getattr(store, "multi_get", None)
 
-    def fetch(lo: int, hi: int) -> None:
-        values = multi(list(keys[lo:hi])) if multi is not None else [store.get(k) for k in keys[lo:hi]]
-        out[lo:hi] = values
+    def fetch(at: list[int]) -> None:
+        names = [keys[i] for i in at]
+        for i, v in zip(at, multi(names) if multi is not None else [store.get(k) for k in names]):
+            out[i] = v
 
     def visit(lo: int, hi: int) -> None:
         if store.check(list(keys[lo:hi])):
-            fetch(lo, hi)
+            fetch(list(range(lo, hi)))
         elif hi - lo <= 16:
-            for i in range(lo, hi):
-                if store.check([keys[i]]):
-                    out[i] = store.get(keys[i])
+            there = [i for i in range(lo, hi) if store.check([keys[i]])]
+            if there:
+                fetch(there)
         else:
             mid = (lo + hi) // 2
             visit(lo, mid)
