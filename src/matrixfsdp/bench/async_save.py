@@ -19,6 +19,14 @@ right after a save (where a background write competes with training) and over th
 mean step; the whole loop; and per save the median time the loop was held
 (``blocking_seconds``) and from the call to the commit (``seconds``). Writes
 ``DIR/results.json`` and ``DIR/results.md``.
+
+``python -m matrixfsdp.bench.async_save --group [--ranks 4] [--saves 2]`` measures instead
+what the asynchronous save's gloo group costs each rank (linux: sockets in
+``/proc/self/fd``): the peers it connects and the seconds it takes to make, then the peers
+connected after each asynchronous save, made as gloo does by default (every pair at once:
+``TORCH_GLOO_LAZY_INIT=0`` in the ranks' environment, the group as it was made before) and
+as ``save_checkpoint`` makes it now (lazily: a pair at its first use). Writes
+``DIR/group.json`` and ``DIR/group.md``.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 MODES = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--async-save"]}
@@ -96,6 +106,76 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _peers() -> int:
+    """Sockets this process holds (gloo: one per connected peer and group, one listening)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+def _group_rank(args) -> None:
+    """One rank of ``--group``: make the asynchronous save's group as ``save_checkpoint``
+    does, then save; each rank's numbers into ``args.out_rank``."""
+    import torch
+    import torch.distributed as dist
+
+    from ..runtime.process_groups import twin_group
+    from ..state.files import save_checkpoint
+
+    rank = dist.get_rank()
+    dist.barrier()
+    base = _peers()
+    t = time.perf_counter()
+    twin_group(dist.group.WORLD, backend="gloo")  # what save_checkpoint(async_save=True) makes
+    row = {"rank": rank, "make_s": time.perf_counter() - t, "made": _peers() - base - 1}  # less its listener
+    for i in range(args.saves):
+        save_checkpoint({"x": torch.full((4,), float(rank))}, os.path.join(args.ckpt, f"step_{i}"),
+                        async_save=True).result()
+        row[f"after_save_{i + 1}"] = _peers() - base - 1
+    with open(os.path.join(args.out_rank, f"rank{rank}.json"), "w") as f:
+        json.dump(row, f)
+    dist.barrier()
+
+
+def group_cost(ranks: int, saves: int) -> list[dict]:
+    """Per mode (``full mesh``: gloo's default; ``lazy``: as made now) and rank, the peers the
+    asynchronous save's group connected when made and after each save, and the seconds
+    making it took."""
+    from ..train.launch import launch
+
+    rows = []
+    for mode, env in (("full mesh", "0"), ("lazy", None)):
+        with tempfile.TemporaryDirectory() as tmp:
+            ns = argparse.Namespace(out_rank=tmp, ckpt=os.path.join(tmp, "ckpt"), saves=saves)
+            before = os.environ.get("TORCH_GLOO_LAZY_INIT")
+            if env is not None:
+                os.environ["TORCH_GLOO_LAZY_INIT"] = env  # the ranks inherit it: the user's choice
+            try:
+                launch(_group_rank, ns, ranks, timeout_s=120)
+            finally:
+                os.environ.pop("TORCH_GLOO_LAZY_INIT", None)
+                if before is not None:
+                    os.environ["TORCH_GLOO_LAZY_INIT"] = before
+            for r in range(ranks):
+                with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                    rows.append({"mode": mode, **json.load(f)})
+    return rows
+
+
+def group_table(rows: list[dict], saves: int) -> str:
+    after = [f"after save {i + 1}" for i in range(saves)]
+    lines = ["| group | rank | peers connected when made | making it (ms) | " + " | ".join(
+        f"peers {a}" for a in after) + " |", "|---|---:|---:|---:|" + "---:|" * saves]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['rank']} | {r['made']} | {1e3 * r['make_s']:.1f} | "
+                     + " | ".join(str(r[f"after_save_{i + 1}"]) for i in range(saves)) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -107,7 +187,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--save-every", type=int, default=5)
     ap.add_argument("--out", default="runs/async_save")
+    ap.add_argument("--group", action="store_true",
+                    help="measure the asynchronous save's group (peers, time) instead of steps")
+    ap.add_argument("--saves", type=int, default=2, help="with --group: saves after making it")
     args = ap.parse_args(argv)
+    if args.group:
+        rows = group_cost(args.ranks, args.saves)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "group.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        md = group_table(rows, args.saves) + (
+            f"\n\n{args.ranks} gloo ranks on CPU; a rank's sockets less the group's listening one "
+            "(the coordinator, rank 0, receives every rank's plan).\n")
+        (out / "group.md").write_text(md)
+        print(md)
+        return 0
     rows = [_run(mode, rep, args, extra) for rep in range(args.repeats) for mode in MODES]
     keys = [k for k in rows[0] if k not in ("mode", "repeat")]
     for mode in MODES:
