@@ -1,6 +1,7 @@
 """DCP's saves and loads as this library runs them: each rank's parts posted as local work
-(:mod:`~matrixfsdp.runtime.arrival`), so that a hang names its rank, and a file that cannot
-be read named by the load.
+(:mod:`~matrixfsdp.runtime.arrival`), so that a hang names its rank; a load in which one
+rank reads the index and each rank checks and opens only the files it reads; a file that
+cannot be read named.
 
 ``torch.distributed.checkpoint`` issues its own collectives (a gather of the plans to the
 coordinator and a scatter back, then a gather of the results), and when one of them times
@@ -13,26 +14,42 @@ read. A rank whose DCP collective then fails at the timeout names the ranks stil
 their local work, or behind, and where each was last seen (:meth:`Watched.failure`). Only gloo
 groups are watched (:mod:`matrixfsdp.runtime.arrival`).
 
-The reader reads file by file, so that a file that cannot be read (missing, truncated,
-another checkpoint's) is named with what went wrong, instead of a bare unpickling or zip
-error from inside torch.
+A load (:func:`load`) runs DCP's load protocol with DCP's own planner and file reader, but
+plans on the coordinator (:mod:`.load_plan`): each rank sends what it holds, rank 0 alone
+reads the index and sends each rank its reads; each rank checks the files it reads
+(:func:`~matrixfsdp.state.integrity.check_file`) and the ranks agree on the verdict
+(:func:`~matrixfsdp.state.exchange.agree`) before anything is read; the values every rank
+loads alike come from rank 0 in one broadcast. The reader reads file by file, so that a
+file that cannot be read (missing, truncated, another checkpoint's) is named with what went
+wrong, instead of a bare unpickling or zip error from inside torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import pickle
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.futures import Future
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan
 
 from ..runtime import arrival
 from ..runtime.arrival import CollectiveTimeout
-from .integrity import CheckpointError, CheckpointTimeout, error_line, mark_file
+from . import exchange
+from .entries import check_names
+from .integrity import (
+    CheckpointError,
+    CheckpointTimeout,
+    check_file,
+    damaged,
+    error_line,
+    mark_file,
+    read_index,
+)
+from .load_plan import RankPlan, apply_shared, fetch_shared, read_failure, requests, resolve
 
 
 class Watched:
@@ -105,10 +122,14 @@ class SaveWriter(dcp.FileSystemWriter):
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner; this rank's planning starts at its set-up, and the
-    coordinator's global planning is local work of ``watched``."""
+    coordinator's global planning is local work of ``watched``. A value every rank proposes
+    alike (DCP's replicated values: buffers, AdamW's ``step``, the parameter groups) is
+    written by rank 0 (``dedup_save_to_lowest_rank``; DCP's default spreads them over the
+    ranks that write least), so that a load at the same world size reads them from rank 0's
+    file alone and every other rank opens only its own (:mod:`.load_plan`)."""
 
     def __init__(self, watched: Watched):
-        super().__init__()
+        super().__init__(dedup_save_to_lowest_rank=True)
         self.watched = watched
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -121,107 +142,143 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadReader(dcp.FileSystemReader):
-    """DCP's file reader; this rank's planning starts at the metadata read, and its read is
-    local work of ``watched``. It reads file by file: a file that cannot be read raises a
+    """DCP's file reader for one rank's :class:`~matrixfsdp.state.load_plan.RankPlan`; it
+    reads file by file: a file that cannot be read raises a
     :class:`~matrixfsdp.state.integrity.CheckpointError` naming it and what went wrong."""
 
     def __init__(self, path: Path, watched: Watched):
         super().__init__(str(path))
         self.watched = watched
 
-    def read_metadata(self, *args, **kwargs):
-        self.watched.enter("DCP's load planning")
-        return super().read_metadata(*args, **kwargs)
-
-    def prepare_local_plan(self, plan):
-        plan = super().prepare_local_plan(plan)
-        self.watched.leave()
-        return plan
-
-    def read_data(self, plan, planner) -> Future:
-        with self.watched.part("reading its part"):
-            per_file: dict[str, list] = {}
-            for item in plan.items:
-                per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-            for name, items in per_file.items():
-                try:
-                    super().read_data(dataclasses.replace(plan, items=items), planner)
-                except FileNotFoundError as e:
-                    raise CheckpointError(f"checkpoint {self.path}: {name} is missing (DCP's "
-                                          ".metadata lists it)") from e
-                except Exception as e:  # noqa: BLE001 (named, then raised on every rank by DCP)
-                    # torch.load's refusal of bytes that are no tensor data advises loading
-                    # them with weights_only=False: never repeated for a damaged file
-                    why = (f"{type(e).__name__}: its bytes are not tensor data torch.load can read"
-                           if isinstance(e, pickle.UnpicklingError) or "weights_only" in str(e)
-                           else error_line(e))
-                    raise CheckpointError(
-                        f"checkpoint {self.path}: {name} is damaged: reading it failed "
-                        f"({why}); it was truncated, overwritten or swapped with "
-                        "another file after the save") from e
-        done: Future = Future()
-        done.set_result(None)
-        return done
+    def read(self, plan: RankPlan, planner) -> None:
+        """Read ``plan.items`` into ``planner``'s state dict, with DCP's own ``read_data``."""
+        self.set_up_storage_reader(Metadata(state_dict_metadata={}, storage_data=plan.storage), False)
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(plan.storage[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            try:
+                self.read_data(LoadPlan(items), planner).wait()
+            except FileNotFoundError as e:
+                raise CheckpointError(f"checkpoint {self.path}: {name} is missing (DCP's "
+                                      ".metadata lists it)") from e
+            except Exception as e:  # noqa: BLE001 (named, then agreed on by every rank)
+                raise CheckpointError(read_failure(Path(str(self.path)), name, e)) from e
 
 
-class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner; the coordinator's global planning is local work of
-    ``watched``."""
-
-    def __init__(self, watched: Watched):
-        super().__init__()
-        self.watched = watched
-
-    def create_global_plan(self, global_plan):
-        with self.watched.part("DCP's global load planning (the coordinator)", solo=True):
-            return super().create_global_plan(global_plan)
-
-
-def read_error(exc: BaseException) -> CheckpointError | None:
-    """The :class:`~matrixfsdp.state.integrity.CheckpointError` a rank's read raised, out of
-    DCP's exception that carries every rank's failure (the same one on every rank)."""
-    failures = getattr(exc, "failures", None) or {}
-    for rank in sorted(failures):
-        pair = failures[rank]
-        e = pair[0] if isinstance(pair, tuple) else pair
-        if isinstance(e, CheckpointError):
-            return e
-    return exc if isinstance(exc, CheckpointError) else None
-
-
-def load(state: dict, path: Path, process_group=None) -> None:
-    """``dcp.load(state)`` from directory ``path`` with the reader and planner above: a rank
-    that hangs is named (a :class:`~matrixfsdp.state.integrity.CheckpointTimeout` saying
-    where it was last seen), a file that cannot be read is named (a
-    :class:`~matrixfsdp.state.integrity.CheckpointError`, the same on every rank)."""
-    watched = Watched(process_group, str(path))
+def _global_plan(everyone: list, path: Path, verify: bool, names: str | None,
+                 world: int) -> list:
+    """The coordinator's part: the index read and checked, then every rank's plan; or, for
+    a failure of any rank's planning or of the checks, that error for every rank."""
     try:
-        dcp.load(state, storage_reader=LoadReader(path, watched), planner=LoadPlanner(watched),
-                 process_group=process_group)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
-            raise  # KeyboardInterrupt, SystemExit
-        named = read_error(e)
-        if named is not None:
-            raise CheckpointError(str(named)) from e
+        failed = next((e for e in everyone if isinstance(e, BaseException)), None)
+        if failed is not None:
+            raise failed
+        index = read_index(path, verify)
+        if names is not None:  # the saved names of the model, both ways, before any other key
+            cut = len(names) + 1
+            check_names({fqn[cut:] for fqn, *_ in everyone[0] if fqn.startswith(names + ".")},
+                        {k[cut:] for k in index.metadata.state_dict_metadata if k.startswith(names + ".")},
+                        f"checkpoint {path}")
+        return resolve(everyone, index.metadata, index)
+    except Exception as e:  # noqa: BLE001 (every rank raises it)
+        return [e] * world
+
+
+def _plan(state: dict, path: Path, planner, reader: LoadReader, watched: Watched, rank: int,
+          verify: bool, names: str | None) -> RankPlan:
+    """Every rank's requests to the coordinator; its plan back (or the error every rank raises)."""
+    with watched.part("DCP's load planning"):
+        try:
+            planner.set_up_planner(state, None, rank == 0)
+            mine: Any = requests(planner.state_dict)
+            if rank != 0:  # what a rank holds none of: rank 0's list names every entry
+                mine = [r for r in mine if r[1] is None or r[2]]
+            reader.prepare_local_plan(LoadPlan([]))  # DCP's hook, as dcp.load calls it
+        except Exception as e:  # noqa: BLE001 (sent to the coordinator, raised by every rank)
+            mine = e
+    everyone = exchange.gather_to_coordinator(mine, watched.group)
+    plans = None
+    if rank == 0:
+        with watched.part("DCP's global load planning (the coordinator)", solo=True):
+            world = dist.get_world_size(watched.group) if watched.on else 1
+            plans = _global_plan(everyone, path, verify, names, world)
+    plan = exchange.scatter_from_coordinator(plans, watched.group)
+    if isinstance(plan, BaseException):
+        raise plan
+    return plan
+
+
+def _check(plan: RankPlan, path: Path, watched: Watched, verify: bool) -> None:
+    """This rank's files checked (``verify``: their checksums too), then one verdict for all."""
+    problem = None
+    with watched.part("checking the files it reads"):
+        for name, record in plan.files.items():
+            try:
+                problem = check_file(path, name, record, verify)
+            except OSError as e:
+                problem = f"{path / name} cannot be read ({error_line(e)})"
+            if problem is not None:
+                break
+    problem = exchange.agree(problem, watched.group)
+    if problem is not None:
+        raise damaged(path, problem)
+
+
+def _read(plan: RankPlan, path: Path, planner, reader: LoadReader, watched: Watched, rank: int) -> None:
+    """The shared values from rank 0 (one broadcast), this rank's own reads, one verdict."""
+    payload: Any = []
+    if plan.shared_from:
+        if rank == 0:
+            with watched.part("reading what every rank loads alike (the coordinator)", solo=True):
+                try:
+                    payload = fetch_shared(path, plan)
+                except CheckpointError as e:
+                    payload = str(e)
+        payload = exchange.broadcast_from_coordinator(payload, watched.group)
+    failed = None
+    with watched.part("reading its part"):
+        try:
+            if isinstance(payload, str):
+                raise CheckpointError(payload)
+            reader.read(plan, planner)
+            apply_shared(planner, plan.shared, payload, plan.shared_from, path)
+        except CheckpointError as e:
+            failed = str(e)
+        except Exception as e:  # noqa: BLE001 (agreed on, then raised by every rank)
+            failed = f"checkpoint {path}: loading failed: {error_line(e)}"
+    failed = exchange.agree(failed, watched.group)
+    if failed is not None:
+        raise CheckpointError(failed)
+
+
+def load(state: dict, path: Path, process_group=None, *, verify: bool = True,
+         names: str | None = None) -> None:
+    """Load ``state`` (filled in place, as ``dcp.load`` does) from checkpoint directory
+    ``path``, every rank of ``process_group`` (default: the world) together.
+
+    Rank 0 alone reads the index (the marker, ``CHECKSUMS.json``, DCP's ``.metadata``) and
+    plans every rank's reads from what each holds (:mod:`.load_plan`); each rank checks the
+    files it reads (present, the name at their end, sizes; ``verify``: checksums) and the
+    ranks agree on the verdict before anything is read; each rank then reads its own pieces,
+    and the values every rank loads alike come from rank 0 in one broadcast. ``names``: an
+    entry (``"model"``) whose saved names must equal the state's, both ways (``ValueError``
+    naming them). Raises the same error on every rank: a damaged file named
+    (:class:`~matrixfsdp.state.integrity.CheckpointError`), an entry the checkpoint lacks or
+    holds otherwise (DCP's own errors); a rank that hangs is named (a
+    :class:`~matrixfsdp.state.integrity.CheckpointTimeout` saying where it was last seen)."""
+    path = Path(path)
+    watched = Watched(process_group, str(path))
+    rank = dist.get_rank(watched.group) if watched.on else 0
+    planner, reader = DefaultLoadPlanner(), LoadReader(path, watched)
+    try:
+        plan = _plan(state, path, planner, reader, watched, rank, verify, names)
+        _check(plan, path, watched, verify)
+        _read(plan, path, planner, reader, watched, rank)
+    except Exception as e:
         hung = watched.failure(e)
         if hung is not None:
             raise CheckpointTimeout(f"matrixfsdp.load_checkpoint: loading {path} timed out: {hung}",
                                     hung.missing, hung.rank) from e
         raise
     watched.done()
-
-
-def load_alone(state: dict, path: Path) -> None:
-    """``dcp.load(state)`` from ``path`` in this process alone (no process group: the
-    launcher reading a checkpoint's own entries), a file that cannot be read named, and any
-    other failure said as a :class:`~matrixfsdp.state.integrity.CheckpointError` naming the
-    checkpoint."""
-    try:
-        dcp.load(state, storage_reader=LoadReader(path, Watched(None, str(path))), no_dist=True)
-    except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
-            raise
-        named = read_error(e)
-        raise CheckpointError(str(named) if named is not None else
-                              f"checkpoint {path} cannot be read: {error_line(e)}") from e

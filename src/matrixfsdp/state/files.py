@@ -6,7 +6,7 @@
   CPU and writes and commits in the background.
 * :func:`latest_checkpoint` / :func:`is_complete`: find the newest complete one.
 * :func:`load_checkpoint`: a damaged checkpoint refused naming the file, before anything
-  is loaded.
+  is loaded; each rank checks and opens the files it reads, one rank reads the index.
 
 Every collective of a save and a load is an arrival point (:mod:`matrixfsdp.runtime.arrival`,
 DCP's own through :mod:`.dcp_io`): a rank that hangs in one is named by the others, with
@@ -36,14 +36,11 @@ from ..runtime.collectives import broadcast_object
 from ..runtime.process_groups import twin_group
 from . import dcp_io
 from .dcp_io import SavePlanner, SaveWriter, Watched
-from .entries import check_names
 from .integrity import (
     CHECKSUMS,
     COMPLETE,
     CheckpointError,
-    check_structure,
     gather_digests,
-    verify_checkpoint,
     write_checksums,
     write_failure,
 )
@@ -355,7 +352,8 @@ def why_incomplete(path: str | os.PathLike) -> str | None:
 
 def is_complete(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a checkpoint :func:`save_checkpoint` finished (marker and DCP
-    metadata present). Its files' integrity is :func:`verify_checkpoint`'s business."""
+    metadata present). Its files' integrity is checked by the load, or by
+    :func:`~matrixfsdp.state.integrity.verify_checkpoint`."""
     return why_incomplete(path) is None
 
 
@@ -385,33 +383,24 @@ def latest_checkpoint(root: str | os.PathLike, *, warn: bool = True) -> Path | N
 
 
 # ---- loading ---------------------------------------------------------------------------------
-def saved_names(path: str | os.PathLike, prefix: str = "model") -> set[str]:
-    """The names under ``prefix`` (``"model"``: the model's entries) that the checkpoint at
-    ``path`` holds, from DCP's metadata (no tensor read)."""
-    problem = check_structure(path)
-    if problem is not None:
-        raise CheckpointError(f"checkpoint {path} is damaged: {problem}; refusing to load it")
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
-    cut = len(prefix) + 1
-    return {k[cut:] for k in meta.state_dict_metadata if k.startswith(prefix + ".")}
-
-
 def load_checkpoint(model: nn.Module, optimizer=None, path: str | os.PathLike = "", *,
                     extra: dict[str, Any] | None = None, verify: bool = True,
                     process_group=None) -> dict[str, Any]:
     """Load the checkpoint directory ``path`` (one :func:`save_checkpoint` wrote) into the
     sharded ``model`` and ``optimizer`` (None: the model only), at any world size.
 
-    In order: the directory must be complete; with ``verify`` every file is checked against
-    its checksum and DCP's metadata (:func:`~matrixfsdp.state.integrity.verify_checkpoint`,
-    each file read by one rank; without, DCP's metadata and the sizes of the files it names:
-    :func:`~matrixfsdp.state.integrity.check_structure`); the saved model names must equal
-    the model's, both ways; then ``dcp.load`` (a file that cannot be read is named) and
-    :func:`~matrixfsdp.set_state_dict`. ``extra``: more entries to load along (e.g. an lr
-    scheduler's ``state_dict()``), filled in place. Returns the loaded state dict. A
-    collective. Raises :class:`~matrixfsdp.state.integrity.CheckpointError` (incomplete or
-    damaged) or ``ValueError`` (names that differ), the same on every rank, before anything
-    is loaded; a rank that hangs in the load is named by the others
+    In order: the directory must be complete; rank 0 reads the index (the marker,
+    ``CHECKSUMS.json``, DCP's ``.metadata``, checked) and plans every rank's reads; the saved
+    model names must equal the model's, both ways; each rank checks the files it reads
+    (present, the name at their end, their sizes; with ``verify`` their checksums), and the
+    ranks agree on the verdict; then each rank reads its pieces (a file that cannot be read
+    is named) and :func:`~matrixfsdp.set_state_dict` (:func:`~matrixfsdp.state.dcp_io.load`).
+    At the same world size each rank opens only the files it wrote. ``extra``: more entries
+    to load along (e.g. an lr scheduler's ``state_dict()``), filled in place. Returns the
+    loaded state dict. A collective. Raises
+    :class:`~matrixfsdp.state.integrity.CheckpointError` (incomplete or damaged, naming the
+    file and how) or ``ValueError`` (names that differ), the same on every rank, before
+    anything is loaded; a rank that hangs in the load is named by the others
     (:class:`~matrixfsdp.state.integrity.CheckpointTimeout`).
     """
 
@@ -419,11 +408,8 @@ def load_checkpoint(model: nn.Module, optimizer=None, path: str | os.PathLike = 
     why = why_incomplete(path)
     if why is not None:
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {why}")
-    if verify:
-        verify_checkpoint(path, process_group=process_group)
     state = get_state_dict(model, optimizer)
-    check_names(state["model"], saved_names(path), f"checkpoint {path}")
     state.update(extra or {})
-    dcp_io.load(state, path, process_group)
+    dcp_io.load(state, path, process_group, verify=verify, names="model")
     set_state_dict(model, optimizer, state)
     return state

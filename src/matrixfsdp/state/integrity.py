@@ -4,22 +4,31 @@ words, and the errors a user sees about checkpoint files.
 :func:`~matrixfsdp.state.files.save_checkpoint` records a SHA-256 and the size of each file
 in ``CHECKSUMS.json`` before it writes the completion marker (which records that it did):
 each rank hashes the files it wrote (DCP names them ``__<rank>_<n>.distcp``), read back
-from disk after DCP closed them, and rank 0 hashes the rest (DCP's ``.metadata``).
-:func:`verify_checkpoint` checks, in order of cost, and raises the same
-:class:`CheckpointError` on every rank naming the first damaged file and how it is damaged:
-the listing itself (missing where the marker says the save wrote one), every file's size,
-DCP's ``.metadata`` (readable, and every file it places data in present and long enough:
-:func:`check_structure`, which also covers checkpoints saved without checksums), then every
-file's bytes, each file read by one rank.
+from disk after DCP closed them, and rank 0 hashes the rest (DCP's ``.metadata``); every
+file a save writes ends with its own name (:func:`mark_file`).
+
+The checks are split so that no rank reads more than it must: the coordinator (rank 0)
+alone reads the index, :func:`read_index` (the marker, the listing, DCP's ``.metadata``:
+its size, that it unpickles, that every file it places data in is listed, its checksum),
+and each rank checks the files it reads, :func:`check_file` (present, the name at its
+end, its size, long enough for the data the index places there, its checksum). A load
+(:func:`~matrixfsdp.state.dcp_io.load`) checks the files each rank reads;
+:func:`verify_checkpoint` every file, each on the rank that wrote it. Either way the ranks
+agree on the verdict with one small all-reduce and raise the same :class:`CheckpointError`
+naming the damaged file and how.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -30,7 +39,7 @@ except ImportError:  # not on Windows: no file-size limit to report
 
 from ..runtime import arrival
 from ..runtime.arrival import CollectiveTimeout
-from ..runtime.collectives import all_gather_object
+from . import exchange
 
 CHECKSUMS = "CHECKSUMS.json"  # {"files": {name: sha256 hex}, "sizes": {name: bytes}}, before the marker
 COMPLETE = "COMPLETE"  # marker file rank 0 writes into a checkpoint directory before renaming it
@@ -74,17 +83,18 @@ def own_digests(directory: Path, group_rank: int) -> dict[str, str]:
 
 
 def gather_digests(directory: Path, group, what: str) -> dict[str, str]:
-    """Every rank's :func:`own_digests`, merged, on every rank of ``group`` (a collective,
-    and a barrier: every rank has written); the hashing and the gather are arrival points
-    of the save of ``what``. Without a process group, all files' digests."""
+    """Every rank's :func:`own_digests`, merged, on rank 0 of ``group`` (empty elsewhere): a
+    collective, and on rank 0 a barrier (every rank has written). One gather to rank 0, which
+    writes the listing: no rank receives every rank's digests. The hashing and the gather
+    are arrival points of the save of ``what``. Without a process group, nothing."""
     if not dist.is_initialized():
         return {}
     group = group if group is not None else dist.group.WORLD
     with arrival.LocalWork(group, f"hashing its files of {what}"):
         mine = own_digests(directory, dist.get_rank(group))
     with arrival.Point(group, f"gather of the checksums of {what}"):
-        everyone = all_gather_object(mine, group)
-    return {k: v for d in everyone for k, v in d.items()}
+        everyone = exchange.gather_to_coordinator(mine, group)
+    return {k: v for d in everyone or [] for k, v in d.items()}
 
 
 def write_checksums(directory: Path, digests: dict[str, str], skip: tuple[str, ...]) -> int:
@@ -141,23 +151,6 @@ def read_listing(path: Path) -> tuple[dict[str, str], dict[str, int]] | None:
     return digests, sizes
 
 
-def _check_sizes(path: Path, digests: dict[str, str], sizes: dict[str, int]) -> str | None:
-    """The first listed file that is missing or whose size is not the one saved."""
-    for name in sorted(digests):
-        f = path / name
-        if not f.is_file():
-            return f"{f} is missing"
-        want, size = sizes.get(name), f.stat().st_size
-        if want is not None and size != want:
-            if size in [sizes.get(n) for n in digests if n != name]:  # another file's size: its bytes?
-                swapped = _check_files(path, [name], digests)
-                if swapped is not None and "holds the bytes" in swapped:
-                    return swapped
-            how = "truncated" if size < want else "longer than saved"
-            return f"{f} is {how}: {size} bytes, the save wrote {want}"
-    return None
-
-
 def mark_file(f: Path) -> None:
     """Append ``f``'s own name after :data:`FILE_MARK` (once the save has written it)."""
     with open(f, "ab") as out:
@@ -176,93 +169,154 @@ def file_mark(f: Path) -> str | None:
     return name or None
 
 
-def check_structure(path: str | os.PathLike, listed: dict[str, str] | None = None) -> str | None:
-    """What is wrong with checkpoint ``path``'s layout, read from DCP's ``.metadata`` alone
-    (no tensor is read), or None: the metadata must unpickle to DCP's index, and every file
-    it places data in must be present and long enough, and hold the bytes the save wrote
-    into it by the name at its end (:func:`mark_file`, where the save wrote one); with
-    ``listed`` (the checksums' file names) every such file must be listed. Checksums or not."""
-    import torch.distributed.checkpoint as dcp  # DCP imports numpy and more: only when checking
-    path = Path(path)
+_digests: dict[tuple, str] = {}  # (path, size, mtime, ctime, inode) -> digest: each file hashed once
+
+
+def checked_digest(f: Path) -> str:
+    """:func:`file_digest` of ``f``, remembered while the file is unchanged (its size,
+    modification and change times and inode), so that a resume's two loads (its ``train``
+    entry, then the rest) hash a file once."""
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    if key not in _digests:
+        if len(_digests) > 256:
+            _digests.clear()
+        _digests[key] = file_digest(f)
+    return _digests[key]
+
+
+@dataclass
+class Index:
+    """What the coordinator read of a checkpoint: DCP's metadata and, per file, what the save
+    recorded of it (``digests``/``sizes``: None for a checkpoint saved without checksums)
+    and the end of the data the metadata places in it."""
+
+    metadata: Any
+    digests: dict[str, str] | None
+    sizes: dict[str, int]
+    ends: dict[str, int]
+
+    def record(self, name: str) -> tuple[str | None, int | None, int | None, bool]:
+        """``(digest, size, end, listed)`` of file ``name``: what :func:`check_file` checks."""
+        listed = self.digests is not None and name in self.digests
+        return ((self.digests or {}).get(name), self.sizes.get(name), self.ends.get(name), listed)
+
+
+def damaged(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint {path} is damaged: {problem}; refusing to load it")
+
+
+def read_index(path: Path, verify: bool = True) -> Index:
+    """The coordinator's checks, cheapest first, and what it read: the marker and the
+    listing (:func:`read_listing`), DCP's ``.metadata`` against the listing (present, its
+    size), unpickled (``... is not DCP's metadata``), every file it places data in listed,
+    then (``verify``) its checksum. Raises :class:`CheckpointError` naming the file and how
+    it is damaged. Opens the marker, the listing and ``.metadata``, no shard file."""
+    import torch.distributed.checkpoint as dcp  # DCP imports numpy and more: only when loading
+    found = read_listing(path)
+    digests, sizes = found if found is not None else (None, {})
+    if found is not None and METADATA in digests:
+        problem = check_file(path, METADATA, (None, sizes.get(METADATA), None, True), False)
+        if problem is not None:
+            raise damaged(path, problem)
     try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
         ends: dict[str, int] = {}
-        for info in storage.values():
+        for info in meta.storage_data.values():
             ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
     except Exception as e:  # noqa: BLE001 (anything unpickling garbage may raise)
-        return f"{path / METADATA} is not DCP's metadata ({error_line(e)})"
-    for name, end in sorted(ends.items()):
-        f = path / name
-        if not f.is_file():
-            return f"{f} is missing (DCP's {METADATA} places data in it)"
-        if f.stat().st_size < end:
-            return (f"{f} is truncated: {f.stat().st_size} bytes, DCP's {METADATA} places data up "
-                    f"to byte {end}")
-        mark = file_mark(f)
-        if mark is not None and mark != name:
-            return (f"{f} holds the bytes the save wrote into {mark} (the files were swapped "
-                    "or copied over each other)")
-    unlisted = sorted(set(ends) - set(listed)) if listed is not None else []
+        raise damaged(path, f"{path / METADATA} is not DCP's metadata ({error_line(e)})") from None
+    unlisted = sorted(set(ends) - set(digests)) if digests is not None else []
     if unlisted:
-        return (f"{path / unlisted[0]} is not listed in {CHECKSUMS}, though DCP's {METADATA} "
-                "places data in it (the listing was replaced after the save)")
+        raise damaged(path, f"{path / unlisted[0]} is not listed in {CHECKSUMS}, though DCP's "
+                            f"{METADATA} places data in it (the listing was replaced after the save)")
+    if verify and digests is not None and METADATA in digests:
+        problem = check_file(path, METADATA, (digests[METADATA], None, None, True), True)
+        if problem is not None:
+            raise damaged(path, problem)
+    return Index(meta, digests, sizes, ends)
+
+
+def check_file(path: Path, name: str, record: tuple, verify: bool) -> str | None:
+    """What is wrong with file ``name`` of checkpoint ``path`` against ``record``
+    (:meth:`Index.record`), cheapest first, or None: present, the name the save wrote at its
+    end (a shard swapped with or copied over another ends with the other's), its size as
+    listed, long enough for the data DCP's metadata places in it, then (``verify``) its
+    checksum. Opens only this file."""
+    digest, size, end, listed = record
+    f = path / name
+    if not f.is_file():
+        return f"{f} is missing" + ("" if listed else f" (DCP's {METADATA} places data in it)")
+    mark = file_mark(f) if name != METADATA else None
+    if mark is not None and mark != name:
+        return (f"{f} holds the bytes the save wrote into {mark} (the files were swapped or "
+                "copied over each other)")
+    actual = f.stat().st_size
+    if size is not None and actual != size:
+        how = "truncated" if actual < size else "longer than saved"
+        return f"{f} is {how}: {actual} bytes, the save wrote {size}"
+    if end is not None and actual < end:
+        return f"{f} is truncated: {actual} bytes, DCP's {METADATA} places data up to byte {end}"
+    if verify and digest is not None and checked_digest(f) != digest:
+        return f"{f} does not match its checksum (the file changed after the save)"
     return None
 
 
-def _check_files(path: Path, names: list[str], expected: dict[str, str]) -> str | None:
-    for name in names:
-        f = path / name
-        if not f.is_file():
-            return f"{f} is missing"
-        digest = file_digest(f)
-        if digest != expected[name]:
-            twin = next((n for n, d in expected.items() if d == digest and n != name), None)
-            if twin is not None:
-                return (f"{f} holds the bytes the save wrote into {twin} (the files were swapped "
-                        "or copied over each other)")
-            return f"{f} does not match its checksum (the file changed after the save)"
-    return None
+_SAVED_BY = re.compile(r"__(\d+)_\d+\.distcp")
 
 
-def _problem(path: Path, rank: int, world: int) -> str | None:
-    """This rank's share of :func:`verify_checkpoint`'s checks, cheapest first: the
-    listing, the sizes and (rank 0) the structure on every rank alike, then the bytes of
-    files ``rank``, ``rank + world``, ..."""
-    try:
-        found = read_listing(path)
-    except CheckpointError as e:
-        return str(e)
-    digests, sizes = found if found is not None else ({}, {})
-    problem = _check_sizes(path, digests, sizes)
-    if problem is None and rank == 0:
-        problem = check_structure(path, digests if found is not None else None)
-    if problem is None:
-        problem = _check_files(path, sorted(digests)[rank::world], digests)
-    return None if problem is None else f"checkpoint {path} is damaged: {problem}; refusing to load it"
+def _shares(index: Index, world: int) -> list[dict[str, tuple]]:
+    """Every file of the index (the listing, or the files DCP's metadata names), each to the
+    rank that wrote it (``__<rank>_<n>.distcp``; modulo ``world``), the rest to rank 0."""
+    shares: list[dict[str, tuple]] = [{} for _ in range(world)]
+    for name in sorted(set(index.digests or {}) | set(index.ends)):
+        m = _SAVED_BY.fullmatch(name)
+        shares[int(m.group(1)) % world if m else 0][name] = index.record(name)
+    return shares
 
 
 def verify_checkpoint(path: str | os.PathLike, *, process_group=None) -> bool:
-    """Check checkpoint ``path`` against its ``CHECKSUMS.json`` and DCP's ``.metadata``
-    (see the module's docstring for the order), without loading it.
+    """Check every file of checkpoint ``path`` against its ``CHECKSUMS.json`` and DCP's
+    ``.metadata`` (see the module's docstring), without loading it.
 
-    A collective when a process group is initialised: rank i of ``process_group`` (default:
-    the world) reads files i, i + W, ... so each file is read once, and every rank raises
-    the same :class:`CheckpointError` naming the first damaged file and how. Returns False
-    for a checkpoint saved before checksums existed (its structure checked, its bytes
-    not), True when every file matches."""
+    A collective when a process group is initialised: rank 0 of ``process_group`` (default:
+    the world) reads the index and hands each rank the files it wrote (those of ranks beyond
+    the group's size to rank ``r`` modulo it), each rank checks and hashes its files, and one
+    all-reduce agrees on the verdict: every rank raises the same :class:`CheckpointError`
+    naming the damaged file (the lowest rank's) and how. Returns False for a checkpoint
+    saved before checksums existed (its structure checked, its bytes not), True when every
+    file matches."""
     path = Path(path)
-    if dist.is_initialized():
-        group = process_group if process_group is not None else dist.group.WORLD
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        with arrival.LocalWork(group, f"checking the files of {path}"):
-            problem = _problem(path, rank, world)
-        with arrival.Point(group, f"gather of the checks of {path}"):
-            problem = next((p for p in all_gather_object(problem, group) if p), None)
+    on = dist.is_initialized()
+    group = (process_group if process_group is not None else dist.group.WORLD) if on else None
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if on else (0, 1)
+    shares: Any = None
+    if rank == 0:
+        try:
+            index = read_index(path, verify=True)
+            shares = [(s, index.digests is not None) for s in _shares(index, world)]
+        except CheckpointError as e:
+            shares = [e] * world
+    if on:
+        with arrival.Point(group, f"scatter of the files to check of {path}"):
+            mine = exchange.scatter_from_coordinator(shares, group)
     else:
-        problem = _problem(path, 0, 1)
+        mine = shares[0]
+    if isinstance(mine, CheckpointError):
+        raise CheckpointError(str(mine))
+    files, listed = mine
+    problem = None
+    with arrival.LocalWork(group, f"checking the files of {path}") if on else contextlib.nullcontext():
+        for name, record in files.items():
+            problem = check_file(path, name, record, True)
+            if problem is not None:
+                break
+    if on:
+        with arrival.Point(group, f"verdict of the checks of {path}"):
+            problem = exchange.agree(problem, group)
     if problem:
-        raise CheckpointError(problem)
-    return (path / CHECKSUMS).is_file()
+        raise damaged(path, problem)
+    return listed
 
 
 def disk_error(exc: BaseException) -> OSError | None:

@@ -31,6 +31,7 @@ from ..state.integrity import CheckpointError
 from .nonfinite import NonFiniteError
 from .rank_process import FromLauncher, ranks_started
 from .report import SummaryError
+from .resume import Refused
 
 DEFAULT_TIMEOUT_S = 300.0  # process-group timeout of `train`, spawned and under torchrun alike
 STOP_GRACE_S = 5.0  # after SIGTERM, how long a rank may take to end before SIGKILL
@@ -101,11 +102,31 @@ def run_rank(fn, args, rank: int) -> NoReturn:
         if isinstance(e, SystemExit) and e.code in (0, None):
             dist.destroy_process_group()
             exit_rank(0)
+        if isinstance(e, Refused):  # the command's usage error, found once the ranks started
+            _report_refusal(rank, e, f"matrixfsdp {getattr(args, 'cmd', None) or 'train'}")
+            exit_rank(2)
         if _report_failure(rank, e):
             time.sleep(LINGER_S)
         exit_rank(130 if isinstance(e, KeyboardInterrupt) else 1)
     dist.destroy_process_group()
     exit_rank(0)  # finished: leave without interpreter finalization (see runtime/exit.py)
+
+
+def _report_refusal(rank: int, exc: Refused, prog: str) -> None:
+    """A refusal every rank raised alike (:class:`~matrixfsdp.train.resume.Refused`): for
+    the launcher, a report it says as its own usage error; under torchrun, rank 0 says it
+    (``prog: error: ...``)."""
+    where = os.environ.get(REPORT_DIR_ENV)
+    if where:
+        try:
+            with open(os.path.join(where, f"rank{rank}.json"), "w") as f:
+                json.dump({"rank": rank, "time": time.time(), "refused": True, "waited": False,
+                           "line": f"{prog}: error: {exc}", "message": str(exc)}, f)
+            return
+        except OSError:
+            pass
+    if rank == 0 or where:
+        print(f"{prog}: error: {exc}", file=sys.stderr, flush=True)
 
 
 def _report_failure(rank: int, exc: BaseException) -> bool:
@@ -324,6 +345,9 @@ def _join_ranks(ctx, prog: str, report_dir: str | None = None) -> None:
             else _killed(ctx.processes)
         first = first_report(report_dir) if report_dir else None
         _stop_ranks(ctx.processes, END_GRACE_S, tuple((first or {}).get("hung") or ()))
+        if first is not None and first.get("refused"):  # every rank refused the run alike
+            print(first["line"], file=sys.stderr, flush=True)
+            raise SystemExit(2)
         raise SystemExit(f"\n{prog}: {_failure_line(ctx, failed, killed, report_dir)}")
     except (KeyboardInterrupt, _Stopped) as e:
         _stop_ranks(ctx.processes)

@@ -25,7 +25,6 @@ from ..state.files import (
     AsyncCheckpoint,
     checkpoint_dir,
     latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
     wait_for_checkpoint,
 )
@@ -40,7 +39,7 @@ from .nonfinite import (
     stop_message,
 )
 from .report import _rss_mib, write_summary
-from .resume import saved_args
+from .resume import load_start, saved_args, start_point
 
 
 @dataclass
@@ -96,16 +95,16 @@ def _train_state(model, opt, sched, meta: dict) -> dict:
 
 
 def _resume(run: Run) -> tuple[int, dict, Path | None]:
-    """Load the checkpoint the launcher chose (``args.resume_from``, its checksums verified
-    there: :func:`matrixfsdp.train.resume.plan_start`): (step to start at, history, checkpoint).
+    """Load the checkpoint the ranks chose (``args.resume_from``:
+    :func:`matrixfsdp.train.resume.start_point`), each rank checking the files it reads
+    (:func:`matrixfsdp.train.resume.load_start`): (step to start at, history, checkpoint).
     Saved at any world size; none chosen: step 0."""
 
-    found = getattr(run.args, "resume_from", None)
-    if found is None:
+    if getattr(run.args, "resume_from", None) is None:
         return 0, {}, None
     arrival.at(getattr(run.args, "resume_step", None), "resume")  # where a hang here is seen
-    state = load_checkpoint(run.model, run.opt, found, verify=False,
-                               extra={"sched": run.sched.state_dict(), "train": ""})
+    state = load_start(run.model, run.opt, {"sched": run.sched.state_dict(), "train": ""}, run.args)
+    found = run.args.resume_from  # an older one, where --resume-fallback skipped it
     run.sched.load_state_dict(state["sched"])
     meta = json.loads(state["train"])
     if run.rank == 0:
@@ -245,6 +244,8 @@ def train(args) -> None:
     """``matrixfsdp train`` on this rank (every rank calls it, the process group set up)."""
     from tqdm import tqdm
 
+    arrival.at(None, "resume")
+    start_point(args)  # --resume: which checkpoint, read by rank 0 (before the model is built)
     run = _setup(args)
     hist = History()
     start, history, resumed = _resume(run)

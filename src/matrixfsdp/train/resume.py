@@ -1,20 +1,33 @@
-"""Where ``matrixfsdp train`` starts, decided before any rank starts: which checkpoint
-``--resume`` loads (complete, checksums and DCP's metadata verified and its own entry read,
-a damaged one refused naming the file and how, the newest skipped ones reported, an earlier
-one only with ``--resume-fallback``), how the arguments differ from the saved run's, and
-that the run will not overwrite checkpoints it did not write."""
+"""Where ``matrixfsdp train`` starts, and the checkpoint ``--resume`` loads.
+
+Two parts, so that no rank reads a checkpoint before the process group exists (under
+torchrun every rank process runs the command's own start-up):
+
+* before any rank starts (:func:`plan_start`: in the launcher, or in each torchrun rank
+  before ``init_process_group``), only directory listings: the complete ``step_N``
+  candidates, newest first (those without marker or metadata said and skipped), the
+  refusal to overwrite a run's checkpoints without ``--resume``;
+* in the ranks, the process group up (:func:`start_point`, before the model is built, and
+  :func:`load_start`): rank 0 reads the candidate's index and its ``train`` entry, which
+  every rank gets in one broadcast; the arguments are compared with the saved ones; the
+  load itself has each rank check (checksums, name marks) and read only the files it reads
+  (:func:`~matrixfsdp.state.files.load_checkpoint`). A damaged checkpoint is refused
+  naming the file and how, the same on every rank (:class:`Refused`: the command's usage
+  error, exit status 2), or with ``--resume-fallback`` skipped, saying why, for the next
+  older one."""
 
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..state.dcp_io import load_alone
-from ..state.files import _step_dirs, find_checkpoints, is_complete
-from ..state.integrity import CheckpointError, verify_checkpoint
+import torch.distributed as dist
+
+from ..state import dcp_io
+from ..state.files import _step_dirs, find_checkpoints, is_complete, load_checkpoint
+from ..state.integrity import CheckpointError, CheckpointTimeout
 
 SHAPE_ARGS = ("model", "layers", "d_model", "heads", "mlp", "seq")  # must match the checkpoint
 RESTORED_ARGS = ("lr", "adamw_lr")  # the optimizer and lr schedule state restore the saved ones
@@ -27,14 +40,19 @@ def saved_args(args) -> dict[str, Any]:
     return {k: getattr(args, k) for k in SAVED_ARGS}
 
 
-def read_train_meta(path: Path) -> dict[str, Any]:
-    """The ``train`` entry (step, history, arguments) of a `train` checkpoint, read in this
-    process without a process group; :class:`CheckpointError` naming the file that cannot
-    be read, or saying what the entry lacks."""
+class Refused(Exception):
+    """A run refused once its ranks started (the checkpoint to resume is damaged, or was
+    saved from another model), raised alike on every rank: said as the command's own usage
+    error, ``matrixfsdp train: error: <message>``, exit status 2 (:mod:`.launch`)."""
+
+
+def read_train_meta(path: Path, process_group=None) -> dict[str, Any]:
+    """The ``train`` entry (step, history, arguments) of a `train` checkpoint, on every rank:
+    a collective in which rank 0 reads the index and the entry (checked, as any load) and
+    every rank gets it in one broadcast; :class:`CheckpointError` naming the file that cannot
+    be read, or saying what the entry lacks, the same on every rank."""
     meta = {"train": ""}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        load_alone(meta, Path(path))
+    dcp_io.load(meta, Path(path), process_group)
     try:
         found = json.loads(meta["train"])
         int(found["step"])
@@ -61,37 +79,6 @@ def refuse_overwrite(args, root: Path, error: Callable[[str], Any]) -> None:
               "the newest, or choose another --out")
 
 
-def _pick(args, where: Path, say: Callable[[str], None], error
-          ) -> tuple[Path | None, dict[str, Any], set[Path]]:
-    """The newest complete checkpoint under ``where`` (or ``where/checkpoints``) that is not
-    damaged (its checksums, DCP's metadata and the files it names: ``verify_checkpoint``;
-    its ``train`` entry read), with that entry; an older one only with ``--resume-fallback``,
-    each one skipped said with why."""
-    complete, skipped = find_checkpoints(where)
-    if not complete and not skipped:
-        complete, skipped = find_checkpoints(where / "checkpoints")
-    for d, why in skipped:
-        say(f"--resume: skipping {d}: {why}")
-    bad: set[Path] = set()
-    for d in complete:
-        try:
-            verify_checkpoint(d)
-            return d, read_train_meta(d), bad
-        except CheckpointError as e:
-            if not args.resume_fallback:
-                error(f"--resume: {e}. Pass --resume-fallback to load the previous complete "
-                      "checkpoint instead")
-            say(f"--resume: {e}; --resume-fallback: trying the previous complete checkpoint")
-            bad.add(d)
-    if complete:
-        error(f"--resume: no checkpoint under {where} can be loaded: each one is damaged (above)")
-    if not args.resume_or_start:
-        error(f"--resume {args.resume or where}: no complete checkpoint in {where} or "
-              f"{where / 'checkpoints'} (a step_<N> directory with COMPLETE and .metadata, or such "
-              "a directory itself). Pass --resume-or-start to start from step 0 when there is none")
-    return None, {}, bad
-
-
 def _compare(args, saved: dict[str, Any], step: int, say, error) -> None:
     """Report how ``args`` differ from the checkpoint's; the model's shape must match, and
     the saved seed wins so that the data order continues."""
@@ -115,24 +102,98 @@ def _compare(args, saved: dict[str, Any], step: int, say, error) -> None:
 
 
 def plan_start(args, root: Path, error: Callable[[str], Any], say: Callable[[str], None]) -> None:
-    """Decide where the run starts (sets ``args.resume_from`` and ``args.resume_step``, and
-    ``args.seed`` to the saved one) or ``error`` naming what is wrong. ``root``: where this
-    run saves."""
-    args.resume_from, args.resume_step = None, 0
+    """Before any rank starts: the checkpoints ``--resume`` may load (sets
+    ``args.resume_candidates``, the complete ones newest first; the ranks choose among them:
+    :func:`start_point`) or ``error`` naming what is wrong. Reads directory listings only
+    (no checkpoint file is opened). ``root``: where this run saves."""
+    args.resume_from, args.resume_step, args.resume_candidates = None, 0, []
+    args.resume_root, args.resume_skipped = str(root), []
     if args.resume is None:
         refuse_overwrite(args, root, error)
         return
     where = Path(args.resume) if args.resume else root
-    found, meta, bad = _pick(args, where, say, error)
-    if found is None:
+    complete, skipped = find_checkpoints(where)
+    if not complete and not skipped:
+        complete, skipped = find_checkpoints(where / "checkpoints")
+    for d, why in skipped:
+        say(f"--resume: skipping {d}: {why}")
+    if not complete:
+        if not args.resume_or_start:
+            error(f"--resume {args.resume or where}: no complete checkpoint in {where} or "
+                  f"{where / 'checkpoints'} (a step_<N> directory with COMPLETE and .metadata, or "
+                  "such a directory itself). Pass --resume-or-start to start from step 0 when "
+                  "there is none")
         say(f"--resume: no complete checkpoint in {where}; --resume-or-start: starting from step 0")
         refuse_overwrite(args, root, error)
         return
-    step = int(meta["step"])
-    _compare(args, meta.get("args", {}), step, say, error)
-    newer = _newer_checkpoints(root, step, bad | {found})
-    if args.save_every and newer:
-        error(f"--resume: resuming at step {step} of {found}, but {root} holds newer checkpoints "
-              f"({', '.join(d.name for d in newer)}) that this run would overwrite. Resume from "
-              "the newest, or choose another --out")
-    args.resume_from, args.resume_step = str(found), step
+    args.resume_candidates, args.resume_where = [str(d) for d in complete], str(where)
+
+
+def _say(line: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+def _damaged(args, path: str, e: CheckpointError) -> None:
+    """``path`` is damaged: refused (without ``--resume-fallback``), else said and skipped."""
+    if not args.resume_fallback:
+        raise Refused(f"--resume: {e}. Pass --resume-fallback to load the previous complete "
+                      "checkpoint instead")
+    _say(f"--resume: {e}; --resume-fallback: trying the previous complete checkpoint")
+    args.resume_skipped.append(path)
+
+
+def _refuse(message: str) -> None:
+    raise Refused(message)
+
+
+def start_point(args) -> dict[str, Any]:
+    """In every rank, the process group up, before the model is built: the newest candidate
+    of :func:`plan_start` whose index and ``train`` entry read (a damaged one refused, or
+    skipped with ``--resume-fallback``), the arguments compared with its own (a model of
+    another shape refused, its seed adopted), and refused where the run would overwrite
+    newer checkpoints. Sets ``args.resume_from`` / ``args.resume_step``; returns the entry
+    (``{}`` when the run starts from step 0). Every rank raises the same :class:`Refused`."""
+    first = args.resume_from is None
+    while getattr(args, "resume_candidates", None):
+        path = args.resume_candidates.pop(0)
+        try:
+            meta = read_train_meta(Path(path))
+        except CheckpointError as e:
+            if isinstance(e, CheckpointTimeout):
+                raise
+            _damaged(args, path, e)
+            continue
+        step = int(meta["step"])
+        _compare(args, meta.get("args", {}), step, _say if first else (lambda line: None), _refuse)
+        gone = {Path(p) for p in args.resume_skipped} | {Path(path)}
+        newer = _newer_checkpoints(Path(args.resume_root), step, gone)
+        if args.save_every and newer:
+            raise Refused(f"--resume: resuming at step {step} of {path}, but {args.resume_root} holds "
+                          f"newer checkpoints ({', '.join(d.name for d in newer)}) that this run "
+                          "would overwrite. Resume from the newest, or choose another --out")
+        args.resume_from, args.resume_step = path, step
+        return meta
+    if args.resume_skipped:
+        raise Refused(f"--resume: no checkpoint under {args.resume_where} can be loaded: each one is "
+                      "damaged (above)")
+    return {}
+
+
+def load_start(model, optimizer, extra: dict[str, Any], args) -> dict[str, Any]:
+    """Load ``args.resume_from`` (:func:`start_point`) into the model and the optimizer, with
+    ``extra`` entries; where the load finds it damaged (a file one rank reads: its checksum,
+    its name mark, its size, or a read that fails), refuse, or with ``--resume-fallback`` say
+    so and load the next older candidate (checked against the model as above). Returns the
+    loaded state."""
+    while True:
+        try:
+            return load_checkpoint(model, optimizer, args.resume_from, extra=dict(extra))
+        except CheckpointError as e:
+            if isinstance(e, CheckpointTimeout):
+                raise
+            _damaged(args, args.resume_from, e)
+            args.resume_from = None
+            if not start_point(args):
+                raise Refused(f"--resume: no checkpoint under {args.resume_where} can be loaded: "
+                              "each one is damaged (above)") from None
