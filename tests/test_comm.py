@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from _dist import spawn
 
-from matrixfsdp.planning.layout import grouped_load, pipeline_load, ring_load
-from matrixfsdp.runtime.collectives import Comm, CommStats
+from matrixfsdp.planning.layout import pipeline_load, ring_load
+from matrixfsdp.runtime.collectives import Comm, CommStats, coalescing_supported, op_load
 
 
 def _worker(rank, world_size):
@@ -56,34 +56,36 @@ def test_collectives_and_their_loads_four_ranks():
     spawn(_worker, 4)
 
 
-def _uneven_worker(rank, world_size):
+def _batch_worker(rank, world_size):
+    from matrixfsdp.bench import grouped_gloo
+    group = dist.group.WORLD
+    coalesce = coalescing_supported(group, torch.device("cpu"))
+    assert coalesce == (dist.get_backend() == grouped_gloo.NAME)
     stats = CommStats()
-    comm = Comm(dist.group.WORLD, stats, grouped=True)
-    sizes = [3, 0, 5, 2]  # a rank may contribute nothing
-    outs = [torch.full((n,), -1.0) for n in sizes]
-    mine = outs[rank]
-    mine.fill_(float(rank))  # the input is this rank's own output (in place, as the runtime does)
-    comm.all_gather_v(outs, mine).wait()
-    assert all(torch.equal(o, torch.full((n,), float(r))) for r, (o, n) in enumerate(zip(outs, sizes)))
-    inps = [torch.full((n,), float(rank + 1)) for n in sizes]
-    out = torch.empty(sizes[rank])
-    comm.reduce_scatter_v(out, inps).wait()  # the mean of 1..4 on every rank's part
-    assert torch.equal(out, torch.full((sizes[rank],), 2.5))
-    assert all(torch.equal(t, torch.full((n,), float(rank + 1))) for t, n in zip(inps, sizes))
-    c = stats.summary()
-    total = 4 * sum(sizes)
-    for kind, toward in (("all_gather_v", False), ("reduce_scatter_v", True)):
-        expect = grouped_load(lambda r: 4 * sizes[r], total, 0, 4, rank, toward)
-        assert (c[kind]["calls"], c[kind]["payload_bytes"]) == (1, total)
-        assert (c[kind]["sent_bytes"], c[kind]["received_bytes"], c[kind]["critical_bytes"]) == \
-            (expect.sent, expect.received, total)
+    comm = Comm(group, stats, coalesce=coalesce, device=torch.device("cpu"))
+    sizes = [3, 0, 5, 2]  # a rank may hold nothing
+    rows = torch.empty(world_size * 2)
+    held = [torch.full((n,), float(r if r == rank else -1)) for r, n in enumerate(sizes)]
+    grouped_gloo.reset_launches()
+    pending = comm.batch("gather", [lambda: comm.all_gather(rows, torch.full((2,), float(rank)))] +
+                         [(lambda r=r, t=t: comm.broadcast(t, r)) for r, t in enumerate(held) if t.numel()])
+    pending.wait()
+    assert torch.equal(rows, torch.arange(world_size).repeat_interleave(2).float())
+    assert all(torch.equal(t, torch.full((n,), float(r))) for r, (t, n) in enumerate(zip(held, sizes)))
+    # one launch where the group coalesces, else one per op; the same ops either way
+    assert stats.launches == {"gather": 1 if coalesce else 4}, stats.launches
+    assert stats.calls == {"all_gather": 1, "broadcast": 3}, stats.calls
+    if coalesce:
+        assert dict(grouped_gloo.LAUNCHES) == {"coalesced": 1}, grouped_gloo.LAUNCHES
+        assert dict(grouped_gloo.OPS) == {"all_gather": 1, "broadcast": 3}, grouped_gloo.OPS
 
 
-def test_uneven_collectives_one_call_each_on_nccls_path():
-    """all_gather_v / reduce_scatter_v (one dist.all_gather / dist.reduce_scatter over
-    parts of different sizes, zero included) on grouped_gloo, which runs them as NCCL does:
-    results, inputs left as they were, and every rank charged by the grouped load model."""
-    spawn(_uneven_worker, 4, backend="grouped_gloo")
+def test_a_batch_is_one_launch_where_the_group_coalesces():
+    """An even all-gather and a broadcast from each rank holding something: one launch on a
+    group that coalesces (grouped_gloo, NCCL's behaviour), one per op on gloo; the same ops,
+    results and counts either way."""
+    spawn(_batch_worker, 4, backend="grouped_gloo")
+    spawn(_batch_worker, 4)
 
 
 def test_load_model_sums_to_what_the_ring_moves():
@@ -97,17 +99,13 @@ def test_load_model_sums_to_what_the_ring_moves():
             assert max(max(ld.sent, ld.received) for ld in loads) == n
         assert ring_load(P * n, P).critical == (P - 1) * n
         assert ring_load(n, P, 2).critical == 2 * n * (P - 1) // P
-        # an uneven all-gather / reduce-scatter: one pipelined broadcast from (reduce to)
-        # each rank; with equal parts, exactly the ring's loads
-        sizes = [(r % 3) * n for r in range(P)]
-        for toward in (False, True):
-            loads = [grouped_load(sizes.__getitem__, sum(sizes), min(sizes), P, r, toward)
-                     for r in range(P)]
-            assert sum(ld.sent for ld in loads) == sum(ld.received for ld in loads)
-            assert max(max(ld.sent, ld.received) for ld in loads) == loads[0].critical \
-                == sum(sizes) - min(sizes)
-            even = grouped_load(lambda r, n=n: n, P * n, n, P, 0, toward)
-            assert even == ring_load(P * n, P)
+        # the runtime's own load (collectives.op_load), written independently of the
+        # planner's load functions, moves the same bytes
+        for kind, toward in (("broadcast", False), ("reduce", True)):
+            loads = [op_load(kind, n, P, r, root=P // 2) for r in range(P)]
+            assert loads == [pipeline_load(n, P, r, P // 2, toward) for r in range(P)]
+        assert op_load("all_gather", P * n, P, 0) == ring_load(P * n, P)
+        assert op_load("all_reduce", n, P, 0) == ring_load(n, P, 2)
 
 
 def _empty_root_worker(rank, world_size):

@@ -1,13 +1,12 @@
-"""The NCCL path on CPU: one collective per unit and direction, exact against one process.
+"""The NCCL path on CPU: one launch per unit and direction, exact against one process.
 
-``grouped_gloo`` (:mod:`matrixfsdp.bench.grouped_gloo`) is gloo with NCCL's uneven
-all-gather and reduce-scatter (one broadcast / reduce per rank, as ``ProcessGroupNCCL``
-runs them) and a count of every process-group call. On it the runtime finds the uneven
-collectives (asking the group, not its name) and takes the path it takes on NCCL: a unit's
-gather is one ``dist.all_gather`` of every rank's chunk, its reduce one
-``dist.reduce_scatter``; under HSDP the replicate dim adds one uneven call per unit and
-direction beside the all-reduce of its replicated rows; under TP the tp hop is one
-all-to-all per unit and direction."""
+``grouped_gloo`` (:mod:`matrixfsdp.bench.grouped_gloo`) is gloo with NCCL's coalescing (the
+ops issued between ``_start_coalescing`` and ``_end_coalescing`` go out as one launch) and a
+count of every launch and op. On it the runtime finds the coalescing (asking the group, not
+its name) and takes the path it takes on NCCL: a unit's gather is one launch of an even
+all-gather plus one broadcast per rank holding its matrices, its reduce one launch of a
+reduce-scatter plus one reduce per holder; under HSDP the replicate dim adds one launch per
+unit and direction; under TP the tp hop is one all-to-all per unit and direction."""
 
 from __future__ import annotations
 
@@ -36,18 +35,18 @@ def _llama():
 
 
 def _launches_in(model, x, opt):
-    """Process-group calls of one forward, one backward and one optimizer step."""
+    """Process-group launches and ops of one forward, one backward and one optimizer step."""
     out = {}
     grouped_gloo.reset_launches()
     loss = model(input_ids=x, labels=x).loss
-    out["forward"] = dict(grouped_gloo.LAUNCHES)
+    out["forward"] = dict(grouped_gloo.LAUNCHES), dict(grouped_gloo.OPS)
     grouped_gloo.reset_launches()
     loss.backward()
-    out["backward"] = dict(grouped_gloo.LAUNCHES)
+    out["backward"] = dict(grouped_gloo.LAUNCHES), dict(grouped_gloo.OPS)
     grouped_gloo.reset_launches()
     opt.step()
     opt.zero_grad()
-    out["step"] = dict(grouped_gloo.LAUNCHES)
+    out["step"] = dict(grouped_gloo.LAUNCHES), dict(grouped_gloo.OPS)
     return out
 
 
@@ -58,11 +57,14 @@ def _count_worker(rank, world_size, out_path):
     counts = {}
     ours = _llama()
     mf.shard_model(ours, mesh=mesh)
-    assert mf.get_root(ours).comm.grouped  # the group answered the probe
+    root = mf.get_root(ours)
+    assert root.comm.coalesce  # the group answered the probe
     opt = mf.Muon(mf.muon_param_groups(ours, lr=0.02))
     for _ in range(2):  # the second step: the prefetch order recorded in the first
+        mf.comm_stats(ours).reset()
         counts["ours"] = _launches_in(ours, x, opt)
-    counts["ours_stats"] = mf.comm_stats(ours).calls
+    counts["ours_stats"] = mf.comm_stats(ours).calls, dict(mf.comm_stats(ours).launches)
+    counts["holders"] = [len(u.layout.holders) for u in root.units]
     theirs = _llama()
     for block in theirs.model.layers:
         fully_shard(block, mesh=mesh)
@@ -82,18 +84,28 @@ def test_one_call_per_unit_and_direction_at_4_ranks(tmp_path):
     spawn(_count_worker, 4, out, backend="grouped_gloo")
     counts = torch.load(out)
     ours, fsdp2 = counts["ours"], counts["fsdp2"]
-    total = {phase: sum(c.values()) for phase, c in ours.items()}
-    theirs = {phase: sum(c.values()) for phase, c in fsdp2.items()}
-    print("launches per phase, ours", ours, "FSDP2", fsdp2)
+    total = {phase: sum(c[0].values()) for phase, c in ours.items()}
+    theirs = {phase: sum(c[0].values()) for phase, c in fsdp2.items()}
+    print("launches and ops per phase, ours", ours, "FSDP2", fsdp2)
     assert theirs["forward"] == 5 and theirs["backward"] == 9, fsdp2
-    # the root and 4 blocks gathered; 4 blocks gathered again, 5 units reduced
-    assert ours["forward"] == {"all_gather": 1, "all_gather_v": 4}, ours
-    assert ours["backward"] == {"all_gather_v": 4, "reduce_scatter_v": 4, "reduce_scatter": 1}, ours
-    assert total["forward"] <= theirs["forward"] + 1 and total["backward"] <= theirs["backward"] + 1
+    # the root (no matrix: one even all-gather) and 4 blocks gathered, each block in one
+    # launch; 4 blocks gathered again, 5 units reduced
+    assert ours["forward"][0] == {"all_gather": 1, "coalesced": 4}, ours
+    assert ours["backward"][0] == {"coalesced": 8, "reduce_scatter": 1}, ours
+    assert total["forward"] == theirs["forward"] and total["backward"] == theirs["backward"]
     assert total["step"] == 0
-    # the runtime's own counters agree (two steps)
-    assert counts["ours_stats"] == {"all_gather": 2, "all_gather_v": 16, "reduce_scatter": 2,
-                                    "reduce_scatter_v": 8}, counts["ours_stats"]
+    # inside each launch: an even all-gather / reduce-scatter plus one op per rank holding
+    # the block's matrices (grows with the owners, not the ranks)
+    root, *blocks = counts["holders"]
+    assert root == 0 and all(1 <= h <= 4 for h in blocks), counts["holders"]
+    assert ours["forward"][1] == {"all_gather": 5, "broadcast": sum(blocks)}, ours
+    assert ours["backward"][1] == {"all_gather": 4, "broadcast": sum(blocks),
+                                   "reduce_scatter": 5, "reduce": sum(blocks)}, ours
+    # the runtime's own counters (one step) agree
+    ops, launches = counts["ours_stats"]
+    assert ops == {"all_gather": 9, "broadcast": 2 * sum(blocks), "reduce_scatter": 5,
+                   "reduce": sum(blocks)}, ops
+    assert launches == {"gather": 9, "reduce": 5}, launches
 
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
@@ -110,8 +122,8 @@ STEPS, PER = 4, 2
 
 
 def _hsdp_worker(rank, world_size, out_path):
-    """2 x 2 HSDP on the NCCL path: the replicate dim's matrices reduced in one uneven
-    reduce-scatter per unit and broadcast in one uneven all-gather."""
+    """2 x 2 HSDP on the NCCL path: per unit the replicate dim's all-reduce and matrix
+    reduces in one launch, its matrix broadcasts in one."""
     cfg = GPTConfig(**ODD)
     torch.manual_seed(0)
     from matrixfsdp.train.models import GPT
@@ -121,7 +133,7 @@ def _hsdp_worker(rank, world_size, out_path):
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh)
     root = mf.get_root(model)
-    assert root.comm.grouped and root.replication.comm.grouped
+    assert root.comm.coalesce and root.replication.comm.coalesce
     opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
     replica = mesh["replicate"].get_local_rank()
     for i, x in enumerate(batches(STEPS, 2, PER, 16)):
@@ -131,29 +143,32 @@ def _hsdp_worker(rank, world_size, out_path):
         model.loss(x[:, :-1], x[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
-    calls = mf.comm_stats(model).calls
+    stats = mf.comm_stats(model)
+    calls, launches = stats.calls, dict(stats.launches)
+    holding = sum(1 for u in root.units if u.layout.has_replica_owned and
+                  any(n for _, n in u.layout.segment(root.groups.shard_rank).replica_runs(2)))
     state = mf.full_state_dict(model)
     if rank == 0:
-        torch.save({"params": state, "calls": calls}, out_path)
+        torch.save({"params": state, "calls": calls, "launches": launches, "holding": holding},
+                   out_path)
 
 
 def test_hsdp_on_the_grouped_path_matches_torch(tmp_path):
-    """2 x 2, different data per replica, fp32 NS: within PARITY_TOL of one process; per
-    unit holding matrices one replicate-dim reduce-scatter per backward and one all-gather
-    per step (beside the all-reduce of its replicated rows), no reduce or broadcast."""
+    """2 x 2, different data per replica, fp32 NS: within PARITY_TOL of one process; on the
+    replicate dim, per unit one launch per backward (the all-reduce of its replicated rows
+    and a reduce of each replica's matrices) and, where this rank holds matrices a replica
+    steps, one launch of broadcasts per step."""
     out = str(tmp_path / "out.pt")
     spawn(_hsdp_worker, 4, out, backend="grouped_gloo")
     ours = torch.load(out)
     ref = train_reference(GPTConfig(**ODD), batches(STEPS, 2, PER, 16), muon_kw=MUON,
                           adamw_kw=ADAMW, ns_fp32=True)
     assert_params_close(ours["params"], ref, what="grouped HSDP 2x2: ")
-    calls = ours["calls"]
+    calls, launches, holding = ours["calls"], ours["launches"], ours["holding"]
     blocks = ODD["n_layers"]
-    assert calls["replicate_reduce_scatter_v"] == blocks, calls
-    assert calls["replicate_all_gather_v"] == blocks, calls
     assert calls["replicate_allreduce"] == blocks + 1, calls
-    assert "replicate_reduce" not in calls and "replicate_broadcast" not in calls, calls
-    assert "broadcast" not in calls and "reduce" not in calls, calls
+    assert launches["replicate"] == blocks + 1 + holding, (launches, holding)
+    assert calls["replicate_reduce"] >= holding and calls["replicate_broadcast"] >= holding
 
 
 def _tp_worker(rank, world_size, out_path):
@@ -162,21 +177,22 @@ def _tp_worker(rank, world_size, out_path):
     from tp_models import apply_tp, build_llama
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = test_tp._shard(apply_tp(build_llama(), mesh["tp"], True), mesh["dp"])
-    assert mf.get_root(model).comm.grouped
+    assert mf.get_root(model).comm.coalesce
     opt = test_tp._optimizer(model)
     counted = Collectives()
     mf.comm_stats(model).reset()
     test_tp._train(model, opt, test_tp._data(2), mesh["dp"].get_local_rank(), counted)
-    calls = mf.comm_stats(model).calls
+    stats = mf.comm_stats(model)
     state = mf.full_state_dict(model)
     if rank == 0:
-        torch.save({"params": state, "calls": calls, "step": counted["step"]}, out_path)
+        torch.save({"params": state, "calls": stats.calls, "launches": dict(stats.launches),
+                    "step": counted["step"]}, out_path)
 
 
 def test_tp_on_the_grouped_path_matches_torch(tmp_path):
     """dp 2 x tp 2 (torchtitan's Llama plan): within PARITY_TOL of one process with
-    clipping; each block's gather one tp all-to-all and one uneven all-gather, its reduce
-    one uneven reduce-scatter and one tp all-to-all; no collective in the step."""
+    clipping; each block's gather one tp all-to-all and one launch over the dp group, its
+    reduce one launch and one tp all-to-all; no collective in the step."""
     import test_tp
     out = str(tmp_path / "out.pt")
     spawn(_tp_worker, 4, out, backend="grouped_gloo")
@@ -184,15 +200,19 @@ def test_tp_on_the_grouped_path_matches_torch(tmp_path):
     ref = test_tp._reference(test_tp._data(2))
     assert_params_close(ours["params"], ref[-1], what="grouped dp 2 x tp 2: ")
     assert ours["step"] == 0
-    calls = ours["calls"]
-    assert "broadcast" not in calls and "reduce" not in calls, calls
-    assert calls["tp_all_to_all"] == calls["all_gather_v"], calls  # one hop per block gather
-    assert calls["tp_grad_all_to_all"] == calls["reduce_scatter_v"], calls
+    calls, launches = ours["calls"], ours["launches"]
+    # one launch per unit and direction over dp (each an even all-gather / reduce-scatter
+    # plus broadcasts / reduces inside), beside at most one tp hop per unit and direction
+    assert launches["gather"] == calls["all_gather"] + calls["tp_all_to_all"], (calls, launches)
+    assert launches["reduce"] == calls["reduce_scatter"] + calls["tp_grad_all_to_all"], \
+        (calls, launches)
+    assert 0 < calls["tp_all_to_all"] <= calls["all_gather"], calls
+    assert 0 < calls["tp_grad_all_to_all"] <= calls["reduce_scatter"], calls
 
 
-def test_uneven_probe_says_no_on_gloo_and_yes_on_grouped_gloo(tmp_path):
-    """The runtime asks the group once at set-up: gloo refuses an uneven all-gather (the
-    per-piece path), grouped_gloo answers it (one call per unit)."""
+def test_coalescing_probe_says_no_on_gloo_and_yes_on_grouped_gloo(tmp_path):
+    """The runtime asks the group once at set-up: gloo refuses to coalesce (one launch per
+    op), grouped_gloo coalesces (one launch per unit and direction)."""
     spawn(_probe_worker, 2, backend="gloo")
     spawn(_probe_worker, 2, backend="grouped_gloo")
 
@@ -200,8 +220,8 @@ def test_uneven_probe_says_no_on_gloo_and_yes_on_grouped_gloo(tmp_path):
 def _probe_worker(rank, world_size):
     import torch.distributed as dist
 
-    from matrixfsdp.runtime.collectives import uneven_supported
-    assert uneven_supported(dist.group.WORLD, torch.device("cpu")) == \
+    from matrixfsdp.runtime.collectives import coalescing_supported
+    assert coalescing_supported(dist.group.WORLD, torch.device("cpu")) == \
         (dist.get_backend() == grouped_gloo.NAME)
     t = torch.ones(1)
     dist.all_reduce(t)  # the group is still usable after a refused probe

@@ -51,8 +51,8 @@ def _train_worker(rank, world_size, case, out_path):
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh, reshard_after_forward=case.get("reshard", None))
     mf.fully_shard(model, mesh=mesh, muon_filter=case.get("rule"))
-    # the path taken: one uneven call per unit on a group that has them (grouped_gloo)
-    assert mf.get_root(model).comm.grouped == (dist.get_backend() != "gloo" or world_size == 1)
+    # the path taken: one launch per unit on a group that coalesces (grouped_gloo)
+    assert mf.get_root(model).comm.coalesce == (dist.get_backend() != "gloo" or world_size == 1)
     ns_dtype = torch.float32 if case["ns_fp32"] else torch.bfloat16
     opt = mf.Muon(_groups(model, case["muon"], case["adamw"], ns_dtype))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, linear_decay) if case.get("schedule") else None

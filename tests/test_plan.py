@@ -141,15 +141,15 @@ def test_even_rows_are_fsdp2_chunks_padded_alike_on_every_rank():
     assert lay.even_numel == 8 * 2 and [lay.segment(r).size for r in range(4)] == [16] * 4
     assert plan.rank_bytes == [16 * 4] * 4
     # equal chunks: one even all-gather / reduce-scatter, on any process group
-    assert [c.kind for c in calls(lay, False, grouped=False)] == ["all_gather"]
+    assert [c.kind for c in calls(lay, False)] == ["all_gather"]
 
 
 def test_layout_pieces_are_whole_matrices_on_their_owners():
     """The even part (7 rows over 3 ranks: chunks of 3) first, then each whole matrix on
     its owner, 64-byte aligned in its chunk, in the gathered buffer and in storage; a
-    reduce's chunks carry one flag per parameter after the even part. Uneven chunks: one
-    uneven call per direction where the group has it, else an even call of the even parts
-    and one per piece."""
+    reduce's chunks carry one flag per parameter after the even part. Uneven chunks: an even
+    call of the even parts and one per holder (its region), one launch where the group
+    coalesces; the gathered buffer holds the holders' regions alone."""
     specs = [ParamSpec("w", (6, 5), 4, 0, True), ParamSpec("b", (7,), 4, 0, False),
              ParamSpec("v", (3, 4), 4, 0, True)]
     plan = make_plan(specs, 3, ["u"])
@@ -162,9 +162,15 @@ def test_layout_pieces_are_whole_matrices_on_their_owners():
         assert lay.whole_offset(pc.index) % 16 == 0
         assert lay.segment(pc.rank).offsets[pc.index] == pc.offset  # the chunk is the segment
     assert lay.chunk_total == 3 * 3 + 13 * len(lay.holders) + 30 + 12
-    assert lay.gathered_numel >= lay.chunk_total and lay.starts[-1] == lay.gathered_numel
-    assert [c.kind for c in calls(lay, False, grouped=True)] == ["all_gather_v"]
-    assert [c.kind for c in calls(lay, True, grouped=False)] == ["reduce_scatter", "reduce", "reduce"]
+    holders = lay.holders
+    regions = [lay.region(h) for h in holders]
+    assert lay.gathered_numel < lay.chunk_total  # no even part in it: that goes to a transient
+    assert lay.gathered_numel >= sum(n for _, n in regions)
+    for h, (first, n) in zip(holders, regions):
+        assert (lay.base(h) + first) % 16 == 0 and first + n == lay.chunk_size(h)
+    assert [(c.kind, c.root) for c in calls(lay, False)] == \
+        [("all_gather", None)] + [("broadcast", h) for h in holders]
+    assert [c.kind for c in calls(lay, True)] == ["reduce_scatter"] + ["reduce"] * len(holders)
     red, index = lay.reduce_layout((True, True, True))
     assert index == [0, 1, 2] and red.flags == 3 and red.head == 3 + 3
     assert all(pc.offset >= red.head and pc.offset % 16 == 0 for pc in red.pieces)

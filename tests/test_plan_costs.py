@@ -44,15 +44,15 @@ def test_step_bytes_match_a_hand_count():
 
 
 def test_a_matrix_crosses_once_at_3_ranks():
-    """3 ranks: a (6, 4) matrix held by rank 0 and a (4,) bias split 2/1/1, one unit. NCCL's
-    uneven all-gather is a pipelined broadcast from each rank: its most loaded rank moves
-    every chunk but the smallest once (the matrix, its alignment and the other even parts),
-    where an owner that sent it to each rank in turn would move (P-1) x 24."""
+    """3 ranks: a (6, 4) matrix held by rank 0 and a (4,) bias split 2/1/1, one unit. The
+    even parts travel in a ring all-gather ((P-1)/P of 3 x 2 elements), the matrix in one
+    pipelined broadcast from its owner: its most loaded rank moves it once, where an owner
+    that sent it to each rank in turn would move (P-1) x 24."""
     w, n = ParamSpec("w", (6, 4), 4, 0, True), ParamSpec("n", (4,), 4, 0, False)
     unit = [Placement(w, 0, [(0, 6), (0, 0), (0, 0)]), Placement(n, None, [(0, 2), (2, 3), (3, 4)])]
     step = plan_summary(Plan(3, ["root"], {pl.spec.name: pl for pl in unit})).step
-    gather = (16 + 24) + 2  # rank 0's chunk (2 bias rows, aligned, the matrix), rank 1's 2
-    reduce = (16 + 24) + 4  # the same with 2 flags after the bias rows
+    gather = 2 * 2 + 24  # (P-1)/P of the 3 x 2 bias rows, then the matrix once
+    reduce = 2 * 4 + 24  # the same with 2 flags after the bias rows
     assert step.ours == (gather + reduce) * 4
     assert step.fsdp2 == 2 * 2 * (2 * 4 + 2 * 1) * 4  # (P-1) x (ceil(6/3) x 4 + ceil(4/3))
 

@@ -106,17 +106,21 @@ def _worker(rank, world_size, case, out_path):
     # Frozen parameters do not travel in the gradient reduce (as in FSDP2): its payload is
     # the trainable parameters alone, each counted once (tied ones once): whole matrices as
     # they are, row-sharded ones padded to world_size chunks of ceil(rows / world_size) rows,
-    # and one flag per trainable parameter in every rank's chunk (which ranks had a gradient).
+    # and one flag per trainable parameter in every rank's chunk (which ranks had a gradient);
+    # plus the 64-byte alignment gaps between matrices reduced together to one owner (under
+    # 16 elements each, far less than any frozen matrix).
     plan = mf.plan_of(model).placements
     named = [(n, p) for n, p in build(case).named_parameters() if p.requires_grad]
     trainable = sum(p.numel() if plan[n].spec.muon else
                     -(-p.shape[0] // world_size) * world_size * p[0].numel()
                     for n, p in named) + world_size * len(named)
+    gaps = 4 * 16 * sum(1 for n, _ in named if plan[n].spec.muon)
     for x in batches(STEPS, world_size, PER_RANK, SEQ):
         stats.reset()
         backward(model, rank_slice(x, rank, PER_RANK, False), case.get("how", "plain"))
         if case.get("how", "plain") == "plain":
-            assert stats.phase()["reduce"] == 4 * trainable, (stats.phase()["reduce"], 4 * trainable)
+            moved = stats.phase()["reduce"]
+            assert 4 * trainable <= moved < 4 * trainable + gaps, (moved, 4 * trainable)
         for p in model.parameters():
             if not p.requires_grad:
                 assert p.grad is None, "a frozen parameter got a gradient"

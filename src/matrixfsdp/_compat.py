@@ -15,6 +15,7 @@ write in place (``nn.utils.parametrize``, FSDP2's ``fully_shard``), and the func
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +83,14 @@ def dtensor_spec(mesh: DeviceMesh | None, placements: tuple, shape: tuple[int, .
     return DTensorSpec(mesh, placements, tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
 
+def norm_partial(norm_type: float) -> Any:
+    """The DTensor placement of a norm of this rank's piece, pending the norm over all ranks
+    (``p``-th powers summed, or the maximum for ``inf``): ``_NormPartial``, what DTensor's own
+    norms of sharded tensors return (FSDP2's gradients); no public placement says "norm"."""
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+    return _NormPartial(norm_type)
+
+
 def local_tensor(t: DTensor) -> torch.Tensor:
     """A ``DTensor``'s local tensor without ``to_local()``'s autograd and placement logic."""
     return t._local_tensor
@@ -109,6 +118,23 @@ def default_store() -> dist.Store:
     """The default process group's store (where ranks post how far they got):
     ``distributed_c10d._get_default_store``."""
     return dist.distributed_c10d._get_default_store()
+
+
+@contextlib.contextmanager
+def coalescing(group: dist.ProcessGroup, device: torch.device | None):
+    """The collectives issued inside go out as one launch (NCCL: one ``ncclGroupStart`` /
+    ``ncclGroupEnd``, one kernel); yields a list that holds, on exit, the one work to wait
+    for. ``ProcessGroup._start_coalescing`` / ``_end_coalescing``: what torch's own
+    ``batch_isend_irecv`` and ``_coalescing_manager`` call (the latter's Python fast path
+    would capture ``all_gather_into_tensor`` and refuse mixing it with other ops, so the
+    group's own methods are called directly). Raises on a backend without coalescing
+    (gloo: "does not implement startCoalescing")."""
+    group._start_coalescing(device)
+    works: list = []
+    try:
+        yield works
+    finally:
+        works.append(group._end_coalescing(device))
 
 
 def backend_timeout(group: dist.ProcessGroup, device: torch.device) -> Any:

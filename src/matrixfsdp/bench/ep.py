@@ -95,9 +95,9 @@ def _units(model: nn.Module) -> list[dict[str, Any]]:
         muon = [pl.spec for pl in params if pl.spec.muon]
         rest = [pl.spec for pl in params if not pl.spec.muon]
         # what the runtime moves for it, as the planner counts it (the unit's own layout)
-        lay, grouped = units[u].layout, units[u].domain.comm.grouped
+        lay = units[u].layout
         red = lay.reduce_layout((True,) * len(lay.placements))[0]
-        moved = {kind: sum(c.load(one, 0, 4).critical for c in calls(one, kind == "reduce", grouped))
+        moved = {kind: sum(c.load(one, 0, 4).critical for c in calls(one, kind == "reduce"))
                  for kind, one in (("gather", lay), ("reduce", red))}
         out.append({"name": name, "ranks": len(params[0].row_ranges) if params else 0,
                     "experts": any(s.is_experts for s in muon),

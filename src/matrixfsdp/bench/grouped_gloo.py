@@ -1,27 +1,22 @@
-"""``grouped_gloo``: gloo with NCCL's uneven all-gather and reduce-scatter, a count of every
-process-group call, and optionally a modelled link, so the runtime's NCCL path runs (and is
-counted and timed) on CPU, wrapped around the process group from outside the runtime.
+"""``grouped_gloo``: gloo with NCCL's coalescing, a count of every launch and op, and
+optionally a modelled link, so the runtime's NCCL path runs (and is counted and timed) on
+CPU, wrapped around the process group from outside the runtime.
 
-torch's ``ProcessGroupNCCL`` runs ``dist.all_gather(list, t)`` with outputs of different
-sizes as one group of out-of-place broadcasts, one from each rank (``_broadcast_oop``
-between ``startCoalescing`` and ``endCoalescing``), and ``dist.reduce_scatter(t, list)``
-with different sizes as one group of reduces to each rank (``_reduce_oop``); equal sizes
-take its flat all-gather / reduce-scatter. gloo refuses the uneven all-gather ("invalid
-tensor size"). This backend is a Python ``ProcessGroup`` (registered with
+torch's ``ProcessGroupNCCL`` runs the collectives issued between ``_start_coalescing`` and
+``_end_coalescing`` as one NCCL group: one launch, one work. gloo refuses to ("does not
+implement startCoalescing"). This backend is a Python ``ProcessGroup`` (registered with
 ``torch.distributed.Backend.register_backend``) over a ``ProcessGroupGloo`` on the same
-store, that does what NCCL does: an uneven all-gather is one broadcast per rank, an
-uneven reduce-scatter one reduce per rank (its inputs left as they were, as NCCL's
-out-of-place reduces leave them), on the gloo group underneath; everything else is gloo's
-own call. Each call to it is one *launch* (NCCL issues a coalesced group as one), counted in
-:data:`LAUNCHES` by kind.
+store that does what NCCL does: the ops of a coalesced group go to gloo one by one and come
+back as one work; everything else is gloo's own call. :data:`LAUNCHES` counts launches by
+kind (a coalesced group is one, ``coalesced``), :data:`OPS` every op inside them by kind.
 
     register()
     dist.init_process_group("grouped_gloo", ...)   # every group made after: grouped_gloo too
 
-``register(uneven=False)`` makes it refuse uneven all-gathers as gloo does (gloo's path,
-counted alike); ``register(link=Link(...))``: every call of the groups made after completes
-no earlier than its launch latency plus its most loaded rank's bytes (NCCL's algorithms,
-:mod:`matrixfsdp.planning.layout`'s load model) over the link, one transfer after the other
+``register(coalesce=False)`` makes it refuse coalescing as gloo does (gloo's path, counted
+alike); ``register(link=Link(...))``: every launch of the groups made after completes no
+earlier than its launch latency plus its most loaded rank's bytes (NCCL's algorithms,
+:func:`~matrixfsdp.runtime.collectives.op_load`) over the link, one transfer after the other
 on each rank (``bench/link.py``).
 """
 
@@ -34,12 +29,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..planning.layout import grouped_load, pipeline_load, ring_load
+from ..planning.layout import pipeline_load, ring_load
 
 NAME = "grouped_gloo"
-LAUNCHES: Counter = Counter()  # kind -> calls, over every group of this process
+LAUNCHES: Counter = Counter()  # kind -> launches, over every group of this process
+OPS: Counter = Counter()  # kind -> ops (NCCL's: a coalesced launch counts each op it holds)
 PAYLOAD: Counter = Counter()  # kind -> bytes handed over (all-gather: the output; others: the input)
-_settings: dict = {"uneven": True, "link": None}
+_settings: dict = {"coalesce": True, "link": None}
 
 
 class Link:
@@ -83,14 +79,16 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class GroupedGloo(dist.ProcessGroup):
-    """gloo, with NCCL's uneven all-gather / reduce-scatter, a launch count and a link."""
+    """gloo, with NCCL's coalescing and uneven all-gather / reduce-scatter, launch and op
+    counts, and a link."""
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.me, self.n = rank, size
-        self.uneven: bool = _settings["uneven"]
+        self.coalesce: bool = _settings["coalesce"]
         self.link: Link | None = _settings["link"]
+        self._group: list | None = None  # inside a coalesced group: [works, critical bytes]
         # torch's C++ side (functional collectives: DTensor's own) reaches the gloo group
         # underneath; the Python calls below reach this class
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.inner)
@@ -106,60 +104,49 @@ class GroupedGloo(dist.ProcessGroup):
     def group_name(self) -> str:
         return self._name
 
-    def _done(self, kind: str, works, critical: int, payload: int = 0):
-        """Count one launch of ``kind`` handing over ``payload`` bytes; its works, delayed by
-        the link (``critical``: its most loaded rank's bytes) if there is one. One work and
-        no link: gloo's own work, as it is (torch's C++ side may wait on it, which a Python
-        work would make take the GIL, and deadlock)."""
-        LAUNCHES[kind] += 1
+    def _done(self, kind: str, works, critical: int, payload: int = 0, ops: int = 1):
+        """Count ``ops`` ops of ``kind`` handing over ``payload`` bytes, and a launch unless
+        inside a coalesced group (which collects the works); its works, delayed by the link
+        (``critical``: its most loaded rank's bytes) if there is one. One work and no link:
+        gloo's own work, as it is (torch's C++ side may wait on it, which a Python work
+        would make take the GIL, and deadlock)."""
+        OPS[kind] += ops
         PAYLOAD[kind] += payload
+        if self._group is not None:
+            self._group[0] += works if isinstance(works, list) else [works]
+            self._group[1] += critical
+            return _Works([])
+        LAUNCHES[kind] += 1
         if self.link is None and not isinstance(works, list):
             return works
         works = works if isinstance(works, list) else [works]
         ready = self.link.ready_at(critical) if self.link is not None and self.n > 1 else 0.0
         return _Works(works, ready)
 
-    def _uneven(self, sizes: list[int], toward: bool) -> int:
-        return grouped_load(sizes.__getitem__, sum(sizes), min(sizes), self.n, self.me,
-                            toward).critical
+    # ---- NCCL's coalescing ------------------------------------------------------------------
+    def _start_coalescing(self, device) -> None:
+        if not self.coalesce:
+            raise RuntimeError("Backend grouped_gloo does not implement startCoalescing "
+                               "(registered with coalesce=False, as gloo)")
+        self._group = [[], 0]
 
-    # ---- NCCL's uneven collectives ----------------------------------------------------------
+    def _end_coalescing(self, device):
+        (works, critical), self._group = self._group, None
+        LAUNCHES["coalesced"] += 1
+        ready = self.link.ready_at(critical) if self.link is not None and self.n > 1 else 0.0
+        return _Works(works, ready)
+
+    # ---- list forms (equal parts; gloo refuses unequal ones, as it does) --------------------
     def allgather(self, output_lists, input_list, opts=None):
-        outs, inp = output_lists[0], input_list[0]
-        sizes = [_nbytes(o) for o in outs]
-        if len(set(sizes)) == 1:
-            return self._done("all_gather", self.inner.allgather(
-                output_lists, input_list, opts or dist.AllgatherOptions()),
-                self._uneven(sizes, False), sum(sizes))
-        if not self.uneven:
-            raise RuntimeError("ProcessGroupGloo::allgather: invalid tensor size (grouped_gloo "
-                               "registered with uneven=False)")
-        works = []
-        for r, out in enumerate(outs):
-            if r == self.me and out.data_ptr() != inp.data_ptr():
-                out.copy_(inp)
-            works.append(self.inner.broadcast([out], _bcast(r)))
-        return self._done("all_gather_v", works, self._uneven(sizes, False), sum(sizes))
+        n = sum(map(_nbytes, output_lists[0]))
+        return self._done("all_gather", self.inner.allgather(
+            output_lists, input_list, opts or dist.AllgatherOptions()), ring_load(n, self.n).critical, n)
 
     def reduce_scatter(self, output_list, input_lists, opts=None):
-        out, inps = output_list[0], input_lists[0]
-        opts = opts or dist.ReduceScatterOptions()
-        sizes = [_nbytes(t) for t in inps]
-        if len(set(sizes)) == 1:
-            return self._done("reduce_scatter", self.inner.reduce_scatter(
-                output_list, input_lists, opts), self._uneven(sizes, True), sum(sizes))
-        works = []
-        for r, t in enumerate(inps):
-            if r == self.me:
-                if out.data_ptr() != t.data_ptr():
-                    out.copy_(t)
-                target = out
-            else:
-                target = t.clone()  # NCCL's out-of-place reduce leaves the input as it was
-            ro = dist.ReduceOptions()
-            ro.rootRank, ro.reduceOp = r, opts.reduceOp
-            works.append(self.inner.reduce([target], ro))
-        return self._done("reduce_scatter_v", works, self._uneven(sizes, True), sum(sizes))
+        n = sum(map(_nbytes, input_lists[0]))
+        return self._done("reduce_scatter", self.inner.reduce_scatter(
+            output_list, input_lists, opts or dist.ReduceScatterOptions()),
+            ring_load(n, self.n).critical, n)
 
     # ---- everything else: gloo's own --------------------------------------------------------
     def all_gather_single(self, output, input, opts=None):
@@ -261,25 +248,20 @@ class GroupedGloo(dist.ProcessGroup):
                           sum(map(_nbytes, tensors)))
 
 
-def _bcast(root: int) -> dist.BroadcastOptions:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    return opts
-
-
 def _create(store, rank: int, size: int, timeout: timedelta) -> GroupedGloo:
     return GroupedGloo(store, rank, size, timeout)
 
 
-def register(uneven: bool = True, link: Link | None = None) -> None:
+def register(coalesce: bool = True, link: Link | None = None) -> None:
     """Make ``grouped_gloo`` a backend name (CPU tensors) for ``init_process_group`` /
-    ``new_group``; the groups made after it take these settings: ``uneven`` False refuses
-    uneven all-gathers, as gloo does; ``link`` delays every call (module docstring)."""
-    _settings.update(uneven=uneven, link=link)
+    ``new_group``; the groups made after it take these settings: ``coalesce`` False refuses
+    coalescing, as gloo does; ``link`` delays every launch (module docstring)."""
+    _settings.update(coalesce=coalesce, link=link)
     if NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(NAME, _create, devices=["cpu"])
 
 
 def reset_launches() -> None:
     LAUNCHES.clear()
+    OPS.clear()
     PAYLOAD.clear()

@@ -37,17 +37,17 @@ from ..train.models import GPT, GPTConfig
 from . import grouped_gloo
 from .grouped_gloo import Link
 
-# (system, overlap, uneven collectives): what each column times
+# (system, overlap, coalescing): what each column times
 SETUPS = (("matrixfsdp", True, True), ("matrixfsdp", False, True), ("matrixfsdp", True, False),
         ("fsdp2", False, True))
 COLUMN = {k: f"{k[0]}_{'on' if k[1] else 'off'}{'' if k[2] else '_gloo_path'}" for k in SETUPS}
 
 
-def _mesh(gbps: float | None, latency_s: float, uneven: bool) -> tuple[DeviceMesh, Link]:
+def _mesh(gbps: float | None, latency_s: float, coalesce: bool) -> tuple[DeviceMesh, Link]:
     """A 1-D mesh over a new group of every rank whose calls go through ``Link`` (speed
     ``gbps``, None: no delay, only the bytes charged)."""
     link = Link(gbps * 1e9 if gbps else math.inf, latency_s if gbps else 0.0)
-    grouped_gloo.register(uneven=uneven, link=link)
+    grouped_gloo.register(coalesce=coalesce, link=link)
     return DeviceMesh.from_group(dist.new_group(backend=grouped_gloo.NAME), "cpu"), link
 
 
@@ -73,8 +73,8 @@ def _build(args, system: str, overlap: bool, mesh: DeviceMesh):
 def _time_steps(args, key: tuple, gbps: float | None) -> tuple[float, int, int]:
     """Fastest forward+backward over the timed steps (the sample least disturbed by other
     work on a shared machine), in seconds; critical-path bytes and launches per step."""
-    system, overlap, uneven = key
-    mesh, link = _mesh(gbps, args.latency_us * 1e-6, uneven)
+    system, overlap, coalesce = key
+    mesh, link = _mesh(gbps, args.latency_us * 1e-6, coalesce)
     model, opt = _build(args, system, overlap, mesh)
     g = torch.Generator().manual_seed(dist.get_rank())
     times, sent, launches = [], 0, 0

@@ -24,7 +24,7 @@ from torch import nn
 
 import matrixfsdp as mf
 
-from ..runtime.collectives import pipeline_load, ring_load
+from ..runtime.collectives import op_load
 from ..runtime.storage import UnitStorage
 from ..train.launch import launch
 from .measure import machine_info
@@ -73,10 +73,10 @@ def charge(name: str, args: tuple, kwargs: dict) -> dict[str, Any]:
         if root is None:
             src = _arg(args, kwargs, 1, "src" if name == "broadcast" else "dst")
             root = dist.get_group_rank(group, src)
-        load = pipeline_load(n, P, me, root, name == "reduce")
+        load = op_load(name, n, P, me, root)
         sent, received = load.sent, load.received
     else:  # ring collectives (and the rarely used list forms, charged alike)
-        load = ring_load(n, P, 2 if name == "all_reduce" else 1)
+        load = op_load("all_reduce" if name == "all_reduce" else "all_gather", n, P, me)
         sent, received = load.sent, load.received
     return {"op": name, "group": group.group_name, "ranks": ranks, "bytes": n,
             "sent": sent, "received": received}

@@ -15,12 +15,18 @@ A unit's parameters travel in two ways:
 Shard rank ``r`` contributes one *chunk* to a gather and receives one in a reduce: its even
 part, then (a reduce only) ``F`` gradient flags, then the pieces it holds, each 16-element
 aligned, ordered by *kind* (experts; then the matrices replica 0, 1, ... steps) and index.
-The gathered buffer is the chunks of all shard ranks one after the other (a chunk holding
-pieces starts aligned), so each 2-D matrix is a view of it; the even parameters and
-expert stacks are copied out of it. One unit then moves in **one collective per
-direction** where the process group has uneven all-gather / reduce-scatter (NCCL runs them
-as one group of broadcasts / reduces, one per rank); elsewhere (gloo) in one even
-all-gather / reduce-scatter of the even parts plus one broadcast / reduce per piece.
+A *holder* is a shard rank holding pieces; its pieces, back to back, are its *region*.
+
+A unit moves in one even collective plus one per holder: the even parts (and flags) in one
+all-gather / reduce-scatter of ``S x head`` elements, each holder's region in one broadcast
+from it / reduce to it. Its NCCL ops grow with the unit's holders (a handful of owners),
+never with ``S``; where the group coalesces they go out as **one launch per unit and
+direction** (FSDP2's count). Where every chunk has one aligned size (:attr:`UnitLayout.even`)
+the whole chunks travel in one even all-gather / reduce-scatter instead. The *gathered
+buffer* holds what the collectives write: with :attr:`UnitLayout.even` every chunk, back to
+back; else the holders' regions alone, back to back and aligned (the even parts land in a
+transient ``S x head`` buffer). Each 2-D matrix is a view of it; the even parameters and
+expert stacks are copied out.
 
 Rank ``r`` at tp rank ``t`` stores its *segment*: the even part (and, for a reduce's output,
 the flags), then the pieces it stores in chunk order (a tp-split matrix whole, on its
@@ -156,27 +162,41 @@ class UnitLayout:
             (not self.holders or size % ALIGN == 0)
 
     @functools.cached_property
-    def starts(self) -> list[int]:
-        """Where each shard rank's chunk starts in the gathered buffer (``S + 1`` entries):
-        back to back when :attr:`even`, else a holder's chunk starts aligned."""
-        out, at = [], 0
-        for r in range(self.S):
-            if r in self.holder_sizes:
-                at = aligned(at)
-            out.append(at)
-            at += self.chunk_size(r)
-        out.append(at)
+    def _bases(self) -> dict[int, int]:
+        """Holder -> where its chunk's offset 0 lies in the gathered buffer (its pieces at
+        ``base + piece.offset``): chunks back to back when :attr:`even`, else the regions
+        back to back, each starting aligned."""
+        out, at = {}, 0
+        for h in self.holders:
+            if self.even:
+                out[h] = h * self.chunk_size(h)
+                continue
+            first = self.pieces_at(h)[0].offset
+            at = aligned(at)
+            out[h] = at - first
+            at += self.chunk_size(h) - first
         return out
+
+    def base(self, r: int) -> int:
+        """Where shard rank ``r``'s chunk offsets count from in the gathered buffer (a
+        holder's; with :attr:`even`, any rank's: its chunk starts there)."""
+        return self._bases[r] if r in self._bases else r * self.chunk_size(r)
+
+    def region(self, h: int) -> tuple[int, int]:
+        """Holder ``h``'s region: ``(offset in its chunk, elements)``, its pieces back to back
+        with their alignment gaps (what one broadcast from it / reduce to it moves)."""
+        first = self.pieces_at(h)[0].offset
+        return first, self.chunk_size(h) - first
 
     @functools.cached_property
     def gathered_numel(self) -> int:
-        """Elements of the gathered buffer: every chunk, aligned where pieces need it (the
-        end of :attr:`starts`, counted over the holders alone)."""
-        at, prev = 0, 0
-        for h in self.holders:
-            at = aligned(at + (h - prev) * self.head) + self.chunk_size(h)
-            prev = h + 1
-        return at + (self.S - prev) * self.head
+        """Elements of the gathered buffer (module docstring)."""
+        if self.even:
+            return self.S * self.smallest_chunk
+        if not self.holders:
+            return 0
+        h = self.holders[-1]
+        return self._bases[h] + self.chunk_size(h)
 
     @property
     def keeps_gathered(self) -> bool:
@@ -209,7 +229,7 @@ class UnitLayout:
         """Where a 2-D matrix (this tp rank's slice of a tp-split one) lies in the gathered
         buffer: in its owner's chunk."""
         pc = self.pieces_of(i)[0]
-        return self.starts[pc.rank] + pc.offset
+        return self.base(pc.rank) + pc.offset
 
     @functools.cached_property
     def _by_index(self) -> dict[int, list[Piece]]:
@@ -392,56 +412,33 @@ def pipeline_load(n: int, P: int, rank: int, root: int, toward_root: bool) -> Lo
     return Load(0 if rank == last else n, 0 if rank == first else n, n, n * (P - 1) // P)
 
 
-def grouped_load(size, total: int, smallest: int, P: int, rank: int, toward: bool) -> Load:
-    """An uneven all-gather (``toward`` False) or reduce-scatter of ``size(r)`` bytes per
-    rank ``r`` (``total`` in all, ``smallest`` the least): NCCL's group of one pipelined
-    broadcast from (reduce to) each rank, so rank ``q`` receives (sends) everything but its
-    own and sends (receives) everything but what the ring's far end skips. With equal sizes
-    this is the ring all-gather's ``(P-1)/P`` of the buffer."""
-    if P == 1:
-        return Load(0, 0, 0, 0)
-    if toward:
-        sent, received = total - size(rank), total - size((rank - 1) % P)
-    else:
-        sent, received = total - size((rank + 1) % P), total - size(rank)
-    return Load(sent, received, total - smallest, total * (P - 1) // P)
-
-
 @dataclass(frozen=True)
 class Call:
-    """One collective of a unit: ``kind`` (``all_gather`` / ``reduce_scatter``: the even
-    parts, ring; ``all_gather_v`` / ``reduce_scatter_v``: every rank's chunk, uneven;
-    ``broadcast`` / ``reduce``: one piece from / to its holder; ``all_reduce``), the
-    elements it hands over (``numel``: the gathered or reduced buffer), and for a piece,
-    the piece."""
+    """One collective op of a unit: ``kind`` (``all_gather`` / ``reduce_scatter``: the even
+    parts, or whole chunks of one size, ring; ``broadcast`` / ``reduce``: one holder's
+    region from / to it, pipelined), the elements it hands over (``numel``: the gathered or
+    reduced buffer, or the region), and for a region, its holder ``root``."""
 
     kind: str
     numel: int
-    piece: Piece | None = None
+    root: int | None = None
 
     def load(self, lay: UnitLayout, rank: int, itemsize: int) -> Load:
-        """What this call moves for shard rank ``rank`` (bytes of ``itemsize``)."""
-        P = lay.S
+        """What this op moves for shard rank ``rank`` (bytes of ``itemsize``)."""
         if self.kind in ("broadcast", "reduce"):
-            return pipeline_load(self.numel * itemsize, P, rank, self.piece.rank,
+            return pipeline_load(self.numel * itemsize, lay.S, rank, self.root,
                                  self.kind == "reduce")
-        if self.kind in ("all_gather_v", "reduce_scatter_v"):
-            return grouped_load(lambda r: lay.chunk_size(r) * itemsize, lay.chunk_total * itemsize,
-                                lay.smallest_chunk * itemsize, P, rank,
-                                self.kind == "reduce_scatter_v")
-        return ring_load(self.numel * itemsize, P)
+        return ring_load(self.numel * itemsize, lay.S)
 
 
-def calls(lay: UnitLayout, reduce: bool, grouped: bool) -> list[Call]:
-    """The collectives of one gather (``reduce`` False) or gradient reduce of ``lay`` over
-    its shard group, in the order they are issued: with ``grouped`` (uneven collectives)
-    one call; else an even all-gather / reduce-scatter of the even parts and one broadcast
-    / reduce per piece. Chunks of one (aligned) size go as one even call either way."""
+def calls(lay: UnitLayout, reduce: bool) -> list[Call]:
+    """The ops of one gather (``reduce`` False) or gradient reduce of ``lay`` over its shard
+    group, in the order they are issued (one launch where the group coalesces): an even
+    all-gather / reduce-scatter of the even parts, then one broadcast / reduce per holder's
+    region; whole chunks of one aligned size in one even call instead."""
     if lay.S == 1 or not lay.chunk_total:
         return []
     if lay.even:
         return [Call("reduce_scatter" if reduce else "all_gather", lay.chunk_total)]
-    if grouped:
-        return [Call("reduce_scatter_v" if reduce else "all_gather_v", lay.chunk_total)]
     out = [Call("reduce_scatter" if reduce else "all_gather", lay.S * lay.head)] if lay.head else []
-    return out + [Call("reduce" if reduce else "broadcast", pc.numel, pc) for pc in lay.pieces]
+    return out + [Call("reduce" if reduce else "broadcast", lay.region(h)[1], h) for h in lay.holders]

@@ -246,7 +246,7 @@ def unit_comm(u: UnitLayout, red: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtype
     pieces = sum(pc.numel for pc in u.pieces) if S > 1 else 0
     launches = []
     for lay, isz, attr in ((u, d.gather, "gather"), (red, d.reduce, "reduce")):
-        shard_calls = calls(lay, attr == "reduce", grouped=True)
+        shard_calls = calls(lay, attr == "reduce")
         crit = sum(call.load(lay, 0, isz).critical for call in shard_calls)  # any rank's
         setattr(c, attr, mc.shard.grouped(crit) + mc.tp.all_to_all(hop * isz))
         setattr(c, attr + "_bytes", float(crit + hop * isz))

@@ -32,7 +32,6 @@ from .layout import (
     Segment,
     UnitLayout,
     calls,
-    grouped_load,
     pipeline_load,
     ring_load,
     unit_layouts,
@@ -76,7 +75,7 @@ def reduce_layouts(layouts: Sequence[UnitLayout]) -> list[UnitLayout]:
 
 def _shard_calls(c: _Counts, lay: UnitLayout, r: int, itemsize: int, reduce: bool,
                  grouped: bool, times: int) -> None:
-    for call in calls(lay, reduce, grouped):
+    for call in calls(lay, reduce):
         c.add(call.kind, call.numel * itemsize, call.load(lay, r, itemsize), times)
 
 
@@ -88,13 +87,6 @@ def _replicate(c: _Counts, seg: Segment, R: int, replica: int, itemsize: int, re
         n = seg.shared * itemsize
         c.add("replicate_allreduce", n, ring_load(n, R, 2), times)
     sizes = [n * itemsize for _, n in seg.replica_runs(R)]
-    if not any(sizes):
-        return
-    if grouped:
-        load = grouped_load(sizes.__getitem__, sum(sizes), min(sizes), R, replica, reduce)
-        c.add("replicate_reduce_scatter_v" if reduce else "replicate_all_gather_v", sum(sizes),
-              load, times)
-        return
     for i, n in enumerate(sizes):
         if n:
             c.add("replicate_reduce" if reduce else "replicate_broadcast", n,

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..planning.types import Plan
-from .collectives import Comm, CommStats, uneven_supported
+from .collectives import Comm, CommStats, coalescing_supported
 from .hsdp import MeshGroups, Replication
 
 
@@ -41,12 +41,13 @@ class Domain:
 
     @classmethod
     def of(cls, mesh: DeviceMesh, groups: MeshGroups, plan: Plan, stats: CommStats) -> Domain:
-        """The domain of ``mesh``; each of its groups asked once whether it has uneven
-        collectives (a collective of the mesh's ranks, at set-up)."""
+        """The domain of ``mesh``; each of its groups asked once whether it coalesces ops
+        into one launch (a collective of the mesh's ranks, at set-up)."""
         device = mesh_device(mesh)
-        shard = Comm(groups.shard, stats, grouped=uneven_supported(groups.shard, device))
+        shard = Comm(groups.shard, stats, coalesce=coalescing_supported(groups.shard, device),
+                     device=device)
         rep = Comm(groups.replicate, stats, "replicate_",
-                   grouped=uneven_supported(groups.replicate, device)) \
+                   coalesce=coalescing_supported(groups.replicate, device), device=device) \
             if groups.replicas > 1 else None
         return cls(mesh, groups, shard, Replication(groups, rep), plan)
 

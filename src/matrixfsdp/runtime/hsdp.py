@@ -4,12 +4,14 @@ A unit's parameters are sharded over the ranks of a shard group, identically in 
 replica (the plan's storage is per shard rank). Each 2-D Muon matrix also has one owner
 *replica*, so one world rank in all runs its NS (the plan balances those over the world):
 
-* backward, once the shard group's reduce-v of a unit is done: the replicated run of this
+* backward, once the shard group's reduce of a unit is done: the replicated run of this
   rank's segment (even parameters, expert stacks) is all-reduced (mean) across replicas,
   as in FSDP2's HSDP; the run of matrices stepped by replica i is *reduced* (mean) to
-  replica i only. Only there do those matrices get a ``.grad``, so only there does the
-  optimizer step them (and keep momentum). These run asynchronously while the backward of
-  the units before it computes, and are waited for at the end of backward at the latest.
+  replica i only (one launch for all of them where the group coalesces: ops grow with the
+  replicas that step matrices here, never with the shard group). Only there do those
+  matrices get a ``.grad``, so only there does the optimizer step them (and keep momentum).
+  These run asynchronously while the backward of the units before it computes, and are
+  waited for at the end of backward at the latest.
 * after an optimizer step, at the start of the next forward (the root unit's pre-forward):
   each replica's run of every unit is *broadcast* from it to the other replicas, all units
   at once, asynchronously; a unit's gather waits for its own broadcast only, so unit k's
@@ -124,18 +126,14 @@ class Replication:
         only. ``out`` is final once the returned collectives are waited for. ``divisor``:
         what the sum is divided by (default: the number of replicas, the mean; 1 after a
         shard-group reduce that divided by a custom factor already)."""
-        pending: list[Pending] = []
         start, n = seg.runs[0]
-        if n:
-            pending.append(self.comm.all_reduce(out[start:start + n], divisor))
-        mats = [out[start:start + n] for start, n in seg.replica_runs(self.groups.replicas)]
-        if not any(t.numel() for t in mats):
-            return Pending.all(pending)
-        if self.comm.grouped:  # every replica's run to it, in one call
-            pending.append(self.comm.reduce_scatter_v(mats[self.groups.replica], mats, divisor))
-        else:
-            pending += [self.comm.reduce(t, i, divisor) for i, t in enumerate(mats) if t.numel()]
-        return Pending.all(pending)
+        mats = [out[a:a + m] for a, m in seg.replica_runs(self.groups.replicas)]
+
+        comm = self.comm  # one launch where the group coalesces
+        return comm.batch("replicate", ([lambda: comm.all_reduce(out[start:start + n], divisor)]
+                                        if n else []) +
+                          [(lambda i=i, t=t: comm.reduce(t, i, divisor))
+                           for i, t in enumerate(mats) if t.numel()])
 
     def is_stale(self, unit_index: int) -> bool:
         return unit_index in self._stale
@@ -154,11 +152,9 @@ class Replication:
             mats = [local[start:start + n] for start, n in seg.replica_runs(self.groups.replicas)]
             if not any(t.numel() for t in mats):  # this shard rank holds none of them
                 return
-            if self.comm.grouped:  # every replica's run from it, in one call
-                sent = [self.comm.all_gather_v(mats, mats[self.groups.replica])]
-            else:
-                sent = [self.comm.broadcast(t, i) for i, t in enumerate(mats) if t.numel()]
-            self._inflight[unit_index] = Pending.all(sent)
+            self._inflight[unit_index] = self.comm.batch(
+                "replicate", [(lambda i=i, t=t: self.comm.broadcast(t, i))
+                              for i, t in enumerate(mats) if t.numel()])
             self.max_inflight = max(self.max_inflight, len(self._inflight))
 
     def finish_broadcast(self, unit_index: int) -> None:

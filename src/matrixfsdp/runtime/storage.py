@@ -7,18 +7,19 @@ computes (the same the planner counts). Per unit and rank:
   (what ``model.parameters()`` and the optimizer see) are views into it: row chunks of the
   even parameters, whole matrices on their owner.
 * ``gathered`` / ``copied``: the unsharded buffers, in the compute dtype (the policy's
-  ``param_dtype``). A gather writes every shard rank's chunk into ``gathered`` (one uneven
-  all-gather where the process group has it, else an even all-gather of the even parts and
-  a broadcast per piece); each 2-D matrix is a view of it, in its owner's chunk. The even
-  parameters (padded blocks) and expert stacks live in ``copied``, filled from ``gathered``
-  by a few batched copies. Resharding frees both storages (``resize_(0)``) and keeps the
-  tensor objects, so tensors autograd saved in forward are refilled in place by the
-  backward gather.
+  ``param_dtype``). A gather is the ops :func:`~matrixfsdp.planning.layout.calls` lists,
+  one launch where the group coalesces: an even all-gather of the even parts and one
+  broadcast of each holder's region into ``gathered`` (or, chunks of one size, one
+  all-gather of them); each 2-D matrix is a view of ``gathered``. The even parameters
+  (padded blocks) and expert stacks live in ``copied``, filled by a few batched copies;
+  ``gathered`` is freed then unless matrices live in it. Resharding frees both storages
+  (``resize_(0)``) and keeps the tensor objects, so tensors autograd saved in forward are
+  refilled in place by the backward gather.
 
-A gradient reduce lays the unsharded gradients out as every rank's chunk (with one flag per
-parameter: whether this rank had a gradient for it) and reduces each chunk to its rank in
-one uneven reduce-scatter (else one reduce-scatter of the even parts and flags, one reduce
-per piece); this rank's chunk, averaged, is the storage of its shards' ``.grad``.
+A gradient reduce lays the unsharded gradients out as every rank's even rows plus one flag
+per parameter (whether this rank had a gradient for it), reduce-scattered, and each
+holder's region of pieces, reduced to it (chunks of one size: one reduce-scatter of them);
+this rank's chunk, averaged, is the storage of its shards' ``.grad``.
 """
 
 from __future__ import annotations
@@ -74,30 +75,6 @@ def _zeros(like: torch.Tensor, n: int) -> torch.Tensor:
     return like.new_zeros(()).expand(n)
 
 
-def _split_sizes(lay: UnitLayout) -> list[int]:
-    """Sizes that cut a buffer laid out as :attr:`UnitLayout.starts` into (chunk, gap)
-    pairs: ``buf.split(sizes)[::2]`` is every rank's chunk."""
-    out = []
-    for r in range(lay.S):
-        n = lay.chunk_size(r)
-        out += [n, lay.starts[r + 1] - lay.starts[r] - n]
-    return out
-
-
-def _head_runs(lay: UnitLayout) -> list[tuple[int, int]]:
-    """The chunks' heads (even parts) in a buffer laid out as :attr:`UnitLayout.starts`, as
-    (offset, ranks) runs: consecutive ranks without pieces lie back to back."""
-    runs: list[tuple[int, int]] = []
-    r = 0
-    for h in lay.holders + [lay.S]:
-        if h > r:
-            runs.append((lay.starts[r], h - r))
-        if h < lay.S:
-            runs.append((lay.starts[h], 1))
-        r = h + 1
-    return runs
-
-
 class UnitStorage:
     """One unit's sharded segment and unsharded buffers on one rank (see module doc)."""
 
@@ -110,8 +87,6 @@ class UnitStorage:
         self.local = torch.zeros(self.segment.size, dtype=dtype, device=device)
         self.gathered = torch.empty(layout.gathered_numel, dtype=precision.param, device=device)
         self.copied = torch.empty(layout.copied_numel, dtype=precision.param, device=device)
-        self._split = _split_sizes(layout) if layout.S > 1 and not layout.even else None
-        self._gathered_chunks: list[torch.Tensor] | None = None
         self.free()
 
     # ---- views ----------------------------------------------------------------------------
@@ -130,14 +105,6 @@ class UnitStorage:
         if is_whole(pl) and pl.owner is not None:  # a 2-D matrix: in its owner's chunk
             return _alias(gathered, lay.whole_offset(i), slice_shape(pl.spec))
         return _alias(copied, lay.copied[i], pl.spec.shape)
-
-    def _chunks(self, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Every shard rank's chunk of ``buf`` (laid out as :attr:`UnitLayout.starts`)."""
-        if buf is self.gathered:
-            if self._gathered_chunks is None:  # views stay valid across resize_ of the storage
-                self._gathered_chunks = list(buf.split(self._split)[::2])
-            return self._gathered_chunks
-        return list(buf.split(self._split)[::2])
 
     @torch.no_grad()
     def copy_in(self, params: list[torch.Tensor]) -> None:
@@ -184,66 +151,71 @@ class UnitStorage:
         return full
 
     def _gather(self, comm: Comm, gathered: torch.Tensor, copied: torch.Tensor) -> Pending:
-        """Every shard rank's chunk into ``gathered`` (this rank's written here first, in
-        ``gathered``'s dtype), then the even parameters and expert stacks copied out into
-        ``copied``: the calls :func:`~matrixfsdp.planning.layout.calls` lists."""
-        lay, me = self.layout, self.rank
-        mine = gathered[lay.starts[me]:lay.starts[me] + lay.chunk_size(me)]
-        self._fill_chunk(mine)
-        parts, rows = [], None
-        for call in calls(lay, reduce=False, grouped=comm.grouped):
-            if call.kind == "all_gather_v":
-                parts.append(comm.all_gather_v(self._chunks(gathered), mine))
-            elif call.kind == "all_gather" and lay.even:  # whole chunks of one size
-                parts.append(comm.all_gather(gathered, mine))
-            elif call.kind == "all_gather":  # the even parts; the pieces broadcast next
-                rows = gathered.new_empty(lay.S, lay.head)
-                parts.append(comm.all_gather(rows.view(-1), mine[:lay.head]))
-            else:
-                pc = call.piece
-                at = lay.starts[pc.rank] + pc.offset
-                parts.append(comm.broadcast(gathered[at:at + pc.numel], pc.rank))
-        return Pending.all(parts, lambda: self._copy_out(gathered, copied, rows))
+        """The ops :func:`~matrixfsdp.planning.layout.calls` lists (this rank's part written
+        first, in ``gathered``'s dtype), one launch where the group coalesces; then the even
+        parameters and expert stacks copied out into ``copied``."""
+        lay, me, H = self.layout, self.rank, self.layout.head
+        if lay.even:  # whole chunks of one size: this rank's is its place in ``gathered``
+            mine = gathered[lay.base(me):lay.base(me) + lay.chunk_size(me)]
+            self._fill_chunk(mine[:H], gathered,
+                             lay.base(me) if me in lay.holder_sizes else None)
+            rows = None
+            ops = [(lambda: comm.all_gather(gathered, mine))] if lay.S > 1 else []
+        else:
+            rows = gathered.new_empty(lay.S, H)
+            mine = rows[me]
+            self._fill_chunk(mine, gathered, lay.base(me) if me in lay.holder_sizes else None)
+            ops = [(lambda c=c: comm.broadcast(self._region(gathered, lay, c.root), c.root))
+                   if c.root is not None else (lambda: comm.all_gather(rows.view(-1), mine))
+                   for c in calls(lay, reduce=False)]
+        pending = comm.batch("gather", ops)
+        return pending.then(lambda: self._copy_out(gathered, copied, rows))
 
-    def _fill_chunk(self, mine: torch.Tensor) -> None:
-        """This rank's chunk of a gather, from its segment (cast to ``mine``'s dtype); the
-        slices of tp-split matrices from the tp ranks holding them whole."""
+    @staticmethod
+    def _region(buf: torch.Tensor, lay: UnitLayout, h: int) -> torch.Tensor:
+        """Holder ``h``'s region in a buffer laid out as the gathered one."""
+        first, n = lay.region(h)
+        at = lay.base(h) + first
+        return buf[at:at + n]
+
+    def _fill_chunk(self, head: torch.Tensor, pieces: torch.Tensor, base: int | None) -> None:
+        """This rank's part of a gather, from its segment (cast to the buffers' dtype): its
+        even part into ``head``, its pieces at ``base + offset`` of ``pieces`` (None: it
+        holds none); the slices of tp-split matrices from the tp ranks holding them whole."""
         lay, seg, me = self.layout, self.segment, self.rank
-        if lay.chunk_is_segment(me):
-            mine.copy_(self.local)
+        head.copy_(self.local[:lay.head])
+        if base is None:
             return
-        mine[:lay.head].copy_(self.local[:lay.head])
+        if lay.chunk_is_segment(me):
+            first = lay.pieces_at(me)[0].offset
+            pieces[base + first:base + lay.chunk_size(me)].copy_(self.local[first:])
+            return
         for pc in lay.pieces_at(me):
             if not pc.split:
                 at = seg.offsets[pc.index]
-                mine[pc.offset:pc.offset + pc.numel].copy_(self.local[at:at + pc.numel])
-        self._split_in(mine)
-
-    def _even_parts(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The gathered even parts as ``(S, E)`` (a strided view where chunks are of one size)."""
-        lay = self.layout
-        if lay.even:
-            c = lay.chunk_size(0)
-            return gathered[:lay.S * c].view(lay.S, c)[:, :lay.even_numel]
-        E = lay.even_numel  # a gather's chunks have no flags: runs of heads are (n, E) blocks
-        return torch.cat([gathered[at:at + n * E].view(n, E) for at, n in _head_runs(lay)])
+                pieces[base + pc.offset:][:pc.numel].copy_(self.local[at:at + pc.numel])
+        self._split_in(pieces, base)
 
     def _copy_out(self, gathered: torch.Tensor, copied: torch.Tensor,
                   rows: torch.Tensor | None) -> None:
-        """The even parameters' padded blocks and the expert stacks' rows into ``copied``."""
+        """The even parameters' padded blocks and the expert stacks' rows into ``copied``;
+        then ``gathered`` is freed unless 2-D matrices live in it."""
         lay, S = self.layout, self.layout.S
         if lay.even_numel:
-            src = rows if rows is not None else self._even_parts(gathered)
+            c = lay.chunk_size(0)
+            src = rows if rows is not None else gathered[:S * c].view(S, c)
             torch.split_with_sizes_copy(
-                src, [lay.chunk[i] for i in lay.rows], dim=1,
+                src[:, :lay.even_numel], [lay.chunk[i] for i in lay.rows], dim=1,
                 out=[copied[lay.copied[i]:lay.copied[i] + S * lay.chunk[i]].view(S, lay.chunk[i])
                      for i in lay.rows])
         for pc in lay.pieces:
             pl = lay.placements[pc.index]
             if pl.owner is None:  # rows of an expert stack
                 at = lay.copied[pc.index] + pc.row_start * pl.spec.row_numel
-                src = lay.starts[pc.rank] + pc.offset
+                src = lay.base(pc.rank) + pc.offset
                 copied[at:at + pc.numel].copy_(gathered[src:src + pc.numel])
+        if not lay.keeps_gathered and gathered is self.gathered:
+            gathered.untyped_storage().resize_(0)
 
     # ---- tensor parallelism: the hop between a matrix's holder and its tp row ---------------
     def _split_plan(self) -> tuple[list, list[int], list[tuple[int, int]]]:
@@ -256,13 +228,14 @@ class UnitStorage:
         total = sum(held)
         return pieces, held, [((T - 1) * held[t], total - held[t]) for t in range(T)]
 
-    def _split_in(self, mine: torch.Tensor) -> None:
+    def _split_in(self, buf: torch.Tensor, base: int) -> None:
         """This shard rank's slices of its tp-split matrices, from the tp rank holding each
-        whole, into its chunk ``mine`` (one all-to-all over the tp group, waited for: the
-        shard group's gather sends what it brings)."""
+        whole, into its chunk (at ``base + offset`` of ``buf``; one all-to-all over the tp
+        group, waited for: the shard group's gather sends what it brings)."""
         lay, seg = self.layout, self.segment
         pieces, held, loads = self._split_plan()
         T, t = self.tp.size, self.tp_rank
+        mine = buf
         dtype = mine.dtype
         own = [pc for pc in pieces if pc.tp_owner == t]
         full = {pc.index: self.local[seg.offsets[pc.index]:][:lay.placements[pc.index].spec.numel]
@@ -276,7 +249,7 @@ class UnitStorage:
         for s in range(T):
             for pc in pieces:
                 if pc.tp_owner == s:
-                    mine[pc.offset:pc.offset + pc.numel].copy_(out[at:at + pc.numel])
+                    buf[base + pc.offset:][:pc.numel].copy_(out[at:at + pc.numel])
                     at += pc.numel
 
     def start_split_reduce(self, out: torch.Tensor, recv: torch.Tensor, lay: UnitLayout
@@ -329,33 +302,27 @@ class UnitStorage:
             torch.tensor(had, dtype=like.dtype, device=like.device)
         torch.cat([_rows_padded(grads[index[j]], S, lay.chunk[j], like) for j in lay.rows]
                   + [flags.expand(S, len(had))], dim=1, out=rows)
-        send = self._send_buffer(lay, rows, [grads[i] for i in index], like) if lay.pieces \
-            else rows.view(-1)
+        send = self._send_buffer(lay, rows, [grads[i] for i in index], like)
         recv = like.new_empty(lay.chunk_size(me))
-        parts = []
-        plan = calls(lay, reduce=True, grouped=comm.grouped)
-        for call in plan:
-            if call.kind == "reduce_scatter_v":
-                parts.append(comm.reduce_scatter_v(recv, list(send.split(_split_sizes(lay))[::2]),
-                                                   divisor))
-            elif call.kind == "reduce_scatter":  # the whole chunks, or the even parts alone
-                parts.append(comm.reduce_scatter(recv if lay.even else recv[:H],
-                                                 send if lay.even else rows.view(-1), divisor))
-            else:
-                pc = call.piece
-                at = lay.starts[pc.rank] + pc.offset
-                parts.append(comm.reduce(send[at:at + pc.numel], pc.rank, divisor))
-        if S == 1:  # no collective: this rank's chunk is the whole buffer
-            recv.copy_(send[:recv.numel()])
+        mine = me in lay.holder_sizes  # this rank holds pieces: they come back to it
+
+        pending = comm.batch("reduce", [
+            (lambda c=c: comm.reduce(self._region(send, lay, c.root), c.root, divisor))
+            if c.root is not None else
+            (lambda: comm.reduce_scatter(recv if lay.even else recv[:H],
+                                         send if lay.even else rows.view(-1), divisor))
+            for c in calls(lay, reduce=True)])
+        if S == 1:  # no collective: this rank's chunk is all there is
+            recv[:H].copy_(rows[0])
+            if mine:
+                recv[lay.region(me)[0]:].copy_(self._region(send, lay, me))
             if divisor not in (None, 1):
                 recv.div_(divisor)
-        own = lay.pieces_at(me) if any(c.kind == "reduce" for c in plan) else []
         out = recv if lay.chunk_is_segment(me) else like.new_empty(lay.segment(me, self.tp_rank).size)
 
-        def collect() -> None:  # the pieces reduced in place in ``send``, into this rank's chunk
-            base = lay.starts[me]
-            for pc in own:
-                recv[pc.offset:pc.offset + pc.numel].copy_(send[base + pc.offset:][:pc.numel])
+        def collect() -> None:  # this rank's region, reduced in place in ``send``, into its chunk
+            if mine and S > 1 and not lay.even:
+                recv[lay.region(me)[0]:].copy_(self._region(send, lay, me))
             if out is not recv:  # TP: the chunk's head and unsplit pieces into the segment
                 seg = lay.segment(me, self.tp_rank)
                 out[:H].copy_(recv[:H])
@@ -366,40 +333,45 @@ class UnitStorage:
         if out is not recv:
             def hop() -> Pending:
                 return self.start_split_reduce(out, recv, lay)
-        return Pending.all(parts, collect), out, lay, index, hop
+        return pending.then(collect), out, lay, index, hop
 
     def _send_buffer(self, lay: UnitLayout, rows: torch.Tensor,
                      grads: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
-        """Every rank's chunk of the gradients, laid out as :attr:`UnitLayout.starts`: the
-        heads (``rows``: even rows and flags), each piece's gradient at its place, zeros in
-        the alignment gaps. One ``torch.cat``."""
+        """The gradients laid out as the gathered buffer: with :attr:`UnitLayout.even` every
+        chunk (its row of ``rows``, even rows and flags, then its pieces), else the holders'
+        regions alone; zeros in the alignment gaps. One ``torch.cat`` (``rows`` itself where
+        the unit has no pieces)."""
+        if not lay.pieces:
+            return rows.view(-1)
         parts: list[torch.Tensor] = []
-        pos, r = 0, 0
+        pos = 0
+
+        def put(at: int, t: torch.Tensor) -> None:
+            nonlocal pos
+            if at > pos:
+                parts.append(_zeros(like, at - pos))
+            parts.append(t)
+            pos = at + t.numel()
+
+        r = 0
         for h in lay.holders:
-            if h > r:
-                parts.append(rows[r:h].reshape(-1))
-                pos += (h - r) * lay.head
-            base = lay.starts[h]
-            if base > pos:
-                parts.append(_zeros(like, base - pos))
-            parts.append(rows[h])
-            pos = base + lay.head
+            base = lay.base(h)
+            if lay.even:
+                if h > r:
+                    put(lay.base(r), rows[r:h].reshape(-1))
+                put(base, rows[h])
             for pc in lay.pieces_at(h):
-                if base + pc.offset > pos:
-                    parts.append(_zeros(like, base + pc.offset - pos))
                 g = grads[pc.index]
                 if g is None:
-                    parts.append(_zeros(like, pc.numel))
-                else:
-                    rn = lay.placements[pc.index].spec.row_numel
-                    flat = g.reshape(-1)
-                    parts.append(flat if pc.split or flat.numel() == pc.numel else
-                                 flat[pc.row_start * rn:pc.row_stop * rn])
-                pos = base + pc.offset + pc.numel
+                    put(base + pc.offset, _zeros(like, pc.numel))
+                    continue
+                rn = lay.placements[pc.index].spec.row_numel
+                flat = g.reshape(-1)
+                put(base + pc.offset, flat if pc.split or flat.numel() == pc.numel else
+                    flat[pc.row_start * rn:pc.row_stop * rn])
             r = h + 1
-        if r < lay.S:
-            parts.append(rows[r:].reshape(-1))
-            pos += (lay.S - r) * lay.head
+        if lay.even and r < lay.S:
+            put(lay.base(r), rows[r:].reshape(-1))
         if lay.gathered_numel > pos:
             parts.append(_zeros(like, lay.gathered_numel - pos))
         send = like.new_empty(lay.gathered_numel)
