@@ -51,7 +51,6 @@ def _torch_norms_refused(model) -> dict:
     before = [g.clone() for g in grads]
     calls = {"clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3),
              "get_total_norm": lambda: torch.nn.utils.get_total_norm(grads),
-             "_foreach_norm": lambda: torch._foreach_norm(grads),
              "Tensor.norm": lambda: grads[-1].norm()}
     res = {}
     for name, call in calls.items():
@@ -75,6 +74,9 @@ def _worker(rank, world_size, out_dir):
     x = rank_slice(batches(1, world_size, PER_RANK, SEQ)[0], rank, PER_RANK, same_data=False)
     model.loss(x[:, :-1], x[:, 1:]).backward()
     res.update(_torch_norms_refused(model))
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    for p in NORMS:  # a list's norms (foreach: torchtitan's clip_grad_norm_) are FSDP2's
+        res[f"foreach_{p}"] = torch.nn.utils.get_total_norm(grads, p, foreach=True).full_tensor()
     for p in NORMS:
         res[f"ours_{p}"] = mf.clip_grad_norm_(model.parameters(), HUGE, norm_type=p)
         res[f"extra_{p}"] = mf.clip_grad_norm_([*model.parameters(), _extra_param()], HUGE, p)
@@ -146,6 +148,9 @@ def test_norm_is_global_and_equal_on_every_rank(run):
         for r, res in enumerate(ranks):
             assert torch.equal(res[key], ranks[0][key]), f"{key}: rank {r} {res[key]} vs {ranks[0][key]}"
         torch.testing.assert_close(ranks[0][key], ref[key], rtol=1e-5, atol=0, msg=f"{key}")
+    for p in NORMS:  # torch's get_total_norm(foreach=True): partial DTensors, reduced globally
+        for res in ranks:
+            torch.testing.assert_close(res[f"foreach_{p}"], ref[f"ours_{p}"], rtol=1e-5, atol=0)
     print(f"\n{world_size} ranks: max rel. norm diff "
           f"{max(abs(ranks[0][k] / ref[k] - 1).item() for k in ref if k != 'params'):.2e}")
 
@@ -153,8 +158,8 @@ def test_norm_is_global_and_equal_on_every_rank(run):
 def test_torch_own_clip_is_refused_on_every_rank(run):
     """Why: torch's norm over this rank's pieces differs on every rank, each below the true
     one (so its clip_grad_norm_ would scale each rank by its own factor). It is refused:
-    clip_grad_norm_, get_total_norm, _foreach_norm (CUDA's path) and a grad's .norm() raise
-    on every rank, naming a parameter, the rank and mf.clip_grad_norm_, and no grad has
+    clip_grad_norm_, get_total_norm (foreach=None: a norm per gradient) and a grad's .norm()
+    raise on every rank, naming a parameter, the rank and mf.clip_grad_norm_, and no grad has
     changed (on 8448813: a per-rank norm, each rank's grads scaled by its own factor)."""
     world_size, ranks, ref = run
     own = [res["torch_own"].item() for res in ranks]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 import matrixfsdp
 from matrixfsdp import _compat
@@ -116,6 +116,10 @@ def test_distributed_entries(world1):
     spec = _compat.dtensor_spec(d.device_mesh, (Replicate(),), (4,), (1,), torch.float32)
     assert spec.shape == torch.Size([4]) and spec.placements == (Replicate(),)
     assert _compat.functional_collectives.all_gather_tensor is not None
+    # a norm pending over the mesh: DTensor's own norms of sharded tensors are placed so
+    n = DTensor.from_local(torch.tensor(5.0), d.device_mesh, [_compat.norm_partial(2.0)])
+    assert n.placements[0].is_partial() and torch.equal(n.full_tensor(), torch.tensor(5.0))
+    assert _compat.norm_partial(float("inf")) == Partial("max")
 
 
 @pytest.mark.parametrize("name", ["run_exit_handlers"])

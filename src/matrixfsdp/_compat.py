@@ -26,7 +26,7 @@ import torch.distributed._functional_collectives as functional_collectives  # no
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 TORCH_CHECKED = ("2.13.0",)
@@ -84,9 +84,12 @@ def dtensor_spec(mesh: DeviceMesh | None, placements: tuple, shape: tuple[int, .
 
 
 def norm_partial(norm_type: float) -> Any:
-    """The DTensor placement of a norm of this rank's piece, pending the norm over all ranks
-    (``p``-th powers summed, or the maximum for ``inf``): ``_NormPartial``, what DTensor's own
-    norms of sharded tensors return (FSDP2's gradients); no public placement says "norm"."""
+    """The DTensor placement of a p-norm of this rank's piece, pending the norm over all
+    ranks, as DTensor's own norms of sharded tensors place it (FSDP2's gradients):
+    ``Partial("max")`` for ``inf``; for ``p > 0``, ``_NormPartial(p)`` (``p``-th powers
+    summed, then the root), which no public placement says."""
+    if norm_type == float("inf"):
+        return Partial("max")
     from torch.distributed.tensor._ops._math_ops import _NormPartial
     return _NormPartial(norm_type)
 

@@ -10,10 +10,14 @@ something about a sharded parameter (the optimizer, clipping, checkpoints, init)
 * a parameter of a unit not sharded yet maps to that unit (:func:`waiting_for`).
 
 Between backward and the optimizer step a shard's ``.grad`` is a :class:`ShardedGrad`: a
-plain tensor in every respect but one, a norm over it raises. That norm would be this
-rank's piece only, which is how ``torch.nn.utils.clip_grad_norm_`` goes silently wrong
-(FSDP2's DTensor grads make torch's function global; ours refuse it on every rank, before
-any gradient is scaled). The step pre-hook hands the optimizer plain tensors again.
+plain tensor in every respect but its norms. A norm of one gradient raises: it would be this
+rank's piece only, which is how ``torch.nn.utils.clip_grad_norm_`` goes silently wrong, and
+a rank that does not own a matrix holds no gradient of it to join a reduction with. The
+norms of a list of gradients (``torch._foreach_norm``, what ``get_total_norm(foreach=True)``
+and torchtitan's ``clip_grad_norm_`` call) are FSDP2's: each a DTensor holding this rank's
+piece's norm, placed ``_NormPartial`` over the model's ranks, so that ``full_tensor()`` (or
+any arithmetic) gives the global norm, every element counted once. The step pre-hook hands
+the optimizer plain tensors again.
 
 Sharding keeps the ``nn.Parameter`` objects: each original becomes its shard (its data
 rebound to a view of the unit's storage), so a parameter list read at any time is right.
@@ -21,12 +25,15 @@ rebound to a view of the unit's storage), so a parameter list read at any time i
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .._compat import FOREACH_NORM, plain_torch_function
+from .._compat import FOREACH_NORM, norm_partial, plain_torch_function
 from ..planning.types import Placement
 
 if TYPE_CHECKING:
@@ -136,31 +143,42 @@ def unmark_sharded(p: torch.Tensor, unit: Any) -> None:
 # torch's norm entry points (clip_grad_norm_ and get_total_norm use the first two).
 _NORMS = frozenset({FOREACH_NORM, torch.linalg.vector_norm, torch.linalg.norm,
                     torch.linalg.matrix_norm, torch.norm, torch.Tensor.norm})
+_USE_OURS = ("Use mf.clip_grad_norm_(model.parameters(), max_norm) or mf.total_grad_norm("
+             "model.parameters()) (torch's signatures, the global norm, one all-reduce)")
 
 
 class ShardedGrad(torch.Tensor):
     """The gradient of a sharded parameter, as backward leaves it: element-wise ops (scaling,
-    ``clip_grad_value_``, ``zero_``) work as on any tensor and return plain tensors; a norm
-    raises, naming the parameter, the rank and the global-norm functions to use instead."""
+    ``clip_grad_value_``, ``zero_``) work as on any tensor and return plain tensors; the
+    norm of one gradient raises, naming the parameter, the rank and the global-norm
+    functions to use instead; the norms of a list (``torch._foreach_norm``) are partial
+    DTensors whose reduction is the global norm (module docstring)."""
 
     param_name: str
     rank: int
+    info: ShardedParam
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is FOREACH_NORM:
+            return _partial_norms(*args, **kwargs)
         if func in _NORMS:
-            grad = next(t for t in _tensors((*args, *(kwargs or {}).values()))
+            grad = next(t for t in _tensors((*args, *kwargs.values()))
                         if isinstance(t, ShardedGrad))
             raise RuntimeError(
                 f"matrixfsdp: a norm ({getattr(func, '__name__', func)}) over the gradient of "
                 f"sharded parameter '{grad.param_name}' on rank {grad.rank} would see only "
                 "this rank's piece of it, so torch.nn.utils.clip_grad_norm_ / get_total_norm "
-                "would give each rank its own norm and clip by its own factor. Use "
-                "mf.clip_grad_norm_(model.parameters(), max_norm) or mf.total_grad_norm("
-                "model.parameters()) (torch's signatures, the global norm, one all-reduce); "
-                "for this rank's local value, take p.grad.as_subclass(torch.Tensor) first")
+                "would give each rank its own norm and clip by its own factor. "
+                f"{_USE_OURS}; or pass foreach=True (a list's norms are partial DTensors, as "
+                "FSDP2's); for this rank's local value, take p.grad.as_subclass(torch.Tensor) "
+                "first")
+        # a norm torch left a DTensor (clip_grads_with_norm_ on get_total_norm's result):
+        # its value, the same on every rank
+        args, kwargs = _replicated(args), {k: _replicated(v) for k, v in kwargs.items()}
         with plain_torch_function():
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
 
 
 def _tensors(args):
@@ -169,6 +187,62 @@ def _tensors(args):
             yield from _tensors(a)
         elif isinstance(a, torch.Tensor):
             yield a
+
+
+def _replicated(a: Any) -> Any:
+    """A DTensor that holds one value on every rank (``Replicate``), or a pending reduction
+    (``Partial``: reduced now, a collective every rank makes at the same op), as that value."""
+    if isinstance(a, (list, tuple)):
+        return type(a)(_replicated(x) for x in a)
+    if isinstance(a, DTensor) and all(isinstance(p, (Replicate, Partial)) for p in a.placements):
+        return a.full_tensor()
+    return a
+
+
+_NORM_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> 1-D mesh
+
+
+def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of the model (its world group, HSDP's replicas included):
+    where the partial norms reduce. Made once per model, from the group, no collective."""
+    mesh = _NORM_MESHES.get(root)
+    if mesh is None:
+        mesh = _NORM_MESHES[root] = DeviceMesh.from_group(root.groups.world, device_type)
+    return mesh
+
+
+def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
+    """``torch._foreach_norm`` over sharded gradients, as over FSDP2's: each norm a DTensor of
+    this rank's piece's norm, placed ``_NormPartial(ord)`` over the model's ranks. A piece
+    the model holds alike on several ranks (HSDP's replicas of a row shard) counts on
+    replica 0 only; a matrix counts on the rank that owns it, the only one with its
+    gradient."""
+    grads = list(tensors)
+    plain = next((g for g in grads if not isinstance(g, ShardedGrad)), None)
+    if plain is not None:
+        raise RuntimeError(
+            f"matrixfsdp: the norms of a list mixing sharded and plain gradients (one of shape "
+            f"{tuple(plain.shape)}): a plain gradient would count once per rank. {_USE_OURS}")
+    roots = {id(g.info.root): g.info.root for g in grads}
+    if len(roots) > 1 or any(r.tp is not None for r in roots.values()):
+        whose = "several models" if len(roots) > 1 else "a model under tensor parallelism"
+        raise RuntimeError(f"matrixfsdp: the norms of gradients of {whose} (e.g. "
+                           f"'{grads[0].param_name}') do not reduce over one group. {_USE_OURS}")
+    if not grads:
+        return []
+    root, p = next(iter(roots.values())), float(ord)
+    if not p > 0:
+        raise ValueError(f"matrixfsdp: norm_type must be > 0 or inf, got {ord}")
+    counted = [i for i, g in enumerate(grads) if g.numel() and (
+        g.info.unit.domain.groups.replica == 0 or g.info.placement.owner is not None)]
+    with plain_torch_function():
+        some = FOREACH_NORM([grads[i].as_subclass(torch.Tensor) for i in counted], ord, dtype=dtype)
+        norms = [torch.zeros((), dtype=dtype or g.dtype, device=g.device) for g in grads]
+    for i, n in zip(counted, some):
+        norms[i] = n
+    mesh = _norm_mesh(root, grads[0].device.type)
+    placement = norm_partial(p)
+    return [DTensor.from_local(n, mesh, [placement], run_check=False) for n in norms]
 
 
 def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
@@ -180,6 +254,7 @@ def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
     if spread and not isinstance(grad, ShardedGrad):
         grad = grad.as_subclass(ShardedGrad)
         grad.param_name, grad.rank = info.name, info.unit.domain.groups.world_rank
+        grad.info = info
     p.grad = grad
 
 
