@@ -15,7 +15,8 @@ it shards, gives each module the same behaviour:
 * ``model.load_state_dict(state, strict=..., assign=...)``: each parameter from a
   ``RowShard`` made for this placement (after ``dcp.load``; in place where it views the
   parameter) or from a full tensor (a plain model's ``state_dict()``, torch's
-  ``full_state_dict`` / ``broadcast_from_rank0``): each rank copies its rows. Missing and
+  ``full_state_dict`` / ``broadcast_from_rank0``, or a ``Replicate`` DTensor, which is one:
+  torchtitan's fused-QKV load hook hands one over): each rank copies its rows. Missing and
   unexpected names, ``strict`` and wrong shapes are torch's own (a value for another
   placement or shape is one of torch's ``Error(s) in loading state_dict``); the parameter
   objects stay (``assign=True`` too); buffers of a model built on meta are allocated. A
@@ -31,8 +32,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from .._compat import local_tensor
 from ..runtime.lazy_init import module_unit
 from ..runtime.param import sharded_param
 from ..runtime.root import Root
@@ -103,8 +105,11 @@ def _from_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata
             continue  # not ours, loaded already, missing or no tensor (torch says so)
         try:
             if isinstance(value, DTensor) and not isinstance(value, RowShard):
-                raise ValueError(f"matrixfsdp: load_state_dict: parameter '{key}' is a DTensor "
-                                 f"placed {value.placements}; load RowShards or full tensors")
+                if not all(isinstance(pl, Replicate) for pl in value.placements):
+                    raise ValueError(f"matrixfsdp: load_state_dict: parameter '{key}' is a DTensor "
+                                     f"placed {value.placements}; load RowShards, full tensors or "
+                                     "Replicate DTensors")
+                value = local_tensor(value)  # every rank holds the full tensor
             _copy(p, local_piece(value, info.placement, info.shard_rank, f"parameter '{key}'",
                                  "matrixfsdp: load_state_dict"))
             _LOADED.setdefault(root, set()).add(id(p))
