@@ -5,8 +5,10 @@ ahead of the device. Seen by wrapping those ``torch.Tensor`` methods for the tes
 thread: backward's hooks and callbacks run in autograd's engine, where a torch-function
 mode does not reach) and recording each call made from the library's own code (torch's
 optimizers read their CPU step counters, which is no device synchronisation, and are not
-the library's). The one documented exception: a rank that had no gradient for some
-parameter reads that unit's reduced flags, once."""
+the library's); nor does it hand the device host data (``torch.tensor(host values,
+device=...)``, ``torch.as_tensor``: a pageable host-to-device copy on CUDA) or move a tensor
+to the host (``.to("cpu")``). The one documented exception: a rank that had no gradient for some
+parameter reads the reduced flags of every such unit, once, at the end of the backward pass."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import matrixfsdp as mf
 from matrixfsdp.train.models import GPT, GPTConfig
 
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+MAKERS = ("tensor", "as_tensor")  # torch functions that copy host data to a tensor's device
 LIBRARY = os.sep + os.path.join("src", "matrixfsdp") + os.sep
 
 
@@ -32,22 +35,41 @@ class HostReads:
     def __init__(self):
         self.phase, self.seen, self.saved = "", [], {}
 
+    def _record(self, what: str) -> None:
+        code, line = sys._getframe(2).f_code, sys._getframe(2).f_lineno
+        if LIBRARY in code.co_filename:
+            self.seen.append((self.phase, code.co_name, f"{os.path.basename(code.co_filename)}:{line}",
+                              what))
+
     def __enter__(self) -> HostReads:
         for name in READS:
             original = self.saved[name] = getattr(torch.Tensor, name)
 
             def recorded(t, *args, _name=name, _original=original, **kwargs):
-                code, line = sys._getframe(1).f_code, sys._getframe(1).f_lineno
-                if LIBRARY in code.co_filename:
-                    where = f"{os.path.basename(code.co_filename)}:{line}"
-                    self.seen.append((self.phase, code.co_name, where))
+                self._record(_name)
                 return _original(t, *args, **kwargs)
             setattr(torch.Tensor, name, recorded)
+        to = self.saved["to"] = torch.Tensor.to
+
+        def moved(t, *args, **kwargs):  # .to("cpu") / .to(device="cpu"): a copy to the host
+            target = kwargs.get("device", args[0] if args else None)
+            if isinstance(target, str) and torch.device(target).type == "cpu":
+                self._record("to cpu")  # (a device variable is the tensors' own device here)
+            return to(t, *args, **kwargs)
+        torch.Tensor.to = moved
+        for name in MAKERS:
+            original = self.saved[name] = getattr(torch, name)
+
+            def made(*args, _name=name, _original=original, **kwargs):
+                if "device" in kwargs:  # host values made on a device: a host-to-device copy
+                    self._record(f"torch.{_name}")
+                return _original(*args, **kwargs)
+            setattr(torch, name, made)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, original in self.saved.items():
-            setattr(torch.Tensor, name, original)
+            setattr(torch if name in MAKERS else torch.Tensor, name, original)
 
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=2, d_mlp=48, seq_len=16)
@@ -121,14 +143,17 @@ def _branch_worker(rank, world_size):
     with reads:
         reads.phase = "backward"
         model(torch.randn(4, 8), use_extra=rank == 0).backward()
-    where = {(phase, fn) for phase, fn, _ in reads.seen}
     if rank == 0:  # had every gradient: knows every parameter was used
         assert reads.seen == [], reads.seen
-    else:  # once per unit whose extra layer it did not use: the flags of that unit's reduce
-        assert where == {("backward", "attach")} and len(reads.seen) == 2, reads.seen
+    else:  # both units' extra layers unused here: their reduced flags, read once, at the end
+        assert [(phase, fn, what) for phase, fn, _, what in reads.seen] == \
+            [("backward", "attach_unused", "tolist")], reads.seen
     # used on rank 0 only: every shard here gets the average with zeros
     assert all(p.grad is not None for p in model.parameters() if p.numel())
 
 
-def test_a_rank_without_a_gradient_reads_only_its_units_flags():
+def test_a_rank_without_a_gradient_reads_the_flags_once_and_copies_no_host_data():
+    """A rank that used neither block's extra layer: no host data handed to the device for
+    its flags, and one read of both units' reduced flags at the end of backward (before: a
+    ``torch.tensor(flags)`` and a ``tolist()`` per unit, in the middle of backward)."""
     spawn(_branch_worker, 2, backend="grouped_gloo")

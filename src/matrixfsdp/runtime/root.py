@@ -52,6 +52,7 @@ class Root:
         self.tp: TPGroups | None = None  # under tensor parallelism
         self.in_backward = False
         self.forward_open = False  # the root unit's forward started and has not returned
+        self._unused: list = []  # units' parameters this rank had no gradient for (defer_unused)
         self.registration_check_due = True  # check_registered at the next root forward
         # the parameters the optimizers of the first step stepped, until it is judged that
         # every rank steps the matrices it owns (then None): settled by an optimizer's
@@ -198,6 +199,7 @@ class Root:
         for unit in self.units:
             unit.abandon(failed_backward)
         self.schedule.finish_reduces()
+        self._unused = []
         for unit in self.units:
             unit.domain.replication.finish_broadcast(unit.index)
         if failed_backward:  # after the reduces: what they attached goes too
@@ -221,6 +223,30 @@ class Root:
                 u.reshard()
                 u.register(u.sharded)
 
+    def defer_unused(self, unit: Unit, grad: torch.Tensor, counts: torch.Tensor,
+                     lay: UnitLayout, index: list[int], lacked: list[int]) -> None:
+        """A unit's reduce is done and this rank had no gradient for its parameters
+        ``index[j]``, ``j`` in ``lacked``: whether another rank had one (``counts[j] > 0``,
+        the reduced flags, on the device) is read at the end of the pass, for all units in
+        one read (:meth:`attach_unused`)."""
+        self._unused.append((unit, grad, counts[lacked], lay, index, lacked))
+
+    def attach_unused(self) -> None:
+        """The end of a backward pass: the parameters some rank used and this rank did not get
+        their averaged gradient (the others' sum, over all ranks), those no rank used keep
+        ``.grad`` as it was. One host read of every such unit's flag counts, and only on a
+        rank that lacked a gradient this pass (none on the others): torch's semantics (an
+        unused parameter has no ``.grad``, no optimizer steps it) need the world's answer
+        on the host, as DDP's ``find_unused_parameters`` reads its bitmap."""
+        if not self._unused:
+            return
+        pending, self._unused = self._unused, []
+        used = (torch.cat([c for _, _, c, *_ in pending]) > 0).tolist()
+        at = 0
+        for unit, grad, _, lay, index, lacked in pending:
+            unit.attach_grads(grad, lay, index, [j for j, u in zip(lacked, used[at:]) if u])
+            at += len(lacked)
+
     def queue_final_callback(self) -> None:
         if not self.in_backward:
             self.in_backward = True
@@ -240,6 +266,7 @@ class Root:
         for unit in reversed(self.units):
             unit.post_backward()
         self.schedule.finish_reduces()  # every .grad is in place before backward() returns
+        self.attach_unused()
         for unit in self.units:  # a unit this forward did not use: its broadcast ends here
             unit.domain.replication.finish_broadcast(unit.index)
         for unit in self.units:

@@ -87,6 +87,11 @@ class UnitStorage:
         self.local = torch.zeros(self.segment.size, dtype=dtype, device=device)
         self.gathered = torch.empty(layout.gathered_numel, dtype=precision.param, device=device)
         self.copied = torch.empty(layout.copied_numel, dtype=precision.param, device=device)
+        # Each parameter's unsharded tensor, made now that the buffers are allocated: made on
+        # a freed storage, ``Tensor.set_`` would allocate it again to the view's extent, and
+        # every unit would hold its unsharded size from set-up to its first reshard.
+        self._unsharded = [self._full_view(i, self.gathered, self.copied)
+                           for i in range(len(layout.placements))]
         self.free()
 
     # ---- views ----------------------------------------------------------------------------
@@ -98,7 +103,7 @@ class UnitStorage:
 
     def unsharded_view(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full tensor in the unsharded buffers (valid while unsharded)."""
-        return self._full_view(i, self.gathered, self.copied)
+        return self._unsharded[i]
 
     def _full_view(self, i: int, gathered: torch.Tensor, copied: torch.Tensor) -> torch.Tensor:
         lay, pl = self.layout, self.layout.placements[i]
@@ -298,8 +303,10 @@ class UnitStorage:
         like = self.local.new_empty(0, dtype=self.precision.reduce)
         had = [grads[i] is not None for i in index]
         rows = like.new_empty(S, H)
-        flags = like.new_ones(len(had)) if all(had) else \
-            torch.tensor(had, dtype=like.dtype, device=like.device)
+        flags = like.new_ones(len(had))
+        for j, h in enumerate(had):
+            if not h:
+                flags[j] = 0  # a fill on the device: no host data copied to it
         torch.cat([_rows_padded(grads[index[j]], S, lay.chunk[j], like) for j in lay.rows]
                   + [flags.expand(S, len(had))], dim=1, out=rows)
         send = self._send_buffer(lay, rows, [grads[i] for i in index], like)

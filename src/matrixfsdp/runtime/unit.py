@@ -337,25 +337,31 @@ class Unit:
         every rank keeps ``.grad`` as it was (None after ``zero_grad``), as torch leaves an
         unused parameter, so no optimizer steps it; one used on some ranks only gets the
         average with zeros (FSDP2's). Whether a rank had one is this rank's own knowledge
-        (``had``), else the reduced flag counts in ``out`` (read on the host only where this
-        rank had no gradient for some parameter: no host synchronisation otherwise)."""
+        (``had``); where it had none, the reduced flag counts in ``out`` tell, read on the
+        host once per backward pass for all units at its end
+        (:meth:`~matrixfsdp.runtime.root.Root.attach_unused`): no host read otherwise."""
         prec = self.precision
 
         def attach() -> None:
-            used = had
-            if not all(had):
-                counts = out[lay.even_numel:lay.head].tolist()
-                used = [h or c > 0 for h, c in zip(had, counts)]
             grad = out.to(prec.orig) if prec.reduce != prec.orig else out
-            for j, i in enumerate(index):
-                p = self.sharded[i]
-                if not used[j] or not p.numel() or \
-                        not self.domain.groups.steps_here(lay.placements[j]):
-                    continue  # unused everywhere, nothing here, or HSDP: another replica steps it
-                start = lay.shard_offset(j, self.domain.shard_rank, self.storage.tp_rank)
-                view = grad[start:start + p.numel()].view(p.shape)
-                set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
+            lacked = [j for j, h in enumerate(had) if not h]
+            self.attach_grads(grad, lay, index, [j for j, h in enumerate(had) if h])
+            if lacked:
+                self.root.defer_unused(self, grad, out[lay.even_numel:lay.head], lay, index, lacked)
         return attach
+
+    def attach_grads(self, grad: torch.Tensor, lay: UnitLayout, index: list[int],
+                     which: list[int]) -> None:
+        """This rank's pieces of the reduced ``grad`` (laid out as ``lay``) as the ``.grad``
+        of the parameters ``index[j]`` for ``j`` in ``which`` (added to one already there)."""
+        for j in which:
+            i = index[j]
+            p = self.sharded[i]
+            if not p.numel() or not self.domain.groups.steps_here(lay.placements[j]):
+                continue  # nothing here, or HSDP: another replica steps it
+            start = lay.shard_offset(j, self.domain.shard_rank, self.storage.tp_rank)
+            view = grad[start:start + p.numel()].view(p.shape)
+            set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
 
     @torch.no_grad()
     def abandon(self, failed_backward: bool) -> None:
