@@ -156,10 +156,29 @@ def optimizer_setup(optimizer: torch.optim.Optimizer, with_params: bool = True) 
             value = group[key]
             items.append((f"param group {i} {key}", _comparable(value)))
         if with_params:
+            mats = _matrices(group["params"])
+            if mats is not None:  # first: it says why the parameter lists below differ
+                items.append((f"param group {i} Muon matrices ({_COMPLEMENT})", mats))
             names = [info.name if (info := sharded_param(p)) is not None else tuple(p.shape)
                      for p in group["params"]]
             items.append((f"param group {i} parameters", names))
     return items
+
+
+_COMPLEMENT = ("each is an empty placeholder on the ranks that do not own it, so a group built "
+               "on the complement of mf.matrix_params(model) differs from rank to rank: build "
+               "it on mf.shard_params(model), the same list on every rank")
+
+
+def _matrices(params: list[torch.Tensor]) -> str | None:
+    """Which of the model's Muon matrices ``params`` holds: "all", or "all but [...]", the
+    same on every rank whose list holds the same ones (None: it holds none)."""
+    infos = [info for p in params if (info := sharded_param(p)) is not None and info.is_matrix]
+    if not infos:
+        return None
+    every = [n for n, pl in infos[0].root.plan.placements.items() if pl.spec.muon]
+    missing = sorted(set(every) - {info.name for info in infos})
+    return "all" if not missing else f"all but {missing}"
 
 
 _CHECKED: weakref.WeakSet = weakref.WeakSet()  # optimizers compared across ranks already
