@@ -15,6 +15,9 @@ torch's ``optimizer.state_dict()`` holds them and DCP reshards them. Here the ho
 * ``load_state_dict(state)``: ``RowShard`` s become this rank's pieces (checked against this
   placement), entries of parameters this rank holds none of are dropped, and the plan
   stamps of ``matrixfsdp.Muon`` with them (the state reshards).
+* ``matrixfsdp.Muon``'s AdamW groups are saved keyed as ``torch.optim.AdamW``'s (with its
+  ``decoupled_weight_decay``), so that torch's AdamW on FSDP2 loads them; a group saved by
+  ``torch.optim.Adam`` (L2 decay) is refused on load.
 
 ``matrixfsdp.Muon`` installs them when it is built; any other optimizer over a sharded
 model's parameters gets them from :func:`~matrixfsdp.optim.watch.watch` at its first step
@@ -103,7 +106,26 @@ def _optim_to_row_shards(opt: torch.optim.Optimizer, sd: dict,
     shards = [v for v in _leaves(state) if isinstance(v, RowShard)]
     for n, rs in enumerate(shards):
         rs.seq = (n, len(shards))
-    return {**sd, "state": state}
+    return {**sd, "state": state, "param_groups": [torch_keyed(g) for g in sd["param_groups"]]}
+
+
+def torch_keyed(group: dict) -> dict:
+    """A saved param group of ``matrixfsdp.Muon``, keyed as torch's optimizer of its kind
+    keys it: an AdamW group also holds torch.optim.AdamW's ``decoupled_weight_decay``
+    (True), so that torch's AdamW (FSDP2, torchtitan) loads it, which asks for every key of
+    its own groups."""
+    if "use_muon" in group and not group["use_muon"]:
+        return {**group, "decoupled_weight_decay": True}
+    return group
+
+
+def check_decoupled(saved: dict, group: dict, where: str) -> None:
+    """Refuse a saved group of ``torch.optim.Adam`` (L2 in the gradient,
+    ``decoupled_weight_decay=False``) for ``matrixfsdp.Muon``'s AdamW group ``group``."""
+    if "use_muon" in group and not group["use_muon"] and saved.get("decoupled_weight_decay") is False:
+        raise ValueError(f"{where}: the state's param group was saved by torch.optim.Adam "
+                         "(decoupled_weight_decay=False, L2 in the gradient); this group steps "
+                         "AdamW (decoupled decay)")
 
 
 def _leaves(obj: Any):
@@ -177,6 +199,8 @@ def _optim_from_row_shards(opt: torch.optim.Optimizer, sd: dict) -> dict | None:
     if len(saved) != len(groups) or any(len(s["params"]) != len(g["params"])
                                         for s, g in zip(saved, groups)):
         return None  # torch refuses it, in its own words
+    for i, (s, g) in enumerate(zip(saved, groups)):
+        check_decoupled(s, g, f"matrixfsdp: {type(opt).__name__}.load_state_dict: param group {i}")
     id_map = dict(zip(chain.from_iterable(s["params"] for s in saved),
                       chain.from_iterable(g["params"] for g in groups)))
     state, converted = {}, False

@@ -32,6 +32,7 @@ from torch import nn
 from ..optim.matrix import is_placeholder
 from ..optim.muon import Muon, _dtype, _step_tensor
 from ..optim.plan_stamp import PLAN_KEYS
+from ..optim.state_dict_hooks import check_decoupled, torch_keyed
 from ..planning.types import Placement
 from ..runtime.param import placement_of, sharded_param
 from ..runtime.storage import local_rows
@@ -125,8 +126,8 @@ def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict
                     raise ValueError(f"matrixfsdp.get_state_dict: parameter '{pl.spec.name}' is in "
                                      "two optimizers")
                 state[pl.spec.name] = {k: saved_value(v, p, pl, str(k)) for k, v in held.items()}
-            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")
-                     and not (per_rank and isinstance(k, str) and k.startswith("_"))}
+            hyper = torch_keyed({k: v for k, v in group.items() if k not in ("params", "param_names")
+                                 and not (per_rank and isinstance(k, str) and k.startswith("_"))})
             groups.append(hyper if per_rank else {**hyper, "params": names})
     return {"state": state, "param_groups": groups}
 
@@ -182,6 +183,7 @@ def _match_groups(opt: torch.optim.Optimizer, saved_groups: list[dict], first: i
                 other = sorted(set(here) ^ set(names))
                 raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} differs from the "
                                  f"optimizer's (e.g. '{other[0] if other else names[0]}')")
+        check_decoupled(saved, group, f"matrixfsdp.set_state_dict: parameter group {i}")
         if "use_muon" in group and bool(saved.get("use_muon", group["use_muon"])) != bool(group["use_muon"]):
             raise ValueError(f"matrixfsdp.set_state_dict: parameter group {i} has use_muon="
                              f"{saved['use_muon']} in the state, {group['use_muon']} here")
