@@ -7,14 +7,23 @@ call with :func:`gather_rows`. Every rank calls it for the same tensors in the s
 (torch walks each rank's state dict in order), and every rank gets every element, copied
 bit for bit from the rank holding it (a gather moves data, it adds nothing up):
 
-1. a descriptor per rank, all-gathered: which tensor (a checksum of its name and shape and,
-   for optimizer state, its position among the state dict's ``RowShard`` s and their count)
-   and which rows this rank holds. Where two ranks disagree on which tensor this is (their
-   state dicts differ: an optimizer state one rank lacks), every rank raises the same
-   error here, before any data moves; where no rank holds some rows, likewise;
-2. the data: a broadcast from the first rank holding the tensor whole (a Muon matrix on its
-   owner, a 0-d ``step``), else one all-gather of every rank's rows padded to the longest
-   piece, each piece then copied to its rows (HSDP's replicas hold equal copies).
+1. one all-reduce (MAX) of ten integers, whatever the number of ranks: each rank's tensor
+   (a checksum of its name, shape and dtype and, for optimizer state, its position among
+   the state dict's ``RowShard`` s and their count) as the largest and the smallest over
+   the ranks, the rows the ranks hold together (the smallest first row, the largest end),
+   the rank holding the most rows, and whether every rank holds the rows of torch's even
+   ``Shard(0)`` split (MatrixFSDP's even parameters and their AdamW moments). Where the
+   ranks are at different tensors (their state dicts differ: an optimizer state one rank
+   lacks), every rank raises the same error here, before any data moves; only then are the
+   ranks' checksums gathered, to name the ranks that differ. Before, this step all-gathered
+   a descriptor of every rank: P x 40 bytes to every rank and a Python loop over P, for
+   every tensor;
+2. the data: a broadcast from the rank holding the tensor whole (a Muon matrix on its
+   owner, a 0-d ``step``); else, for the even split, one all-gather of equal pieces that is
+   the full tensor as it lands; else one all-gather of every rank's rows padded to the
+   longest piece, each behind a 16-byte header saying where its rows go (HSDP's replicas,
+   expert stacks), placed by one indexed copy. Where no rank holds some rows, every rank
+   raises the same error.
 
 Under tensor or expert parallelism both steps run per group, one group after the other:
 the data-parallel ranks first (together they hold a range of rows: a tp rank's ``Shard(0)``
@@ -31,43 +40,40 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime.collectives import all_gather_object, all_gather_single
 
-def _descriptor(local: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int, ...], fqn: str,
-                seq: tuple[int, int] | None) -> torch.Tensor:
-    """``[checksum, first row, rows held, position, count]`` of this rank's piece (a 0-d
-    tensor is one row)."""
-    held = (local.shape[0] if local.dim() else 1) if local.numel() else 0
-    start = offsets[0] if offsets and held else 0
-    key = zlib.crc32(f"{fqn}|{tuple(shape)}|{local.dtype}".encode())
-    pos, count = seq if seq is not None else (-1, -1)
-    return torch.tensor([key, start, held, pos, count], dtype=torch.int64, device=local.device)
+_NONE = -(2 ** 62)  # "holds no rows" in a maximum
+_HEADER = 16  # a piece's first row and row count (int64 each), ahead of its bytes
 
 
-def _check(descs: list[list[int]], mine: list[int], fqn: str, rows: int,
-           complete: bool) -> tuple[int, int]:
-    """The rows ``[lo, hi)`` the ranks hold together; raise where they are at different
-    tensors, where rows are missing in between, or (``complete``) where any row is missing."""
-    differ = [r for r, d in enumerate(descs) if (d[0], d[3], d[4]) != (mine[0], mine[3], mine[4])]
-    if differ:
-        raise RuntimeError(
-            f"matrixfsdp: gathering '{fqn}' for torch's full_state_dict, ranks {differ} were at "
-            "another tensor: the ranks' state dicts hold different entries (an optimizer with state "
-            "on some ranks only, e.g. a parameter never stepped, or one built on "
-            "matrixfsdp.matrix_params). Nothing was gathered. Save the sharded state with "
-            "matrixfsdp.get_state_dict and torch.distributed.checkpoint instead")
-    pieces = sorted((d[1], d[2]) for d in descs if d[2])
-    lo = pieces[0][0] if pieces and not complete else 0
-    covered = lo
-    for start, held in pieces:
-        if start > covered:
-            break
-        covered = max(covered, start + held)
-    if (complete and covered < rows) or (pieces and covered < max(a + n for a, n in pieces)):
-        raise RuntimeError(
-            f"matrixfsdp: gathering '{fqn}' for torch's full_state_dict, no rank holds rows "
-            f"{covered}: of {rows} (a state that exists on no rank, such as the optimizer state "
-            "of a parameter that was never stepped)")
-    return lo, covered
+def _key(local: torch.Tensor, shape: tuple[int, ...], fqn: str) -> int:
+    return zlib.crc32(f"{fqn}|{tuple(shape)}|{local.dtype}".encode())
+
+
+def _differ(mine: tuple[int, int, int], fqn: str, group: dist.ProcessGroup) -> RuntimeError:
+    """The ranks at another tensor than this one (the failure path: each rank's checksum
+    gathered, to name them)."""
+    differ = [r for r, d in enumerate(all_gather_object(mine, group)) if tuple(d) != mine]
+    return RuntimeError(
+        f"matrixfsdp: gathering '{fqn}' for torch's full_state_dict, ranks {differ} were at "
+        "another tensor: the ranks' state dicts hold different entries (an optimizer with state "
+        "on some ranks only, e.g. a parameter never stepped, or one built on "
+        "matrixfsdp.matrix_params). Nothing was gathered. Save the sharded state with "
+        "matrixfsdp.get_state_dict and torch.distributed.checkpoint instead")
+
+
+def _missing(fqn: str, row: int, rows: int) -> RuntimeError:
+    return RuntimeError(
+        f"matrixfsdp: gathering '{fqn}' for torch's full_state_dict, no rank holds rows "
+        f"{row}: of {rows} (a state that exists on no rank, such as the optimizer state "
+        "of a parameter that was never stepped)")
+
+
+def _even(rows: int, world: int, rank: int) -> tuple[int, int]:
+    """torch's ``Shard(0)`` (and MatrixFSDP's even parameters): ``ceil(rows / world)`` rows
+    a rank, the last ones short or empty. ``(first row, rows)`` of ``rank``."""
+    chunk = -(-rows // world)
+    return rank * chunk, max(0, min(rows, (rank + 1) * chunk) - rank * chunk)
 
 
 @torch.no_grad()
@@ -91,30 +97,80 @@ def _gather_stage(local: torch.Tensor, shape: tuple[int, ...], offsets: tuple[in
     """One group's gather: the rows its ranks hold together (``complete``: the whole tensor),
     as a tensor and its offsets."""
     rows = shape[0] if shape else 1
-    world = dist.get_world_size(group)
-    mine = _descriptor(local, shape, offsets, fqn, seq)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    descs = [d.tolist() for d in gathered]
-    lo, hi = _check(descs, mine.tolist(), fqn, rows if math.prod(shape) else 0, complete)
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    held = (local.shape[0] if local.dim() else 1) if local.numel() else 0
+    start = offsets[0] if offsets and held else 0
+    mine = (_key(local, shape, fqn), *(seq if seq is not None else (-1, -1)))
+    first, count = _even(rows, world, me) if complete and shape else (0, -1)
+    even = held == count and (not held or start == first)
+    # MAX of x and of -x: the largest and the smallest over the ranks, in one all-reduce
+    v = [mine[0], -mine[0], mine[1], -mine[1], mine[2], -mine[2],
+         -start if held else _NONE, start + held if held else _NONE,
+         held * world + me if held else -1, 0 if even else 1]
+    t = torch.tensor(v, dtype=torch.int64, device=local.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    got = t.tolist()
+    if any(got[i] != -got[i + 1] for i in (0, 2, 4)):
+        raise _differ(mine, fqn, group)
+    lo, hi = (-got[6], got[7]) if got[7] != _NONE else (0, 0)
+    longest, root = divmod(got[8], world) if got[8] >= 0 else (0, -1)
+    numel = math.prod(shape)
+    if got[9] == 0 and numel and longest < rows:  # torch's even split on every rank: rows 0: all
+        return _gather_even(local, shape, held, group), (0, *[0] * (len(shape) - 1))
+    if complete and numel and (lo > 0 or hi < rows):
+        raise _missing(fqn, 0 if lo > 0 else hi, rows)
     out_shape = shape if complete or not shape else (hi - lo, *shape[1:])
     if not shape and hi == lo:  # a 0-d tensor no rank of this group holds
         out_shape = (0,)
-    full = torch.empty(out_shape, dtype=local.dtype, device=local.device)
     at = (lo, *[0] * (len(shape) - 1)) if shape else ()
-    if not math.prod(shape) or hi == lo:
-        return full, at
-    whole = next((r for r, d in enumerate(descs) if d[1] == lo and d[2] == hi - lo), None)
-    if whole is not None:
-        if dist.get_rank(group) == whole:
+    if not numel or hi == lo:
+        return torch.empty(out_shape, dtype=local.dtype, device=local.device), at
+    if longest == hi - lo:  # one rank holds all of it: a broadcast from there
+        full = torch.empty(out_shape, dtype=local.dtype, device=local.device)
+        if me == root:
             full.copy_(local)
-        dist.broadcast(full, src=dist.get_global_rank(group, whole), group=group)
+        dist.broadcast(full, src=dist.get_global_rank(group, root), group=group)
         return full, at
-    longest = max(d[2] for d in descs)
-    padded = torch.zeros((longest, *shape[1:]), dtype=local.dtype, device=local.device)
-    padded[:len(local)] = local
-    pieces = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(pieces, padded, group=group)
-    for (_, start, held, _, _), piece in zip(descs, pieces):
-        full[start - lo:start - lo + held] = piece[:held]
-    return full, at
+    return _gather_headed(local, shape, start, held, longest, lo, hi, out_shape, fqn, group), at
+
+
+def _gather_even(local: torch.Tensor, shape: tuple[int, ...], held: int,
+                 group: dist.ProcessGroup) -> torch.Tensor:
+    """torch's even split, every rank ``ceil(rows / P)`` rows (the last short or empty): one
+    all-gather of equal pieces, which is the full tensor as it lands (its padding cut off)."""
+    chunk = -(-shape[0] // dist.get_world_size(group))
+    piece = torch.zeros((chunk, *shape[1:]), dtype=local.dtype, device=local.device)
+    piece[:held] = local
+    full = torch.empty((chunk * dist.get_world_size(group), *shape[1:]), dtype=local.dtype,
+                       device=local.device)
+    all_gather_single(full, piece, group=group)
+    return full[:shape[0]]
+
+
+def _gather_headed(local: torch.Tensor, shape: tuple[int, ...], start: int, held: int,
+                   longest: int, lo: int, hi: int, out_shape: tuple[int, ...], fqn: str,
+                   group: dist.ProcessGroup) -> torch.Tensor:
+    """Rows ``[lo, hi)`` from pieces anywhere: each rank's rows padded to ``longest``, behind
+    a header (first row, rows), all-gathered as bytes; placed by one indexed copy (replicas'
+    equal copies land on the same rows); a row no rank holds raises on every rank alike."""
+    world, dev = dist.get_world_size(group), local.device
+    row = math.prod(shape[1:]) * local.element_size()
+    mine = torch.zeros(_HEADER + longest * row, dtype=torch.uint8, device=dev)
+    mine[:_HEADER] = torch.tensor([start, held], dtype=torch.int64, device=dev).view(torch.uint8)
+    if held:
+        mine[_HEADER:_HEADER + held * row] = local.contiguous().reshape(-1).view(torch.uint8)
+    every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=dev)
+    all_gather_single(every, mine, group=group)
+    every = every.view(world, mine.numel())
+    heads = every[:, :_HEADER].contiguous().view(torch.int64)  # (world, 2): first row, rows
+    data = every[:, _HEADER:].contiguous().view(local.dtype).view(world, longest, *shape[1:])
+    j = torch.arange(longest, device=dev)
+    valid = j[None, :] < heads[:, 1:2]
+    dest = (heads[:, 0:1] + j[None, :])[valid] - lo
+    covered = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
+    covered[dest] = True
+    if not bool(covered.all()):
+        raise _missing(fqn, lo + int(torch.nonzero(~covered)[0]), shape[0])
+    full = torch.empty(out_shape, dtype=local.dtype, device=dev)
+    full.index_copy_(0, dest, data[valid])
+    return full
