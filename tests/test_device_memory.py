@@ -91,3 +91,25 @@ def test_mallinfo_sees_an_untouched_allocation():
     t = torch.empty(16 << 20)
     assert libc.mallinfo2().hblkhd - before >= 64 << 20
     del t
+
+
+def test_a_model_built_on_another_device_moves_to_the_meshs_with_its_objects():
+    """FSDP2 moves a model built on CPU to its mesh's device (a CUDA mesh) before anything
+    else; so does ``plan_and_shard`` (``lazy_init.move_states``, before the set-up checks'
+    collectives use the tensors). CPU is the only device here, so the meta device stands in
+    for the mesh's: every parameter and buffer of a transformers Llama ends there, each the
+    same object (an optimizer or hook made before still holds it), ``requires_grad`` kept."""
+    import torch
+    import transformers
+
+    from matrixfsdp.runtime.lazy_init import move_states
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    before = {n: (t, t.requires_grad) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    move_states(model, torch.device("meta"))
+    after = dict([*model.named_parameters(), *model.named_buffers()])
+    assert after.keys() == before.keys() and len(after) > 20
+    for name, (t, grad) in before.items():
+        assert after[name] is t and t.device.type == "meta" and t.requires_grad == grad, name

@@ -150,6 +150,22 @@ def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], root: Root,
                              f"{buf.device}, the mesh on {device}; move the model first")
 
 
+@torch.no_grad()
+def move_states(module: nn.Module, device: torch.device) -> None:
+    """FSDP2's rule: ``module``'s parameters and buffers that are on another device than the
+    mesh's (a model built on CPU, sharded over a CUDA mesh) move there, each object kept
+    (``torch.utils.swap_tensors``: optimizers and hooks made before still see it); meta
+    tensors (initialised later, on the mesh's device) and DTensors (on their own mesh) stay."""
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.device == device or t.is_meta or isinstance(t, DTensor):
+            continue
+        moved = t.detach().to(device)
+        info = dict(t.__dict__)
+        torch.utils.swap_tensors(t, nn.Parameter(moved, requires_grad=t.requires_grad)
+                                 if isinstance(t, nn.Parameter) else moved)
+        t.__dict__.update(info)
+
+
 def rebind(p: nn.Parameter, data: torch.Tensor) -> None:
     """Make parameter object ``p`` hold ``data`` (a view kept as is), gradient cleared.
     ``.data`` cannot move a tensor off the meta device, so the tensors are swapped."""
@@ -296,6 +312,7 @@ def plan_and_shard(root_unit: Unit) -> Root:
     except (ValueError, NotImplementedError, TypeError) as e:
         problem = e
     agree_on_local_checks(problem, mesh)  # every rank stops here, naming the rank, or none
+    move_states(root_unit.module, mesh_device(mesh))  # before the checks' collectives use them
     if not sliced_from_named_world(mesh):
         _warn_partial_mesh(mesh.size() * (tp_mesh.size() if tp_mesh is not None else 1))
     for u in units:  # the default, resolved anew: a unit that was a root before (a method of
