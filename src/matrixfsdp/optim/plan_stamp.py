@@ -58,13 +58,21 @@ def plan_digest(params: Iterable[torch.Tensor]) -> str:
     not, each rank's rows, and the world rank that steps a matrix, which under HSDP also
     names the replica): equal digests mean every rank holds and steps the same tensors."""
     h = hashlib.sha256()
+    rows: dict[int, bytes] = {}  # a plan shares one row-range list among parameters alike
     for p in params:
         pl = placement_of(p)
         key = (pl.spec.name, pl.spec.shape, pl.spec.muon, pl.owner) if pl is not None \
             else tuple(p.shape)
         h.update(repr(key).encode())
-        if pl is not None:
-            h.update(array("q", [i for r in pl.row_ranges for i in r]).tobytes())
+        if pl is None:
+            continue
+        if pl.owner is not None:  # a matrix: whole on its owner, its rows follow from it
+            h.update(repr(len(pl.row_ranges)).encode())
+            continue
+        k = id(pl.row_ranges)  # each distinct list read once: O(P) per list, not per parameter
+        if k not in rows:
+            rows[k] = hashlib.sha256(array("q", [i for r in pl.row_ranges for i in r])).digest()
+        h.update(rows[k])
     return h.hexdigest()[:16]
 
 
