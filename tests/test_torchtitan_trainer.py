@@ -1,0 +1,403 @@
+"""torchtitan 0.3.0's own Trainer (its entry point ``torchtitan.train.main``, its config
+registry, checkpointer, clipping, metrics) on MatrixFSDP through
+``matrixfsdp.integrations.torchtitan``, on 2 CPU ranks, against torchtitan on FSDP2 with
+``torch.optim.Muon`` (and with torchtitan's own DistMuon) from the same seed checkpoint and
+data, per step:
+
+* the registry's ``llama3_debugmodel`` (the one line: its ``--module``) against FSDP2 + torch
+  Muon, bf16 and fp32 compute;
+* torchtitan's own DistMuon config against ``convert`` of that same config;
+* save at step 5, resume: steps 6-10 bit for bit;
+* a checkpoint crossing to FSDP2 and back, optimizer state included;
+* torchtitan's own init (its fused-QKV init copies a full tensor in) on the shards, exact;
+* the by-hand complement of ``mf.matrix_params`` refused naming ``mf.shard_params``.
+
+What torchtitan needs to run on CPU at all is in ``tests/titan_cpu.py`` (the test's shim),
+never in the library. The model is the debug model's shape at a test's size
+(``titan_cpu.on_cpu``: dim 128, 2 layers, 4 heads, sequence 32, 2 sequences per rank).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import titan_cpu
+import torch
+import torch.distributed as dist
+from _dist import spawn
+
+STEPS, SAVE_AT, COMPILED_STEPS = 10, 5, 3
+BF16_TOL, FP32_TOL = 5e-4, 1e-4  # per-step loss, against torchtitan on FSDP2 (the issue's)
+MF = "matrixfsdp.integrations.torchtitan"
+
+
+# ---- the reference: torchtitan on FSDP2 with torch.optim.Muon -----------------------------------
+def _reference_classes():
+    from torchtitan.components.optimizer import OptimizersContainer
+
+    class TorchMuonContainer(OptimizersContainer):
+        """torchtitan's container, with ``Muon`` naming ``torch.optim.Muon``."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(OptimizersContainer.Config):
+            pass
+
+        @staticmethod
+        def _resolve_optimizer_factory(name: str):
+            if name == "Muon":
+                return torch.optim.Muon
+            return OptimizersContainer._resolve_optimizer_factory(name)
+
+    return TorchMuonContainer
+
+
+def fsdp2_parallelize(model, **kwargs):
+    """torchtitan's llama3 ``parallelize_fn``; gloo has no PREMUL_SUM for FSDP2's divide
+    factor, so the reduce sums and divides apart (the CPU shim's part)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+    model = parallelize_llama(model, **kwargs)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def _fields(opt) -> dict:
+    from torchtitan.components.optimizer import OptimizersContainer
+    return {f.name: getattr(opt, f.name) for f in dataclasses.fields(OptimizersContainer.Config)}
+
+
+def fsdp2_torch_muon():
+    """torchtitan's llama3_debugmodel with the registry's Muon + AdamW groups, on FSDP2 with
+    torch.optim.Muon: what the one line replaces."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    import matrixfsdp.integrations.torchtitan as mft
+    config = llama3_debugmodel()
+    config.optimizer = _reference_classes().Config(**_fields(mft.muon_optimizer(config.optimizer)))
+    config.model_spec.parallelize_fn = fsdp2_parallelize
+    config.parallelism.spmd_backend = "partial_dtensor"
+    return config
+
+
+def dist_muon():
+    """torchtitan's own DistMuon config (as its Kimi configs build it: ``Owned`` per matrix,
+    ``BlockShard`` row blocks of one head for the fused QKV, one bucket per block,
+    Moonlight's lr adjustment) on llama3_debugmodel, FSDP2."""
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.distributed.flex_shard import BlockShard, BucketConfig, ComputeLayout, Owned
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+    config = llama3_debugmodel()
+    titan_cpu.on_cpu(config)  # the model's shape first: the layouts name its matrices
+    m = config.model_spec.model
+    head = m.dim // m.layers[0].attention.n_heads
+    owned = ComputeLayout(shardings_by_mesh_axis={"fsdp": Owned()})
+    per_head = ComputeLayout(shardings_by_mesh_axis={"fsdp": BlockShard(dim=0, block_size=head)})
+    layouts = {}
+    for i in range(len(m.layers)):
+        layouts[f"layers.{i}.attention.qkv_linear.wqkv.weight"] = per_head
+        layouts[f"layers.{i}.attention.wo.weight"] = owned
+        for w in ("w1", "w2", "w3"):
+            layouts[f"layers.{i}.feed_forward.{w}.weight"] = owned
+    buckets = tuple(BucketConfig(name=f"layers.{i}", patterns=tuple(
+        f for f in layouts if f.startswith(f"layers.{i}."))) for i in range(len(m.layers)))
+    lr = 8e-4
+    config.optimizer = OptimizersContainer.Config(
+        implementation="for-loop",
+        param_groups=[
+            ParamGroupConfig(pattern=r"(?:attention|feed_forward)\.(?:.*\.)?w\w*\.weight$",
+                             optimizer_name="DistMuon",
+                             optimizer_kwargs=dict(lr=lr, weight_decay=0.1, foreach=False,
+                                                   adjust_lr_fn="match_rms_adamw")),
+            ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=dict(
+                lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1))],
+        optimizer_factory_kwargs_by_name={"DistMuon": {
+            "compute_sharding_by_fqn": layouts, "bucket_configs": buckets}})
+    config.model_spec.parallelize_fn = fsdp2_parallelize
+    config.parallelism.spmd_backend = "partial_dtensor"
+    return config
+
+
+# ---- one run of torchtitan's entry point -----------------------------------------------------------
+def _run(make, out: str, name: str, *args: str, module: str = "titan_cpu") -> dict[int, dict]:
+    """``torchtitan.train.main()`` with ``--module <module> --config configured`` (the config
+    ``make()`` returns, at the test's size) and ``args``; returns rank 0's logged steps."""
+    path = os.path.join(out, f"{name}.json")
+    titan_cpu.NEXT["make"] = lambda: titan_cpu.on_cpu(make(), dump_folder=os.path.join(out, name),
+                                                      metrics_path=path)
+    _group(out, name)  # torchtitan's main() destroys the process group it ran on
+    titan_cpu.run_main(["--module", module, "--config", "configured", *args])
+    if dist.is_initialized() or not os.path.exists(path):  # rank 0 wrote it before the end
+        return {}
+    with open(path) as f:
+        return {int(k): v for k, v in json.load(f).items()}
+
+
+def _group(out: str, name: str) -> None:
+    """A fresh gloo process group of this job's ranks, as torchrun would give each run."""
+    from datetime import timedelta
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, name + '.pg')}",
+                                rank=int(os.environ["MF_RANK"]), world_size=int(os.environ["MF_WORLD"]),
+                                timeout=timedelta(seconds=120))
+
+
+def _seed(out: str) -> str:
+    """The seed checkpoint every run loads: the model's state dict (wq/wk/wv, as torchtitan's
+    fused-QKV save hook writes it) after torchtitan's own init on one process."""
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(out, "seed")
+    if dist.get_rank() == 0:
+        config = titan_cpu.on_cpu(fsdp2_torch_muon())
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            model = config.model_spec.model.build()
+        model.init_weights(buffer_device=None)
+        dcp.save(model.state_dict(), checkpoint_id=path, no_dist=True)
+    dist.barrier()
+    return path
+
+
+def _ckpt(save: bool) -> list[str]:
+    return (["--checkpoint.enable", "--checkpoint.interval", str(SAVE_AT),
+             "--checkpoint.keep_latest_k", "0"] if save else [])
+
+
+def _load(path: str) -> list[str]:
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", path,
+            "--checkpoint.no-initial_load_model_only"]
+
+
+def _registry():
+    """The one line: the registry's config function, by --module."""
+    import matrixfsdp.integrations.torchtitan as mft
+    return mft.llama3_debugmodel()
+
+
+def _compiled_full_ac():
+    """The registry's config with torchtitan's compile (each block, in place, aot_eager) and
+    full activation checkpointing (the registry's default is selective)."""
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    config = _registry()
+    config.activation_checkpoint = FullAC.Config()
+    config.compile.enable, config.compile.backend = True, "aot_eager"
+    config.compile.components = ["model"]
+    return config
+
+
+def _trainer_runs(rank, world, out):
+    """Every run the tests compare, on the same 2 ranks (torchtitan imported once), each on
+    a process group of its own (torchtitan's main() ends its group)."""
+    from functools import partial
+
+    os.environ.update(MF_RANK=str(rank), MF_WORLD=str(world))
+    _group(out, "seed")
+    titan_cpu.import_torchtitan()
+    import matrixfsdp.integrations.torchtitan as mft
+    seed = _seed(out)
+    fp32 = ["--training.mixed_precision_param", "float32"]
+    runs: dict[str, dict] = {}
+
+    def run(name, make, *args, module="titan_cpu"):
+        import time
+        t = time.perf_counter()
+        runs[name] = _run(make, out, name, *args, module=module)
+        print(f"RUN {name} rank {rank}: {time.perf_counter() - t:.1f} s", flush=True)
+
+    first = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]  # the model only
+    run("ours", _registry, *first, *_ckpt(True))
+    run("fsdp2", fsdp2_torch_muon, *first)
+    run("resumed", _registry, "--checkpoint.enable", "--checkpoint.load_step", str(SAVE_AT),
+        "--checkpoint.folder", os.path.join(out, "ours", "checkpoint"))
+    run("ours_fp32", _registry, *first, *fp32, *_ckpt(True))
+    run("fsdp2_fp32", fsdp2_torch_muon, *first, *fp32, *_ckpt(True))
+    step = f"checkpoint/step-{SAVE_AT}"
+    run("to_fsdp2", fsdp2_torch_muon, *fp32, *_load(os.path.join(out, "ours_fp32", step)))
+    run("from_fsdp2", _registry, *fp32, *_load(os.path.join(out, "fsdp2_fp32", step)))
+    run("dist_muon", dist_muon, *first)
+    run("converted", partial(mft.convert, dist_muon()), *first)
+    from torch._dynamo.utils import counters
+    graphs = counters["stats"]["unique_graphs"]
+    run("compiled", _compiled_full_ac, *first, "--training.steps", str(COMPILED_STEPS))
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    if rank == 0:
+        with open(os.path.join(out, "runs.json"), "w") as f:
+            json.dump({"runs": runs, "graphs": graphs}, f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("titan"))
+    spawn(_trainer_runs, 2, out, timeout=600, init=False)
+    with open(os.path.join(out, "runs.json")) as f:
+        got = json.load(f)
+    runs = {name: {int(k): v for k, v in steps.items()} for name, steps in got["runs"].items()}
+    runs["compiled_graphs"] = got["graphs"]
+    return runs
+
+
+def _diffs(a: dict, b: dict, steps=range(1, STEPS + 1)) -> list[float]:
+    return [abs(a[s]["loss"] - b[s]["loss"]) for s in steps]
+
+
+def test_one_line_trains_as_fsdp2_with_torch_muon(runs):
+    """The registry's llama3_debugmodel (``--module matrixfsdp.integrations.torchtitan``)
+    trains 10 steps within 5e-4 (bf16) / 1e-4 (fp32 compute) of torchtitan + FSDP2 +
+    torch.optim.Muon, step by step; its grad norms (torchtitan's own clip_grad_norm_) and
+    FLOPs per token (its MFU) agree."""
+    for ours, ref, tol in (("ours", "fsdp2", BF16_TOL), ("ours_fp32", "fsdp2_fp32", FP32_TOL)):
+        d = _diffs(runs[ours], runs[ref])
+        print(ours, "max per-step loss diff", max(d))
+        assert len(runs[ours]) == STEPS and max(d) <= tol, (ours, d)
+        g = [abs(runs[ours][s]["grad_norm"] / runs[ref][s]["grad_norm"] - 1) for s in range(1, STEPS + 1)]
+        assert max(g) <= 10 * tol, (ours, g)
+        assert runs[ours][1]["flops_per_token"] == runs[ref][1]["flops_per_token"]
+    assert runs["ours"][STEPS]["loss"] < runs["ours"][1]["loss"]  # it trains
+
+
+def test_dist_muon_config_converted(runs):
+    """torchtitan's own DistMuon config (FSDP2) against ``convert`` of that same config:
+    within 5e-4 per step (bf16)."""
+    d = _diffs(runs["converted"], runs["dist_muon"])
+    print("DistMuon vs convert max per-step loss diff", max(d))
+    assert max(d) <= BF16_TOL, d
+
+
+def test_compile_and_full_ac(runs):
+    """torchtitan's compile (aot_eager, each block in place) with full AC trains as the
+    registry's default (selective AC, eager), within 5e-4 per step."""
+    assert runs["compiled_graphs"] >= 1, "nothing was compiled"
+    d = _diffs(runs["compiled"], runs["ours"], range(1, COMPILED_STEPS + 1))
+    print("compiled + full AC vs eager + selective AC", max(d))
+    assert max(d) <= BF16_TOL, d
+
+
+def test_resume_is_bit_identical(runs):
+    """Saved at step 5 by torchtitan's checkpointer, resumed with --checkpoint.load_step 5:
+    steps 6-10 equal the uninterrupted run's, bit for bit."""
+    after = range(SAVE_AT + 1, STEPS + 1)
+    assert sorted(runs["resumed"]) == list(after)
+    assert [runs["resumed"][s] for s in after] == [runs["ours"][s] for s in after]
+
+
+def test_checkpoint_crosses_to_fsdp2_and_back(runs):
+    """Our step-5 checkpoint (model and optimizer state) continued by FSDP2 + torch Muon, and
+    FSDP2's continued by ours: steps 6-10 within 1e-4 (fp32) of the uninterrupted runs."""
+    after = range(SAVE_AT + 1, STEPS + 1)
+    for crossed, same, other in (("to_fsdp2", "fsdp2_fp32", "ours_fp32"),
+                                 ("from_fsdp2", "ours_fp32", "fsdp2_fp32")):
+        assert sorted(runs[crossed]) == list(after), crossed
+        for ref in (same, other):
+            d = _diffs(runs[crossed], runs[ref], after)
+            print(crossed, "vs", ref, max(d))
+            assert max(d) <= FP32_TOL, (crossed, ref, d)
+
+
+# ---- by-hand optimizers and torch's keys ------------------------------------------------------------
+def _by_hand(rank, world, out):
+    """3 ranks: AdamW built on the complement of mf.matrix_params (each rank's list holds the
+    other ranks' matrices as empty placeholders) is refused at its first step on every
+    rank, naming the cause and mf.shard_params; mf.Muon's AdamW groups are saved keyed as
+    torch's AdamW (decoupled_weight_decay), and a group of torch's Adam is refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import matrixfsdp as mf
+    from matrixfsdp.train.models import GPT, GPTConfig
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=1, d_mlp=64))
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    mine = {id(p) for p in mf.matrix_params(model)}
+    opts = [torch.optim.Muon(mf.matrix_params(model))] if mine else []
+    opts.append(torch.optim.AdamW([p for p in model.parameters() if id(p) not in mine]))
+    x = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(rank))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    res = {}
+    try:
+        for opt in opts:
+            opt.step()
+        res["refused"] = None
+    except ValueError as e:
+        res["refused"] = str(e)
+    muon = mf.Muon(mf.muon_param_groups(model))
+    res["muon_keys"] = [sorted(g) for g in muon.state_dict()["param_groups"]]
+    res["mf_keys"] = [sorted(g) for g in mf.get_state_dict(model, muon)["optim"]["param_groups"]]
+    sd = muon.state_dict()
+    sd["param_groups"][-1]["decoupled_weight_decay"] = False
+    try:
+        muon.load_state_dict(sd)
+        res["adam"] = None
+    except ValueError as e:
+        res["adam"] = str(e)
+    with open(os.path.join(out, f"by_hand{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_by_hand_complement_refused_naming_shard_params(tmp_path):
+    """AdamW over ``[p for p in model.parameters() if id(p) not in mine]`` at 3 ranks: every
+    rank raises ValueError naming the other ranks' matrices and mf.shard_params (the
+    documented form, AdamW on mf.shard_params, is exact: docs/optimizers.md); torch's
+    AdamW group keys in mf.Muon's state dicts; an Adam group refused."""
+    spawn(_by_hand, 3, str(tmp_path))
+    for r in range(3):
+        with open(tmp_path / f"by_hand{r}.json") as f:
+            res = json.load(f)
+        err = res["refused"]
+        print(err)
+        assert err is not None and "mf.shard_params(model)" in err and "Muon matrices" in err, err
+        assert "all but" in err and "complement of mf.matrix_params" in err, err
+        assert "decoupled_weight_decay" in res["muon_keys"][-1] and "use_muon" in res["muon_keys"][-1]
+        assert "decoupled_weight_decay" in res["mf_keys"][-1]
+        assert "decoupled_weight_decay" not in res["muon_keys"][0]  # a Muon group: torch's Muon's
+        assert res["adam"] is not None and "torch.optim.Adam" in res["adam"], res["adam"]
+
+
+# ---- torchtitan's own init on the shards ----------------------------------------------------------
+def _init_on_shards(rank, world, out):
+    """torchtitan's order (meta, parallelize_fn, to_empty, init_weights) with the
+    integration's parallelize, against the model built and initialised on one process."""
+    titan_cpu.import_torchtitan()
+    from torchtitan.distributed import ParallelDims
+
+    import matrixfsdp as mf
+
+    with titan_cpu.titan_on_cpu():
+        config = titan_cpu.on_cpu(_registry())
+        dims = ParallelDims.from_config(config.parallelism, world)
+        with torch.device("meta"):
+            model = config.model_spec.model.build()
+        model = config.model_spec.parallelize_fn(
+            model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
+            compile_config=config.compile, ac_config=config.activation_checkpoint, dump_folder=out)
+        model.to_empty(device="cpu")
+        torch.manual_seed(7)
+        model.init_weights(buffer_device=None)
+        full = mf.full_state_dict(model)
+        with torch.device("cpu"):
+            ref = config.model_spec.model.build()
+        torch.manual_seed(7)
+        ref.init_weights(buffer_device=None)
+    if rank == 0:
+        from torchtitan.components.checkpointer.utils import canonical_fqn
+        owners = {n: pl.owner for n, pl in mf.plan_of(model).placements.items()}
+        full = {canonical_fqn(n): t for n, t in full.items()}
+        torch.save({"full": full, "ref": dict(ref.named_parameters()), "owners": owners},
+                   os.path.join(out, "init.pt"))
+
+
+def test_titan_init_on_shards_is_one_process_init(tmp_path):
+    """torchtitan's init_weights after the integration's parallelize (AC applied, blocks
+    sharded, the fused-QKV init copying a full tensor in, on owners and non-owners) gives
+    every parameter the one-process init, bit for bit."""
+    spawn(_init_on_shards, 2, str(tmp_path))
+    res = torch.load(tmp_path / "init.pt")
+    assert set(res["full"]) == set(res["ref"]), sorted(set(res["full"]) ^ set(res["ref"]))
+    assert any(n.endswith("wqkv.weight") for n in res["full"])  # a non-owner copies it in too
+    bad = [n for n, t in res["full"].items() if not torch.equal(t, res["ref"][n])]
+    assert not bad, bad
