@@ -4,7 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 # The CPU build of torch lies on this machine's disk; a bare `torch` would pull CUDA.
 TORCH   ?= torch==2.13.0
-PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 muon-fsdp2==0.3.0
+PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 muon-fsdp2==0.3.0
 
 .PHONY: demo test lint bench plan clean
 
