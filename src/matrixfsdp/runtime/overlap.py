@@ -29,9 +29,8 @@ if TYPE_CHECKING:
 
 
 class Schedule:
-    def __init__(self, enabled: bool = True, max_reduces: int = 2, polling: bool = True):
+    def __init__(self, enabled: bool = True, max_reduces: int = 2):
         self.enabled = enabled
-        self.polling = polling and enabled
         self.max_reduces = max_reduces
         self.order: list[Unit] = []  # units, in the last completed step's forward order
         self._this_step: list[Unit] = []
@@ -76,21 +75,16 @@ class Schedule:
 
     # ---- reduces in flight ----------------------------------------------------------------
     def add_reduce(self, pending: Pending) -> None:
+        """A unit's reduce, in flight. The oldest is finished (and its follow-up started)
+        when another would exceed ``max_reduces``: a point set by the order of the units,
+        never by when a collective happens to complete, so every rank interleaves the
+        collectives of its communicators (shard, replicate, tp groups) in one order. NCCL
+        may deadlock on communicators used in different orders by different ranks (their
+        kernels wait for each other's peers); before, a reduce found done by polling
+        started its follow-up at a moment each rank picked by its own timing."""
         self.counts["deferred_reduces"] += len(self._reduces)
         self._reduces.append(pending)
         while len(self._reduces) > (self.max_reduces if self.enabled else 0):
-            self._reduces.pop(0).wait()
-        self.poll()
-
-    def poll(self) -> None:
-        """Finish the reduces at the front of the queue that are already done (never
-        blocks), so their follow-ups start now rather than when the queue is next full.
-
-        When a rank gets here depends on its timing, so ranks may start a follow-up at
-        different moments, but always in the same order (the queue's): that is all a
-        process group needs. Debug mode checks every collective in a fixed global order
-        on the world group, which timing must not change: ``polling`` is off there."""
-        while self.polling and self._reduces and self._reduces[0].done():
             self._reduces.pop(0).wait()
 
     def add_follow_up(self, pending: Pending) -> None:

@@ -63,7 +63,7 @@ class Root:
         self.collective_check = CollectiveCheck(self.groups.world, mesh_device(self.mesh),
                                                 [u.name for u in units]) \
             if debug and self.world_size > 1 else None
-        self.schedule = Schedule(enabled=overlap, polling=self.collective_check is None)
+        self.schedule = Schedule(enabled=overlap)
         # a pipeline stage (integrations/pipelining.py) holding this step's gradients
         # unreduced until its schedule's last backward: its name, else None
         self.grads_held_by: str | None = None
@@ -189,8 +189,8 @@ class Root:
         in flight are the same on every rank and are waited for, in the same order, with
         their follow-ups (gloo and NCCL cannot cancel them). A backward that raised leaves
         gradients no rank can use: some of its reduces had landed, others were in flight,
-        and which ones differs per rank (a finished reduce is picked up when a rank polls),
-        so all of them are dropped, on every rank: every shard's ``.grad`` and every
+        and which ones may differ per rank (a wait on one that failed elsewhere), so all
+        of them are dropped, on every rank: every shard's ``.grad`` and every
         gradient kept without sync becomes None, as ``zero_grad()`` would leave them (the
         earlier micro-batches of that step included). A forward that raised leaves the
         gradients of earlier backward passes as they were, as torch does. Gradients on

@@ -263,7 +263,6 @@ class Unit:
         self.root.queue_final_callback()
         if not self.backward_open:
             self.backward_open = True
-            self.root.schedule.poll()  # HSDP: start the replicate-dim reduces that can start
             self.unshard()
             for unit in self.root.schedule.backward_targets(self):
                 unit.prefetch(BACKWARD_GATHER)
