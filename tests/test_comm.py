@@ -168,3 +168,31 @@ def test_twin_group_is_made_once_per_group_and_again_after_a_destroyed_process_g
     out = subprocess.run([sys.executable, "-c", TWIN_SCRIPT, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+PROBE_SCRIPT = """
+import logging, torch, torch.distributed as dist
+from matrixfsdp.bench import hollow
+from matrixfsdp.runtime.collectives import coalescing_supported
+
+class Failing(hollow.Hollow):  # a backend that should coalesce and fails
+    def _start_coalescing(self, device):
+        raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp: unhandled system error")
+
+dist.Backend.register_backend("failing", lambda store, rank, size, timeout: Failing(rank, size),
+                              devices=["cpu"])
+dist.init_process_group("failing", store=dist.HashStore(), rank=1, world_size=2)
+logging.basicConfig(level=logging.WARNING)
+print("verdict", coalescing_supported(dist.group.WORLD, torch.device("cpu")))
+"""
+
+
+def test_a_failed_coalescing_probe_says_so():
+    """A group that cannot coalesce for another reason than gloo's "does not implement"
+    (a failing NCCL) takes the one-launch-per-op path with a warning naming the error, not
+    silently (gloo's refusal is silent: tests above)."""
+    out = subprocess.run([sys.executable, "-c", PROBE_SCRIPT], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "verdict False" in out.stdout
+    assert "failed to coalesce" in out.stderr and "unhandled system error" in out.stderr, out.stderr

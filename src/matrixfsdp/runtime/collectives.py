@@ -28,6 +28,7 @@ against these counts. Every rank knows every size, so this needs no communicatio
 
 from __future__ import annotations
 
+import logging
 import pickle
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -40,6 +41,9 @@ from .. import _compat
 from ..planning.layout import Load
 from ..planning.traffic import COUNTERS
 from . import arrival
+from .arrival import error_text
+
+log = logging.getLogger(__name__)
 
 
 def all_gather_single(*args, **kwargs):
@@ -354,7 +358,11 @@ def coalescing_supported(group: dist.ProcessGroup, device: torch.device) -> bool
             all_gather_single(every, torch.ones(1, device=device), group=group, async_op=True)
         works[0].wait()
         works = bool((every == 1).all()) and bool(one.item() == 1)
-    except (RuntimeError, ValueError, NotImplementedError, AttributeError):
+    except (RuntimeError, ValueError, NotImplementedError, AttributeError) as e:
+        if "does not implement" not in str(e):  # a backend that should coalesce and failed
+            log.warning("matrixfsdp: process group %s (%s) failed to coalesce (%s): its units "
+                        "take one launch per op", getattr(group, "group_name", "?"),
+                        dist.get_backend(group), error_text(e))
         works = False
     verdict = torch.tensor([int(works)], device=device)  # one answer on every rank
     dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
