@@ -204,10 +204,27 @@ _NORM_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root ->
 
 def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
     """A 1-D mesh over every rank of the model (its world group, HSDP's replicas included):
-    where the partial norms reduce. Made once per model, from the group, no collective."""
+    where the partial norms reduce. Made once per model, from the group, no collective.
+    Refused where some rank holds no element of any parameter (more ranks than rows of
+    every non-matrix parameter, and no matrix of its own): it has no gradient, so torch's
+    norm on it is a plain zero that would not join the reduction the others wait in."""
     mesh = _NORM_MESHES.get(root)
     if mesh is None:
-        mesh = _NORM_MESHES[root] = DeviceMesh.from_group(root.groups.world, device_type)
+        if len({id(u.domain) for u in root.units}) > 1:
+            raise RuntimeError("matrixfsdp: the norms of gradients of units on several meshes "
+                               f"(expert parallelism) do not reduce over one. {_USE_OURS}")
+        groups = root.groups
+        holding = {owner for pl in root.plan.placements.values() if (owner := pl.owner) is not None}
+        rows = {r for pl in root.plan.placements.values() if pl.owner is None
+                for r, (a, b) in enumerate(pl.row_ranges) if b > a}
+        holding |= {rep * groups.shard_size + r for rep in range(groups.replicas) for r in rows}
+        idle = sorted(set(range(groups.replicas * groups.shard_size)) - holding)
+        if idle:
+            raise RuntimeError(
+                f"matrixfsdp: rank(s) {idle[:8]} of the model hold no element of any parameter, "
+                "so torch's norm of their gradients is a plain zero that would not join the "
+                f"others' reduction. {_USE_OURS}")
+        mesh = _NORM_MESHES[root] = DeviceMesh.from_group(groups.world, device_type)
     return mesh
 
 
@@ -233,6 +250,7 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     root, p = next(iter(roots.values())), float(ord)
     if not p > 0:
         raise ValueError(f"matrixfsdp: norm_type must be > 0 or inf, got {ord}")
+    mesh = _norm_mesh(root, grads[0].device.type)  # decided from the plan: alike everywhere
     counted = [i for i, g in enumerate(grads) if g.numel() and (
         g.info.unit.domain.groups.replica == 0 or g.info.placement.owner is not None)]
     with plain_torch_function():
@@ -240,7 +258,6 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
         norms = [torch.zeros((), dtype=dtype or g.dtype, device=g.device) for g in grads]
     for i, n in zip(counted, some):
         norms[i] = n
-    mesh = _norm_mesh(root, grads[0].device.type)
     placement = norm_partial(p)
     return [DTensor.from_local(n, mesh, [placement], run_check=False) for n in norms]
 
