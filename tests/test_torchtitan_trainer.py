@@ -218,6 +218,8 @@ def _trainer_runs(rank, world, out):
     step = f"checkpoint/step-{SAVE_AT}"
     run("to_fsdp2", fsdp2_torch_muon, *fp32, *_load(os.path.join(out, "ours_fp32", step)))
     run("from_fsdp2", _registry, *fp32, *_load(os.path.join(out, "fsdp2_fp32", step)))
+    run("model_only", fsdp2_torch_muon, *fp32, *_load(os.path.join(out, "ours_fp32", step)),
+        "--checkpoint.exclude_from_loading", "optimizer")  # the control: no optimizer state
     run("dist_muon", dist_muon, *first)
     run("converted", partial(mft.convert, dist_muon()), *first)
     from torch._dynamo.utils import counters
@@ -286,8 +288,12 @@ def test_resume_is_bit_identical(runs):
 
 def test_checkpoint_crosses_to_fsdp2_and_back(runs):
     """Our step-5 checkpoint (model and optimizer state) continued by FSDP2 + torch Muon, and
-    FSDP2's continued by ours: steps 6-10 within 1e-4 (fp32) of the uninterrupted runs."""
+    FSDP2's continued by ours: steps 6-10 within 1e-4 (fp32) of the uninterrupted runs; the
+    model alone, with a fresh optimizer, lands more than 5e-4 away (measured 1.4e-3)."""
     after = range(SAVE_AT + 1, STEPS + 1)
+    control = max(_diffs(runs["model_only"], runs["fsdp2_fp32"], after))
+    print("the model alone crossed (fresh optimizer state)", control)
+    assert control > 5 * FP32_TOL, control  # so the optimizer state is what crossed
     for crossed, same, other in (("to_fsdp2", "fsdp2_fp32", "ours_fp32"),
                                  ("from_fsdp2", "ours_fp32", "fsdp2_fp32")):
         assert sorted(runs[crossed]) == list(after), crossed
@@ -335,16 +341,51 @@ def _by_hand(rank, world, out):
         res["adam"] = None
     except ValueError as e:
         res["adam"] = str(e)
+    res["idle"] = _idle_rank_norm(mesh)
     with open(os.path.join(out, f"by_hand{rank}.json"), "w") as f:
         json.dump(res, f)
+
+
+class _Tiny(torch.nn.Module):
+    """One 8 x 8 matrix (a unit: whole on one rank) and a one-row parameter: at 3 ranks
+    one rank holds nothing at all."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Linear(8, 8, bias=False)
+        self.scale = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.block(x) * self.scale
+
+
+def _idle_rank_norm(mesh) -> str | None:
+    """torch's get_total_norm(foreach=True) where a rank holds no element of any parameter:
+    refused on the ranks holding gradients, naming it (its norm would not join theirs)."""
+    import matrixfsdp as mf
+    torch.manual_seed(0)
+    model = _Tiny()
+    mf.fully_shard(model.block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    model(torch.ones(2, 8)).sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return "no gradient here"
+    try:
+        torch.nn.utils.get_total_norm(grads, foreach=True)
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def test_by_hand_complement_refused_naming_shard_params(tmp_path):
     """AdamW over ``[p for p in model.parameters() if id(p) not in mine]`` at 3 ranks: every
     rank raises ValueError naming the other ranks' matrices and mf.shard_params (the
     documented form, AdamW on mf.shard_params, is exact: docs/optimizers.md); torch's
-    AdamW group keys in mf.Muon's state dicts; an Adam group refused."""
+    AdamW group keys in mf.Muon's state dicts; an Adam group refused; torch's foreach norm
+    refused where a rank holds no gradient at all (it could not join the reduction)."""
     spawn(_by_hand, 3, str(tmp_path))
+    idle = []
     for r in range(3):
         with open(tmp_path / f"by_hand{r}.json") as f:
             res = json.load(f)
@@ -356,6 +397,11 @@ def test_by_hand_complement_refused_naming_shard_params(tmp_path):
         assert "decoupled_weight_decay" in res["mf_keys"][-1]
         assert "decoupled_weight_decay" not in res["muon_keys"][0]  # a Muon group: torch's Muon's
         assert res["adam"] is not None and "torch.optim.Adam" in res["adam"], res["adam"]
+        idle.append(res["idle"])
+    refused = [m for m in idle if m != "no gradient here"]
+    assert 0 < len(refused) < 3, idle  # a rank without gradients, and the others refuse
+    for msg in refused:
+        assert msg and "hold no element of any parameter" in msg and "mf.clip_grad_norm_" in msg, msg
 
 
 # ---- torchtitan's own init on the shards ----------------------------------------------------------
