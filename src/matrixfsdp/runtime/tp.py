@@ -162,20 +162,21 @@ def check_tp_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
 
 
 class TPGroups:
-    """This rank's tp group (from the DTensor parameters' mesh) and the two twins of it the
-    runtime moves slices on, each a counted :class:`~matrixfsdp.runtime.collectives.Comm`:
-    ``gather`` (forward and backward gathers) and ``grads`` (the gradients' last hop). Two
-    groups, because a unit's gradients travel when its reduce finishes, which falls
-    between other units' gathers at a moment each rank picks up on its own."""
+    """This rank's tp group (from the DTensor parameters' mesh) and the runtime's collectives
+    over it, each a counted :class:`~matrixfsdp.runtime.collectives.Comm` on one group:
+    ``gather`` (forward and backward gathers) and ``grads`` (the gradients' last hop). One
+    group serves both: a unit's gradient hop starts where the schedule finishes its reduce,
+    a point the order of the units sets (:meth:`~matrixfsdp.runtime.overlap.Schedule.add_reduce`),
+    so every rank interleaves hops and gathers alike (one communicator, not two, on NCCL)."""
 
     def __init__(self, mesh: DeviceMesh, stats: CommStats):
         self.mesh = mesh
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         limit = group_timeout(dist.group.WORLD, mesh.device_type)
-        gather = twin_group(mesh.get_group(), timeout=limit, local=True)
-        self.gather = Comm(gather, stats, "tp_")
-        self.grads = Comm(twin_group(gather, timeout=limit, local=True), stats, "tp_grad_")
+        group = twin_group(mesh.get_group(), timeout=limit, local=True)
+        self.gather = Comm(group, stats, "tp_")
+        self.grads = Comm(group, stats, "tp_grad_")
 
 
 # ---- torch.compile around the root --------------------------------------------------------
