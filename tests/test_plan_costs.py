@@ -111,7 +111,7 @@ def test_the_summary_sums_up_the_per_rank_prediction(shard_size):
     held = [rank_held(unit_layouts(plan), w, 0, d).total for w in range(8)]
     assert (c.state.max, c.state.mean) == (max(held), sum(held) / 8)
     per_rank = [sum(k["critical_bytes"] for k in comm.values())
-                for comm in predict_comm(plan, d, micro_batches=2, grouped=True)]
+                for comm in predict_comm(plan, d, micro_batches=2)]
     if shard_size == 8:
         assert c.step.ours == max(per_rank) == min(per_rank)
         assert c.bare_shard_ranks == 4  # 4 matrices on 8 shard ranks
@@ -133,6 +133,11 @@ def test_cli_says_when_no_layout_fits(capsys):
     checkpointing; the advice says no layout fits and names the smallest."""
     main(["plan", "--model", "llama3-405b", "--world-size", "16384", "--shard-size", "8",
           "--tp", "1", "--pp", "1", "--device-memory", "80GiB", "--max-rows", "2"])
+    assert "2048 sequences per step do not split into whole micro-batches of 1" \
+        in capsys.readouterr().out  # Llama 3's 16M tokens: fewer sequences than ranks
+    main(["plan", "--model", "llama3-405b", "--world-size", "16384", "--shard-size", "8",
+          "--tp", "1", "--pp", "1", "--device-memory", "80GiB", "--max-rows", "2",
+          "--global-batch", "16384"])
     out = capsys.readouterr().out
     assert "2 layouts searched" in out and "0 fit in 80.0 GiB" in out
     assert "No layout fits; the smallest: **replicate 2048 x shard 8 x tp 1 x pp 1**" in out

@@ -1,9 +1,18 @@
-"""The plan's byte model equals the runtime, to the byte and the launch:
-``matrixfsdp.plan_costs(model, mesh_shape)`` predicts on a meta-device copy what each of 8
-ranks counts in ``comm_stats`` over one training step (every collective kind: calls,
-payload, sent, received, critical and mean bytes) and what it holds (storage segments,
-shards, gradients, optimizer state), 1-D and 2 x 4 HSDP (bf16 gathers, two micro-batches),
-on gloo's calls and on NCCL's uneven ones (grouped_gloo)."""
+"""The planner's byte and op model equals the runtime, to the byte, the op and the launch,
+and the runtime counts from the tensors it hands to each collective
+(``runtime/collectives.py``'s ``charge``), never from the planner's load functions: so a
+wrong load function, op list or launch rule in the planner fails here.
+
+On 8 ranks, one steady training step, each rank's counters against:
+
+* ``matrixfsdp.plan_costs`` (per rank and collective kind: ops, payload, sent, received,
+  critical and mean bytes; launches per phase; bytes held), 1-D and 2 x 4 HSDP (bf16
+  gathers, two micro-batches), on gloo (one launch per op) and on grouped_gloo (NCCL's
+  coalesced launches on CPU);
+* the layout search's own cost path (``search.cost_path`` -> ``layout_costs.rank_counts``:
+  launches, ops and critical bytes per phase), in those runs and at tp 2 (dp 4 x tp 2,
+  torchtitan's TP plan) and pp 2 (2 stages x dp 4, torch's 1F1B over
+  ``mf.pipelining.PipelineStage``)."""
 
 from __future__ import annotations
 
@@ -13,7 +22,12 @@ from _dist import spawn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
+from matrixfsdp.planning.layout_costs import rank_counts
+from matrixfsdp.planning.links import Links
+from matrixfsdp.planning.model_shapes import shapes_of
 from matrixfsdp.planning.predict import default_units
+from matrixfsdp.planning.search import cost_path
+from matrixfsdp.planning.traffic import Dtypes
 from matrixfsdp.runtime.fully_shard import get_root
 from matrixfsdp.train.models import GPT, GPTConfig
 
@@ -34,7 +48,23 @@ def _held(model, opt) -> dict[str, int]:
             "grads": sum(grads.values()), "optim": optim}
 
 
-def _worker(rank, world_size, shape, bf16, micro_batches, uneven):
+def _phases(stats) -> dict[str, dict[str, float]]:
+    """The runtime's counts per phase: launches, ops, critical bytes."""
+    calls, crit = stats.phase("calls"), stats.phase("critical_bytes")
+    return {ph: {"launches": stats.launches[ph], "calls": calls[ph],
+                 "critical_bytes": float(crit[ph])} for ph in calls if calls[ph]}
+
+
+def _searched(model, units, shape, d: Dtypes, coalesced: bool, stage: int = 0):
+    """The search's costs of this layout (``shape``: (pp, replicate, shard, tp)) for one
+    stage: its units' collectives, as ``matrixfsdp plan`` costs them."""
+    pp, R, S, T = shape
+    found = cost_path(shapes_of(model, units), R, S, T, pp, dtypes=d,
+                      links=Links(coalesced=coalesced))
+    return found[stage][2].units
+
+
+def _worker(rank, world_size, shape, bf16, micro_batches, coalesced):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
@@ -64,19 +94,80 @@ def _worker(rank, world_size, shape, bf16, micro_batches, uneven):
     bf = torch.bfloat16 if bf16 else None
     predicted = mf.plan_costs(twin, shape, units=list(twin.layers), param_dtype=bf,
                               reduce_dtype=torch.float32 if bf16 else None,
-                              micro_batches=micro_batches, uneven_collectives=uneven)
+                              micro_batches=micro_batches, coalesced=coalesced)
     assert predicted.comm[rank] == counted, (rank, predicted.comm[rank], counted)
+    assert predicted.launches[rank] == dict(stats.launches), (rank, predicted.launches[rank])
     h = predicted.held[rank]
     assert {"storage": h.storage, "params": h.params, "grads": h.grads, "optim": h.optim} == held
     assert predicted.critical_bytes(rank) == stats.total("critical_bytes")
+    S = shape[-1]
+    d = Dtypes(4, 2 if bf16 else 4, 4)
+    units = _searched(twin, list(twin.layers), (1, world_size // S, S, 1), d, coalesced)
+    assert rank_counts(units, rank % S, 0, micro_batches) == _phases(stats), rank
 
 
 @pytest.mark.parametrize("shape, bf16, micro_batches, backend",
                          [((8,), False, 1, "gloo"), ((2, 4), True, 2, "gloo"),
                           ((2, 4), True, 2, "grouped_gloo")],
-                         ids=["1-D", "HSDP-2x4-bf16-2mb", "HSDP-2x4-bf16-2mb-uneven"])
+                         ids=["1-D", "HSDP-2x4-bf16-2mb", "HSDP-2x4-bf16-2mb-coalesced"])
 def test_plan_predicts_every_collective_and_every_byte_held(shape, bf16, micro_batches, backend):
     spawn(_worker, 8, shape, bf16, micro_batches, backend == "grouped_gloo", backend=backend)
+
+
+def _tp_worker(rank, world_size, dp, tp, coalesced):
+    from torch.distributed.device_mesh import init_device_mesh
+    from tp_models import TINY, VOCAB, Llama, apply_tp, build_llama
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = apply_tp(build_llama(0), mesh["tp"])
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh["dp"])
+    mf.fully_shard(model, mesh=mesh["dp"])
+    opt = mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=1e-3))
+    stats = mf.comm_stats(model)
+    g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+    for step in range(2):
+        if step == 1:
+            stats.reset()
+        x = torch.randint(0, VOCAB, (2, 9), generator=g)
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.device("meta"):
+        twin = Llama(TINY)
+    units = _searched(twin, list(twin.layers), (1, 1, dp, tp), Dtypes(), coalesced)
+    assert rank_counts(units, rank // tp, rank % tp, 1) == _phases(stats), rank
+
+
+@pytest.mark.parametrize("dp, tp, backend", [(4, 2, "grouped_gloo"), (2, 4, "gloo")],
+                         ids=["dp4-tp2-coalesced", "dp2-tp4"])
+def test_search_counts_tensor_parallel_ops_as_the_runtime(dp, tp, backend):
+    spawn(_tp_worker, 8, dp, tp, backend == "grouped_gloo", backend=backend)
+
+
+def _pp_worker(rank, world_size):
+    from pp_models import PP_CONFIG
+    from test_pipelining import _data, _Run
+    from torch.distributed.device_mesh import init_device_mesh
+    from tp_models import Llama
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    run = _Run(mesh, "1F1B", 2, unused=False, reshard_after_forward=False)  # torchtitan's
+    stats = [mf.comm_stats(m) for m in run.modules]
+    for step, x in enumerate(_data(2, 4)):
+        if step == 1:
+            for s in stats:
+                s.reset()
+        run.step(x)
+    with torch.device("meta"):
+        full = Llama(PP_CONFIG)
+    stage = mesh["pp"].get_local_rank()
+    units = _searched(full, list(full.layers), (2, 1, 4, 1), Dtypes(), False, stage)
+    assert rank_counts(units, rank % 4, 0, 2, pp=2) == _phases(stats[0]), rank
+
+
+def test_search_counts_pipeline_stages_as_the_runtime():
+    spawn(_pp_worker, 8)
 
 
 def test_default_units_are_the_blocks():

@@ -1,4 +1,4 @@
-"""The ``matrixfsdp`` command (``matrixfsdp train | plan | bench``, or ``python -m
+"""The ``matrixfsdp`` command (``matrixfsdp train | plan | calibrate | bench``, or ``python -m
 matrixfsdp``): argument parsing and validation over the layers below it (the training loop
 in :mod:`matrixfsdp.train.loop`, the launcher in :mod:`matrixfsdp.train.launch`, the
 benchmark in :mod:`matrixfsdp.bench.harness`). The package's command-line face, as
@@ -19,12 +19,15 @@ from pathlib import Path
 
 import torch
 
+from .bench.calibrate import main as calibrate_main
+from .bench.config import PRESETS as BENCH_PRESETS
 from .bench.harness import main as bench_main
 from .planning.advice import SUMMARY_HEAD, Setting, format_search, search_json, summary_row
+from .planning.constants import Constants
 from .planning.hf_config import config_path, meta_model
 from .planning.links import Links
-from .planning.model_shapes import shapes_of
-from .planning.search import search
+from .planning.model_shapes import ModelShapes, shapes_of
+from .planning.search import LLAMA3_TOKENS, default_global_batch, search
 from .planning.steptime import Workload
 from .planning.traffic import Dtypes
 from .runtime.exit import exit_rank
@@ -32,7 +35,7 @@ from .train.cluster import DTYPE_BYTES, parse_bytes
 from .train.launch import DEFAULT_TIMEOUT_S, launch
 from .train.launch import positive_float as _positive_float
 from .train.loop import checkpoint_root, train
-from .train.models import GPT, PRESETS
+from .train.models import GPT, PRESETS, GPTConfig
 from .train.outlock import OutInUse, RunLock, lock_out
 from .train.resume import plan_start
 
@@ -41,52 +44,92 @@ DEFAULT_RANKS = 4
 
 
 # ---- plan ---------------------------------------------------------------------------------
+def _bench_config(name: str) -> GPTConfig | None:
+    """``bench-cpu`` / ``bench-gpu``: the model ``matrixfsdp bench --preset cpu|gpu`` runs."""
+    p = BENCH_PRESETS.get(name.removeprefix("bench-")) if name.startswith("bench-") else None
+    if p is None:
+        return None
+    return GPTConfig(vocab_size=256, seq_len=p["seq"], d_model=p["d_model"], n_heads=p["heads"],
+                     n_layers=p["layers"], d_mlp=p["mlp"])
+
+
+PLAN_PRESETS = sorted(PRESETS) + [f"bench-{k}" for k in sorted(BENCH_PRESETS)]
+
+
 def _plan_model(name: str):
     """(label, model on meta, its units) for a preset name or a transformers config.json."""
-    if name in PRESETS:
+    cfg = PRESETS.get(name) or _bench_config(name)
+    if cfg is not None:
         with torch.device("meta"):
-            net = GPT(PRESETS[name])
+            net = GPT(cfg)
         return name, net, list(net.layers)
     path = config_path(name)
     if path is None:
-        raise SystemExit(f"--model {name}: neither a preset ({', '.join(sorted(PRESETS))}) nor "
+        raise SystemExit(f"--model {name}: neither a preset ({', '.join(PLAN_PRESETS)}) nor "
                          "a transformers config.json on disk (a file, or a directory holding one)")
     net, units, label = meta_model(path)
     return label, net, units
+
+
+def _workload(args, constants: Constants | None, shapes: ModelShapes) -> Workload:
+    """The work per rank: the flags' rates, or the ones ``--constants`` measured (at this
+    model's matmul and Newton-Schulz shapes, in ``--param-dtype``)."""
+    if constants is None:
+        return Workload(args.seq, args.micro_batch, args.tflops * 1e12, args.hbm_gbs * 1e9)
+    count: dict[tuple[int, int], int] = {(shapes.vocab, shapes.d_model): 1} if shapes.vocab \
+        else {}  # the head
+    for s in shapes.specs:
+        if len(s.shape) == 2 and s.muon:
+            count[tuple(s.shape)] = count.get(tuple(s.shape), 0) + 1
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[args.param_dtype]
+    mm, ns = constants.model_rates([(r, c, n) for (r, c), n in count.items()],
+                                   args.seq * args.micro_batch, dtype)
+    return Workload(args.seq, args.micro_batch, mm, constants.adamw_bytes_per_s, ns_tflops=ns,
+                    adamw_hbm=constants.adamw_bytes_per_s, muon_hbm=constants.muon_bytes_per_s)
+
+
+def _model_matrices(name: str) -> list[tuple[int, int]]:
+    """The ``(rows, cols)`` of a model's 2-D weights (``calibrate --model``)."""
+    _, net, _ = _plan_model(name)
+    return [tuple(p.shape) for p in net.parameters() if p.ndim == 2]
 
 
 def _plan(args) -> None:
     for n in args.world_size:
         if args.shard_size is not None and n % args.shard_size:
             raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {n}")
+    try:
+        constants = Constants.load(args.constants) if args.constants else None
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     links = Links(args.gpus_per_node, args.nvlink_gbs * 1e9, args.ib_gbs * 1e9,
-                  args.latency_us * 1e-6, args.nvlink_hop_us * 1e-6, args.ib_hop_us * 1e-6)
-    setting = Setting(links, Workload(args.seq, args.micro_batch, args.tflops * 1e12,
-                                      args.hbm_gbs * 1e9),
-                      Dtypes(4, DTYPE_BYTES[args.param_dtype], DTYPE_BYTES[args.reduce_dtype]),
-                      args.device_memory)
+                  args.latency_us * 1e-6, args.nvlink_hop_us * 1e-6, args.ib_hop_us * 1e-6,
+                  constants=constants)
+    dtypes = Dtypes(4, DTYPE_BYTES[args.param_dtype], DTYPE_BYTES[args.reduce_dtype])
     checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[
         args.activation_checkpointing]
+    global_batch = args.global_batch or default_global_batch(args.seq, args.global_tokens)
     done = []
     for name in args.model:
         label, net, units = _plan_model(name)
         shapes = shapes_of(net, units)
+        setting = Setting(links, _workload(args, constants, shapes), dtypes, args.device_memory)
         n_params = sum(p.numel() for p in net.parameters())
         for world in args.world_size:
             found = search(shapes, world, args.device_memory, links=links,
                            workload=setting.workload, dtypes=setting.dtypes,
-                           global_batch=args.global_batch, tp=args.tp, pp=args.pp,
+                           global_batch=global_batch, tp=args.tp, pp=args.pp,
                            shard=[args.shard_size] if args.shard_size else None,
                            checkpointing=checkpointing)
-            done.append((label, n_params, shapes.blocks, found))
+            done.append((label, n_params, shapes.blocks, found, setting))
     if args.json:
-        out = [search_json(label, n, s, setting) for label, n, _, s in done]
+        out = [search_json(label, n, s, st) for label, n, _, s, st in done]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
     elif len(done) > 1:
-        print("\n".join([*SUMMARY_HEAD, *(summary_row(label, s) for label, _, _, s in done)]))
+        print("\n".join([*SUMMARY_HEAD, *(summary_row(label, s) for label, _, _, s, _ in done)]))
     else:
-        label, n, blocks, s = done[0]
-        print(format_search(label, n, blocks, s, setting, args.top, args.max_rows))
+        label, n, blocks, s, st = done[0]
+        print(format_search(label, n, blocks, s, st, args.top, args.max_rows))
 
 
 # ---- command line -------------------------------------------------------------------------
@@ -306,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
             raise argparse.ArgumentTypeError(str(e)) from None
     real = _positive_float
     pl.add_argument("--model", nargs="+", default=["paper"], metavar="NAME|CONFIG",
-                    help=f"a preset ({', '.join(sorted(PRESETS))}) or a transformers config.json "
+                    help=f"a preset ({', '.join(PLAN_PRESETS)}) or a transformers config.json "
                          "on disk (or its directory); several models and/or world sizes: one "
                          "summary row each")
     pl.add_argument("--world-size", nargs="+", type=pos, default=[8])
@@ -328,7 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--micro-batch", type=pos, default=1,
                     help="sequences per micro-batch per data-parallel rank (default 1)")
     pl.add_argument("--global-batch", type=pos, default=None,
-                    help="sequences per step (default: world size x micro-batch)")
+                    help="sequences per step (default: --global-tokens / --seq)")
+    pl.add_argument("--global-tokens", type=pos, default=LLAMA3_TOKENS,
+                    help="tokens per step when --global-batch is not given (default 2^24, "
+                         "Llama 3's 16M)")
+    pl.add_argument("--constants", default=None, metavar="FILE",
+                    help="rates and collective costs measured by `matrixfsdp calibrate` "
+                         "(replace --tflops, --hbm-gbs and the latency and bandwidth of "
+                         "groups inside a node)")
     pl.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
                     help="auto: search both")
     pl.add_argument("--tflops", type=real, default=400.0,
@@ -336,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--hbm-gbs", type=real, default=3350.0,
                     help="memory bandwidth for the element-wise optimizer updates, GB/s")
     pl.add_argument("--gpus-per-node", type=pos, default=8)
-    pl.add_argument("--nvlink-gbs", type=real, default=900.0,
-                    help="NVLink GB/s per GPU and direction (default 900)")
+    pl.add_argument("--nvlink-gbs", type=real, default=450.0,
+                    help="NVLink GB/s per GPU and direction (default 450: H100 SXM)")
     pl.add_argument("--ib-gbs", type=real, default=50.0,
                     help="InfiniBand GB/s per GPU and direction (default 50)")
     pl.add_argument("--latency-us", type=real, default=14.0,
@@ -351,7 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--top", type=pos, default=12, help="layouts shown in the table")
     pl.add_argument("--max-rows", type=_int_at_least(1), default=16)
     bp = sub.add_parser("bench", help="benchmark against FSDP2 peers (see --help)", add_help=False)
+    sub.add_parser("calibrate", help="measure this machine's constants for plan --constants "
+                   "(see --help)", add_help=False)
     args, rest = ap.parse_known_args(argv)
+    if args.cmd == "calibrate":
+        return calibrate_main(rest, _model_matrices)
     if args.cmd == "bench":
         problem = _bench_out_error(rest)
         if problem:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from .links import Links
 from .report import fmt_bytes, format_report
 from .search import Evaluated, Search
-from .steptime import Workload
+from .steptime import StepTime, Workload
 from .traffic import Dtypes
 
 _DTYPE = {2: "bf16", 4: "fp32"}
@@ -30,22 +30,31 @@ def assumptions(st: Setting, s: Search) -> list[str]:
     return [
         f"cluster: {st.links.describe()}; ranks numbered (pp, replicate, shard, tp), tp "
         "innermost, tp within a node",
-        "collectives: NCCL's ring all-gather / reduce-scatter, ring or tree all-reduce "
-        "(the faster), an uneven all-gather / reduce-scatter as one launch (one ring fill, "
-        "then its most loaded rank's bytes), all-to-all through the busiest rank's own NIC; "
-        "a group across nodes with k ranks per node moves min(k x InfiniBand, NVLink) per "
-        "GPU; MatrixFSDP on NCCL: one call per unit and direction over the shard group, "
-        "the tp hop, each rank's own replicate-dim calls; every rank has its own queue per "
-        "link (issue order, beside compute), the step is its slowest rank's",
-        f"workload: {s.global_batch} sequences of {w.seq} tokens per step, micro-batches of "
-        f"{w.micro_batch} sequence(s) per data-parallel rank, so every layout trains the same "
+        "collectives: the ops each system issues, each charged its own latency at its "
+        "group's size (ring all-gather / reduce-scatter and pipelined broadcast / reduce: "
+        "P-1 hops; all-reduce: ring or tree, the faster; all-to-all through the busiest "
+        "rank's own NIC) plus its most loaded rank's bytes, and each launch its base latency; "
+        f"groups {'coalesce' if st.links.coalesces else 'do not coalesce'} ops into one "
+        "launch; MatrixFSDP per unit and direction: one even all-gather / reduce-scatter and "
+        "one broadcast / reduce per holder over the shard group, the tp hop's all-to-all, "
+        "each rank's own replicate-dim ops; a group across nodes with k ranks per node moves "
+        "min(k x InfiniBand, NVLink) per GPU; every rank has its own queue per link (issue "
+        "order, beside compute), the step is its slowest rank's",
+        f"workload: {s.global_batch} sequences of {w.seq} tokens per step "
+        f"({s.global_batch * w.seq / 2**20:g}Mi tokens), micro-batches of {w.micro_batch} "
+        "sequence(s) per data-parallel rank (a layout whose data-parallel ranks cannot split "
+        "the batch into whole micro-batches is skipped), so every layout trains the same "
         "tokens; without pipeline stages each micro-batch gathers and reduces (the runtime's "
-        "default); with stages 1F1B, stages gathered once and reduced once per step",
-        f"compute: {w.tflops / 1e12:g} TFLOP/s reached by every matmul and by Newton-Schulz "
-        "(bf16); forward 2 x matrix elements + causal attention 2 x seq x d_model per token "
-        "and block, + the head; backward 2x forward; activation checkpointing recomputes the "
-        "blocks' forward; tensor parallelism: 2 activation all-reduces per block pass "
-        f"(blocking); optimizer element-wise updates at {w.hbm / 1e9:g} GB/s",
+        "default); with stages torch's 1F1B, interleaved 1F1B or interleaved zero-bubble "
+        "schedule (2 stages per rank), stages gathered once and reduced once per step",
+        f"compute: {w.tflops / 1e12:g} TFLOP/s reached by the model's matmuls, "
+        f"{w.ns_rate / 1e12:g} TFLOP/s by Newton-Schulz (bf16); forward 2 x matrix elements "
+        "+ causal attention 2 x seq x d_model per token and block, + the head; backward 2x "
+        "forward; activation checkpointing recomputes the blocks' forward; tensor "
+        "parallelism: 2 activation all-reduces per block pass (blocking); optimizer "
+        f"element-wise updates at {(w.adamw_hbm or w.hbm) / 1e9:g} GB/s (AdamW) and "
+        f"{(w.muon_hbm or w.hbm) / 1e9:g} GB/s (Muon); the compute floor: the step's model "
+        "FLOPs (3x forward) over every rank at the matmul rate",
         "overlap as the runtime does it: one unit prefetched ahead in forward and backward, "
         "reduces asynchronous, HSDP's replicate reduce after each shard reduce and its "
         "broadcasts at the next forward (a unit's prefetch waits for its own)",
@@ -59,12 +68,14 @@ def assumptions(st: Setting, s: Search) -> list[str]:
         "stages keep their units gathered and their gradients unreduced over the step",
         "baselines at the same layout and links: FSDP2's padded all-gather / reduce-scatter "
         "(HSDP: an all-reduce per unit); FSDP2 + torch.optim.Muon runs each matrix's NS on "
-        "its DTensor, every matmul split over a replica's ranks with an all-gather of its "
-        "operand (X twice, X X^T once per iteration, bf16), one matrix after the other; "
-        "DistMuon as torchtitan runs it: one bucket per block through two buffer slots, "
+        "its DTensor as torch 2.13 does, one matrix after the other (wide: all-gathers of "
+        "X^T, X X^T and X per iteration; tall: two all-reduces of the Gram per iteration and "
+        "its cube on every rank; under tp colwise wide matrices gathered whole and NS run "
+        "whole on every rank); DistMuon as torchtitan runs it: buckets of 1, 2, 4, ... "
+        "blocks (the fastest searched) through two buffer slots (counted in its memory), "
         "each matrix gathered to an owner (longest processing time over a replica's ranks, "
-        "repeated on every replica), NS, scattered back; it refuses tp-split matrices, so "
-        "it has no time at tp > 1",
+        "repeated on every replica), NS, scattered back; it refuses tp > 1 and pp > 1 "
+        "(torchtitan raises for both), so it has no time there",
     ]
 
 
@@ -118,6 +129,77 @@ def _breakdown(e: Evaluated) -> list[str]:
     return out
 
 
+SYSTEM_LABELS = (("matrixfsdp", "MatrixFSDP"), ("fsdp2_torch_muon", "FSDP2 + torch.optim.Muon"),
+           ("distmuon", "DistMuon"))
+
+
+def step_of(e: Evaluated, system: str) -> StepTime | None:
+    return {"matrixfsdp": e.step, "fsdp2_torch_muon": e.fsdp2, "distmuon": e.distmuon}[system]
+
+
+def _optimizer_term(e: Evaluated, system: str) -> str:
+    if system == "matrixfsdp":
+        name, (r, c), flops = e.busiest_matrix
+        alone = ", one matrix: it cannot shrink" if flops >= 0.99 * e.ns_max else ""
+        return f"the busiest owner's NS ({name} {r}x{c}{alone})"
+    if system == "fsdp2_torch_muon":
+        return "torch Muon's NS on DTensor"
+    return f"DistMuon's bucket pipeline ({e.distmuon_blocks} block(s) per bucket)"
+
+
+@dataclass
+class Explained:
+    """What bounds one system's step at one layout: its largest term (compute, exposed
+    communication, pipeline bubble or the optimizer), the largest of what it spends above
+    the compute floor, and the step over the floor."""
+
+    step: float
+    bound: str
+    overhead: str
+    overhead_s: float
+    over_floor: float
+
+
+def explain(e: Evaluated, system: str, floor: float) -> Explained | None:
+    """:class:`Explained` for ``system`` (``matrixfsdp``, ``fsdp2_torch_muon``,
+    ``distmuon``) at layout ``e``; None where it cannot run."""
+    st = step_of(e, system)
+    if st is None:
+        return None
+    opt = _optimizer_term(e, system)
+    terms = {"compute": st.compute, "exposed communication": st.exposed_comm + st.tp_comm + st.p2p,
+             "pipeline bubble": st.bubble, opt: st.ns + st.optimizer_other}
+    above = {"recompute" if e.layout.checkpointing else "compute above the floor":
+             st.compute - floor, "tensor-parallel all-reduces": st.tp_comm,
+             "exposed data-parallel communication": st.exposed_comm,
+             "pipeline bubble": st.bubble, "pipeline sends": st.p2p,
+             opt: st.ns + st.optimizer_other}
+    worst = max(above, key=above.get)
+    return Explained(st.total, max(terms, key=terms.get), worst, above[worst],
+                     st.total / floor if floor else 0.0)
+
+
+BOUND_HEAD = ["| system | its best fitting layout | step s | vs compute floor | bound by | "
+              "largest term above the floor |", "|---|---|---:|---:|---|---|"]
+
+
+def bound_rows(s: Search, dm: float) -> list[str]:
+    """Per system its best fitting layout, the step, how far above the compute floor, the
+    term that bounds it and the largest above the floor."""
+    out = []
+    for key, label in SYSTEM_LABELS:
+        e = peers_best(s, dm)[key]
+        x = explain(e, key, s.floor) if e is not None else None
+        if x is None:
+            out.append(f"| {label} | no layout it runs fits | | | | |")
+            continue
+        extra = f", {e.distmuon_blocks} block(s) per bucket" if key == "distmuon" else ""
+        out.append(f"| {label} | {e.layout.label()}{extra} | {_s(x.step)} | "
+                   f"{x.over_floor:.3f}x ({100 * (x.over_floor - 1):+.1f}%) | {x.bound} | "
+                   f"{x.overhead} {_s(x.overhead_s)} s |")
+    return out
+
+
 def _best(layouts: Sequence[Evaluated], fits: Callable[[Evaluated], bool],
           secs: Callable[[Evaluated], float]) -> Evaluated | None:
     pool = [e for e in layouts if fits(e)]
@@ -133,21 +215,12 @@ def peers_best(s: Search, dm: float) -> dict[str, Evaluated | None]:
                               and e.distmuon_memory <= dm, lambda e: e.distmuon.total)}
 
 
-def _per_system(s: Search, dm: float) -> list[str]:
-    best = peers_best(s, dm)
-    ours, f2, dist = best["matrixfsdp"], best["fsdp2_torch_muon"], best["distmuon"]
+def _fewest_bytes(s: Search) -> list[str]:
     few = min(s.fitting, key=lambda e: (e.bytes_ratio, e.step.total)) if s.fitting else None
-
-    def say(name: str, e: Evaluated | None, secs: float | None) -> str:
-        if e is None:
-            return f"* {name}: no layout it can run fits"
-        return f"* {name}: {_s(secs)} s at {e.layout.label()}"
-    return ["Fastest fitting layout per system (each with its own memory):",
-            say("MatrixFSDP", ours, ours.step.total if ours else None),
-            say("FSDP2 + torch.optim.Muon", f2, f2.fsdp2.total if f2 else None),
-            say("DistMuon", dist, dist.distmuon.total if dist else None),
-            (f"* fewest bytes among MatrixFSDP's fitting layouts: {few.layout.label()}, "
-             f"{few.bytes_ratio:.3f}x FSDP2's, {_s(few.step.total)} s" if few else "")]
+    if few is None:
+        return []
+    return [f"Fewest bytes among MatrixFSDP's fitting layouts: {few.layout.label()}, "
+            f"{few.bytes_ratio:.3f}x FSDP2's, {_s(few.step.total)} s.", ""]
 
 
 def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
@@ -159,18 +232,28 @@ def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
             f"{_gib(dm)}", ""]
     e = s.recommended
     if e is None:
-        return "\n".join(head + ["No layout of this world size could be planned."])
+        return "\n".join(head + [
+            f"No layout of this world size could be planned: {s.global_batch} sequences per "
+            f"step do not split into whole micro-batches of {st.workload.micro_batch} "
+            "sequence(s) over the data-parallel sizes searched (every data-parallel rank "
+            "needs at least one); raise --global-batch / --global-tokens, or allow more tp "
+            "and pp."])
     what = "Advice" if e.fits else "No layout fits; the smallest"
     S = e.layout.shard
+    x = explain(e, "matrixfsdp", s.floor)
+    sched = f" ({e.layout.schedule.name})" if e.layout.pp > 1 else ""
     head += [
         f"{what}: **replicate {e.layout.replicate} x shard {S} x tp {e.layout.tp} x pp "
-        f"{e.layout.pp}**, activation checkpointing {'on' if e.layout.checkpointing else 'off'}, "
-        f"{e.micro_batches} micro-batch(es) per step",
-        f"* modelled step {_s(e.step.total)} s against FSDP2 + torch.optim.Muon "
-        f"{_s(e.fsdp2.total)} s and DistMuon {_s(_dm(e))} s at the same layout"
-        + ("" if e.distmuon else " (torchtitan's DistMuon refuses tp-split matrices)"),
-        f"* {e.launches} data-parallel process-group calls per step on a rank (FSDP2: "
-        f"{e.fsdp2_launches})",
+        f"{e.layout.pp}{sched}**, activation checkpointing "
+        f"{'on' if e.layout.checkpointing else 'off'}, {e.micro_batches} micro-batch(es) per "
+        f"step of {s.global_batch} sequences",
+        f"* modelled step {_s(e.step.total)} s, {x.over_floor:.3f}x the compute floor "
+        f"({_s(s.floor)} s); bound by {x.bound}; largest above the floor: {x.overhead} "
+        f"{_s(x.overhead_s)} s",
+        f"* at the same layout FSDP2 + torch.optim.Muon {_s(e.fsdp2.total)} s, DistMuon "
+        f"{_s(_dm(e))} s" + ("" if e.distmuon else " (torchtitan refuses tp > 1 and pp > 1)"),
+        f"* {e.launches} data-parallel launches holding {e.ops} NCCL ops per step on a rank "
+        f"(FSDP2: {e.fsdp2_launches})",
         f"* largest rank {_gib(e.largest_rank_bytes)} of {_gib(dm)}: model state "
         f"{_gib(e.state_max)} (max/mean {e.state_max / e.state_mean:.2f}) + buffers "
         f"{_gib(e.buffers)} + activations {_gib(e.activations)}",
@@ -178,7 +261,11 @@ def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
         f"the owner floor here {e.owner_floor:.3f}x (1-D floor P/(P-1) at {S} shard ranks: "
         f"{S / (S - 1) if S > 1 else 1:.3f})",
         f"* Newton-Schulz {e.ns_max / e.ns_bound if e.ns_bound else 1:.3f}x its bound", "",
-        *_breakdown(e), "", *_per_system(s, dm), "",
+        *_breakdown(e), "",
+        f"Each system at its best (its fastest layout that it runs and that fits its own "
+        f"memory); the compute floor {_s(s.floor)} s is the step's model FLOPs over all "
+        f"{s.world_size} ranks:", "", *BOUND_HEAD, *bound_rows(s, dm), "",
+        *_fewest_bytes(s),
         f"Layouts (the {top} fastest that fit, then the {min(top, 4)} smallest that do not):", "",
         *LAYOUT_HEAD]
     fast = sorted(s.fitting, key=lambda x: x.step.total)[:top]

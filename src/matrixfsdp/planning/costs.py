@@ -3,8 +3,8 @@ the transient buffers, Newton-Schulz FLOPs, and the bytes of a training step on 
 path against FSDP2's (``matrixfsdp.plan_costs(model, mesh_shape).summary``).
 
 No model of its own: the plan is costed as ``matrixfsdp plan`` costs one stage of a layout
-(:mod:`~matrixfsdp.planning.layout_costs`). The collectives are the runtime's on NCCL
-(:func:`~matrixfsdp.planning.layout.calls` with uneven collectives, charged by
+(:mod:`~matrixfsdp.planning.layout_costs`). The collectives are the ops the runtime issues
+(:func:`~matrixfsdp.planning.layout.calls`, charged by
 :meth:`~matrixfsdp.planning.layout.Call.load`); the model state is
 :func:`~matrixfsdp.planning.traffic.rank_held`'s for every rank (segments with their
 padding and alignment, the gradient buffers, Muon momentum and AdamW's two moments). The

@@ -5,15 +5,16 @@ seconds on the links), this library's and FSDP2's.
 Model state per rank is :func:`~matrixfsdp.planning.traffic.rank_held`'s (segments, the
 gradient buffers the shards' ``.grad`` keep alive, Muon momentum and AdamW moments), computed
 for all ranks at once from difference arrays over the shard ranks plus the ranks that hold
-pieces, so a 16384-rank plan costs milliseconds. The collectives are the runtime's on
-NCCL (:func:`~matrixfsdp.planning.layout.calls` with uneven collectives: one call per unit
-and direction over the shard group, the tp hop, and over the replicate group each shard
-rank's own runs), their seconds :mod:`~matrixfsdp.planning.links`'.
+pieces, so a 16384-rank plan costs milliseconds. The collectives are the ops the runtime
+issues (:func:`~matrixfsdp.planning.layout.calls`: per unit and direction one even
+collective and one broadcast / reduce per holder over the shard group, one launch where the
+group coalesces; the tp hop's all-to-all; over the replicate group each shard rank's own
+all-reduce and per-replica reduces / broadcasts), each charged its own latency at its
+group's size (:mod:`~matrixfsdp.planning.links`).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 
 from .assign import ns_flops
 from .layout import Segment, UnitLayout, calls
-from .links import GroupCost, Mesh, MeshCost
+from .links import GroupCost, Mesh, MeshCost, Op
+from .state_costs import StateParts
 from .traffic import Dtypes, reduce_layouts
 from .types import Plan
 
@@ -36,6 +38,10 @@ class RepLoad:
     bcast: float = 0.0
     reduce_bytes: float = 0.0
     bcast_bytes: float = 0.0
+    reduce_ops: int = 0
+    bcast_ops: int = 0
+    reduce_launches: int = 0
+    bcast_launches: int = 0
 
 
 @dataclass
@@ -43,16 +49,18 @@ class UnitComm:
     """One unit's collectives per pass: seconds on the links and critical-path bytes.
     ``gather``/``reduce``: over the shard group (the tp hop included), the same for every
     rank; ``rep``: across replicas, per (shard rank, tp rank) holding pieces (``bare``: every
-    other rank); ``rep_*``: the most loaded shard rank's. ``launches``: process-group calls
-    of a gather and of a reduce. ``floor_*``: the bytes no whole-matrix placement goes below
-    at this layout (each unit's largest matrix crosses the tp hop and the replicate dim
-    whole)."""
+    other rank); ``rep_*``: the most loaded shard rank's. ``launches``: process-group
+    launches of a gather, a reduce and the replicate dim's reduce and broadcast (the most
+    loaded rank's); ``ops``: the NCCL ops they hold. ``floor_*``: the bytes no whole-matrix
+    placement goes below at this layout (each unit's largest matrix crosses the tp hop and
+    the replicate dim whole)."""
 
     gather: float = 0.0
     reduce: float = 0.0
     gather_bytes: float = 0.0
     reduce_bytes: float = 0.0
     launches: tuple[int, int, int, int] = (0, 0, 0, 0)  # gather, reduce, replicate's both
+    ops: tuple[int, int, int, int] = (0, 0, 0, 0)  # the NCCL ops those launches hold
     rep: dict[tuple[int, int], RepLoad] = field(default_factory=dict)
     bare: RepLoad = RepLoad()
     rep_reduce: float = 0.0
@@ -64,6 +72,9 @@ class UnitComm:
     floor_rep_reduce_bytes: float = 0.0
     floor_rep_bcast_bytes: float = 0.0
     state_bytes: float = 0.0  # FSDP2's units: a rank's shards, gradients, optimizer state
+    # the shard group's part alone (every rank alike): launches, ops, bytes per direction
+    shard: tuple[tuple[int, int, float], tuple[int, int, float]] = ((0, 0, 0.0), (0, 0, 0.0))
+    hop: dict[int, tuple[float, float]] = field(default_factory=dict)  # shard rank -> bytes
 
     def rep_at(self, key: tuple[int, int]) -> RepLoad:
         return self.rep.get(key, self.bare)
@@ -84,182 +95,97 @@ class StageCosts:
     fsdp2_units: list[UnitComm]
     matrix_numel: list[int]  # per Muon matrix: its elements (whole)
     fsdp2_state: float  # FSDP2's model state per rank (padded shards: every rank alike)
-    elementwise: float  # bytes of optimizer state touched per step by the busiest rank
+    adamw_bytes: float  # bytes AdamW's element-wise update touches per step (7 per element)
+    muon_bytes: float  # bytes Muon's momentum and update touch on the busiest rank (5 each)
 
 
-def _diff_add(diff: list[int], start: int, stop: int, v: int) -> None:
-    if stop > start and v:
-        diff[start] += v
-        diff[stop] -= v
-
-
-def _even_chunks(rows: int, S: int) -> tuple[int, int, int]:
-    """FSDP2's chunks: ``c`` rows on ranks ``< q``, ``rem`` on rank ``q``, none after."""
-    c = -(-rows // S)
-    q = rows // c if c else 0
-    return c, q, rows - q * c
-
-
-@dataclass
-class StateParts:
-    """:func:`traffic.rank_held`'s totals of some units over ``S`` shard ranks, kept
-    additive (difference arrays over the shard ranks for the even parts, sparse extras at the
-    ranks holding pieces), so units planned once serve several stages."""
-
-    S: int
-    storage: int = 0
-    grads: list[int] = field(default_factory=list)
-    optim: list[int] = field(default_factory=list)
-    default: dict[tuple[int, int], int] = field(default_factory=dict)
-    specific: dict[tuple[int, int, int], int] = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.grads = self.grads or [0] * (self.S + 1)
-        self.optim = self.optim or [0] * (self.S + 1)
-
-    def add(self, u: UnitLayout, red: UnitLayout, T: int, s: int) -> None:
-        """Unit ``u`` (its storage layout; ``red``: its reduce layout, whose segments the
-        gradients keep alive) over ``T`` tp ranks, ``s`` bytes per element."""
-        S, E, H = self.S, u.even_numel, red.head
-        self.storage += E * s
-        reach = 0
-        for pl in u.placements:
-            if pl.spec.muon and pl.spec.numel:
-                continue
-            c, q, rem = _even_chunks(pl.spec.rows, S)
-            rn = pl.spec.row_numel
-            _diff_add(self.optim, 0, q, 2 * c * rn * s)
-            _diff_add(self.optim, q, q + 1, 2 * rem * rn * s)
-            if rn:
-                reach = max(reach, q + (rem > 0))
-        _diff_add(self.grads, 0, min(reach, S), H * s)
-        held: dict[tuple[int, int], dict[int, int]] = defaultdict(lambda: defaultdict(int))
-        for pc in u.pieces:
-            n = u.placements[pc.index].spec.numel if pc.split else pc.numel
-            for t in ((pc.tp_owner,) if pc.split else range(T)):
-                held[(pc.rank, t)][pc.kind] += n
-        for (r, t), kinds in held.items():
-            seg, grad_seg = u.segment(r, t).size, red.segment(r, t).size
-            even_stepped = r < reach
-            everywhere = kinds.get(0, 0)  # experts: stepped on every replica
-
-            def grads(stepped: int, grad_seg: int = grad_seg, even_stepped: bool = even_stepped
-                      ) -> int:  # beyond the even part's, counted already
-                if even_stepped:
-                    return (grad_seg - H) * s
-                return grad_seg * s if stepped else 0
-            base = grads(everywhere)
-            self.default[(r, t)] = self.default.get((r, t), 0) + (seg - E) * s + base + \
-                everywhere * s
-            for k, n in kinds.items():
-                if k:
-                    key3 = (k - 1, r, t)
-                    extra = grads(everywhere + n) - base + n * s
-                    self.specific[key3] = self.specific.get(key3, 0) + extra
-
-    def merged(self, other: StateParts) -> StateParts:
-        out = StateParts(self.S, self.storage + other.storage,
-                         [a + b for a, b in zip(self.grads, other.grads)],
-                         [a + b for a, b in zip(self.optim, other.optim)],
-                         dict(self.default), dict(self.specific))
-        for k, v in other.default.items():
-            out.default[k] = out.default.get(k, 0) + v
-        for k, v in other.specific.items():
-            out.specific[k] = out.specific.get(k, 0) + v
-        return out
-
-    def spread(self, R: int, T: int) -> tuple[float, float]:
-        """(max, mean) of the total over the ``R x S x T`` ranks."""
-        S = self.S
-        grads, optim = list(self.grads), list(self.optim)
-        for arr in (grads, optim):
-            for r in range(1, S + 1):
-                arr[r] += arr[r - 1]
-        base_r = [self.storage + grads[r] + optim[r] for r in range(S)]
-        top: dict[tuple[int, int], int] = defaultdict(int)
-        for (_, r, t), v in self.specific.items():
-            top[(r, t)] = max(top[(r, t)], v)
-        best = max([max(base_r)] + [base_r[r] + v + top[(r, t)]
-                                    for (r, t), v in self.default.items()])
-        total = (R * T * sum(base_r) + R * sum(self.default.values())
-                 + sum(self.specific.values()))
-        return float(best), total / (R * S * T)
-
-
-def state_spread(layouts: Sequence[UnitLayout], R: int, S: int, T: int, s: int
-                 ) -> tuple[float, float]:
-    """(max, mean) over the ``R x S x T`` ranks of :func:`traffic.rank_held`'s total."""
-    parts = StateParts(S)
-    for u, red in zip(layouts, reduce_layouts(layouts)):
-        parts.add(u, red, T, s)
-    return parts.spread(R, T)
-
-
-def _a2a_elements(u: UnitLayout, T: int) -> int:
-    """The tp hop's busiest rank (elements): per owner row, each holder sends its matrices'
-    slices to the ``T - 1`` others and receives theirs."""
+def hop_elements(u: UnitLayout, T: int) -> dict[int, int]:
+    """The tp hop of each shard rank holding tp-split pieces: its tp group's busiest rank's
+    elements in the one all-to-all (each tp rank holding matrices whole sends their slices
+    to the ``T - 1`` others and receives theirs)."""
     if T == 1:
-        return 0
+        return {}
     rows: dict[int, list[int]] = defaultdict(lambda: [0] * T)
     for pc in u.pieces:
         if pc.split:
             rows[pc.rank][pc.tp_owner] += pc.numel
-    return max((max(max((T - 1) * h, sum(held) - h) for h in held) for held in rows.values()),
-               default=0)
+    return {r: max(max((T - 1) * h, sum(held) - h) for h in held) for r, held in rows.items()}
 
 
-def _grouped(seg: Segment, R: int, itemsize: int) -> float:
-    """Bytes the most loaded replica moves in the uneven all-gather / reduce-scatter of
-    ``seg``'s replica runs (:func:`~matrixfsdp.planning.layout.grouped_load`: all of them
-    but the smallest)."""
-    sizes = [n for k, (_, n) in seg.runs.items() if k]
-    if not any(sizes):
-        return 0.0
-    return (sum(sizes) - (min(sizes) if len(sizes) == R else 0)) * itemsize
+def shard_ops(lay: UnitLayout, reduce: bool, itemsize: int) -> list[Op]:
+    """The NCCL ops of one gather (``reduce`` False) or reduce of ``lay`` over its shard
+    group, as the runtime issues them (:func:`~matrixfsdp.planning.layout.calls`), each
+    with its most loaded rank's bytes (:meth:`~matrixfsdp.planning.layout.Call.load`)."""
+    return [(c.kind, float(c.load(lay, 0, itemsize).critical)) for c in calls(lay, reduce)]
+
+
+def replicate_ops(seg: Segment, R: int, itemsize: int, reduce: bool) -> list[Op]:
+    """The replicate dim's ops of one shard rank's segment, as the runtime issues them: a
+    reduce's (one all-reduce of the replicated run, then one reduce of each replica's run of
+    matrices to that replica) or a broadcast's (one broadcast of each replica's non-empty
+    run from it); each pipelined op's most loaded rank moves its run once."""
+    ops: list[Op] = []
+    if reduce and seg.shared:
+        ops.append(("all_reduce", 2 * (R - 1) / R * seg.shared * itemsize))
+    kind = "reduce" if reduce else "broadcast"
+    return ops + [(kind, float(n * itemsize)) for _, n in seg.replica_runs(R) if n]
 
 
 def _rep_load(seg: Segment, grad_seg: Segment, R: int, owned: bool, g: GroupCost,
               d: Dtypes) -> RepLoad:
     """One shard rank's replicate-dim collectives of a unit: its reduce segment's
     (``grad_seg``) and its storage segment's (``seg``), over ``R`` replicas."""
-    shared = grad_seg.shared * d.reduce
-    mats = _grouped(grad_seg, R, d.reduce)
-    red = RepLoad(g.all_reduce(shared) + g.grouped(mats), 0.0, 2 * (R - 1) / R * shared + mats)
-    bmats = _grouped(seg, R, d.storage) if owned else 0.0
-    if not bmats:
-        return red
-    return RepLoad(red.reduce, g.grouped(bmats), red.reduce_bytes, bmats)
+    red = replicate_ops(grad_seg, R, d.reduce, True)
+    bc = replicate_ops(seg, R, d.storage, False) if owned else []
+    return RepLoad(g.ops(red), g.ops(bc), sum(b for _, b in red), sum(b for _, b in bc),
+                   len(red), len(bc), g.launches(len(red)), g.launches(len(bc)))
 
 
 def unit_comm(u: UnitLayout, red: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitComm:
-    """This library's collectives of one unit on NCCL (``u``: its layout, ``red``: its
-    reduce layout): per direction one call over the shard group, the tp hop, and per shard
-    rank its replicate-dim calls."""
+    """This library's collectives of one unit (``u``: its layout, ``red``: its reduce
+    layout): per direction the shard group's ops (one even collective and one per holder,
+    one launch where the group coalesces), the tp hop (one all-to-all), and per shard rank
+    its replicate-dim ops; each op charged at its own latency."""
     S, T, R = mesh.shard, mesh.tp, mesh.replicate
     c = UnitComm()
     if not u.numel:
         return c
-    hop = _a2a_elements(u, T)
+    hops = hop_elements(u, T)
+    hop = max(hops.values(), default=0)
+    c.hop = {r: (n * d.gather, n * d.reduce) for r, n in hops.items()}
     whole = [pl.spec.numel for pl in u.placements if pl.spec.muon and pl.owner is not None]
     largest, total = max(whole, default=0), sum(whole)
     hop_floor = (T - 1) * largest / T if T > 1 else 0.0
     pieces = sum(pc.numel for pc in u.pieces) if S > 1 else 0
-    launches = []
+    launches, ops, shard = [], [], []
     for lay, isz, attr in ((u, d.gather, "gather"), (red, d.reduce, "reduce")):
-        shard_calls = calls(lay, attr == "reduce")
-        crit = sum(call.load(lay, 0, isz).critical for call in shard_calls)  # any rank's
-        setattr(c, attr, mc.shard.grouped(crit) + mc.tp.all_to_all(hop * isz))
+        mine = shard_ops(lay, attr == "reduce", isz) if S > 1 else []
+        crit = sum(b for _, b in mine)
+        setattr(c, attr, mc.shard.ops(mine) + mc.tp.all_to_all(hop * isz))
         setattr(c, attr + "_bytes", float(crit + hop * isz))
         setattr(c, "floor_" + attr + "_bytes",  # a reduce's flags: on every placement
                 ((S - 1) * lay.head + pieces + hop_floor) * isz)
-        launches.append(len(shard_calls) + (1 if hop else 0))
+        shard.append((mc.shard.launches(len(mine)), len(mine), float(crit)))
+        launches.append(shard[-1][0] + (1 if hop else 0))
+        ops.append(len(mine) + (1 if hop else 0))
+    c.shard = (shard[0], shard[1])
     c.launches = (launches[0], launches[1], 0, 0)
+    c.ops = (ops[0], ops[1], 0, 0)
     if R > 1:
         g = mc.replicate
         owned = u.has_replica_owned
         keys = {(pc.rank, t) for pc in u.pieces
                 for t in ((pc.tp_owner,) if pc.split else range(T))}
-        c.rep = {k: _rep_load(u.segment(*k), red.segment(*k), R, owned, g, d) for k in keys}
+        seen: dict[tuple, RepLoad] = {}  # ranks whose segments have one shape share a load
+
+        def load(k: tuple[int, int]) -> RepLoad:
+            seg, gseg = u.segment(*k), red.segment(*k)
+            shape = (seg.shared, gseg.shared, tuple(n for _, n in seg.replica_runs(R)),
+                     tuple(n for _, n in gseg.replica_runs(R)))
+            if shape not in seen:
+                seen[shape] = _rep_load(seg, gseg, R, owned, g, d)
+            return seen[shape]
+        c.rep = {k: load(k) for k in keys}
         bare = -1  # a shard rank holding no piece: its even part (and flags) alone
         c.bare = _rep_load(u.segment(bare), red.segment(bare), R, owned, g, d)
         loads = [*c.rep.values(), c.bare]
@@ -270,9 +196,39 @@ def unit_comm(u: UnitLayout, red: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtype
         shared = max([u.even_numel] + [u.segment(*k).shared for k in keys])
         c.floor_rep_reduce_bytes = (2 * (R - 1) / R * shared + held) * d.reduce
         c.floor_rep_bcast_bytes = held * d.storage if owned else 0.0
-        mats = any(len(red.segment(*k).runs) > 1 for k in keys)
-        c.launches = (*c.launches[:2], 1 + int(mats), int(owned and mats))
+        rr, rb = max(x.reduce_ops for x in loads), max(x.bcast_ops for x in loads)
+        c.launches = (*c.launches[:2], g.launches(rr), g.launches(rb))
+        c.ops = (*c.ops[:2], rr, rb)
     return c
+
+
+def rank_counts(units: Sequence[UnitComm], shard_rank: int, tp_rank: int, m: int, pp: int = 1
+                ) -> dict[str, dict[str, float]]:
+    """What one rank (``shard_rank``, ``tp_rank``) issues over a step of a stage's units (the
+    root's first; ``m`` micro-batches, as :func:`step_bytes` counts them), per phase as its
+    ``CommStats`` reads it (``gather``: the shard group's gathers and the tp hop; ``reduce``:
+    the reduces and the gradients' tp hop; ``replicate``): launches, NCCL ops (``calls``) and
+    critical bytes. The search's cost path, rank by rank."""
+    out = {ph: {"launches": 0, "calls": 0, "critical_bytes": 0.0}
+           for ph in ("gather", "reduce", "replicate")}
+
+    def add(ph: str, times: int, launches: int, ops: int, nbytes: float) -> None:
+        if times and ops:
+            out[ph]["launches"] += times * launches
+            out[ph]["calls"] += times * ops
+            out[ph]["critical_bytes"] += times * nbytes
+    for i, u in enumerate(units):
+        gathers, reduces = (1, 1) if pp > 1 else (m * (1 if i == 0 else 2), m)
+        hop = u.hop.get(shard_rank)
+        for ph, times, (launches, ops, nbytes), k in (("gather", gathers, u.shard[0], 0),
+                                                      ("reduce", reduces, u.shard[1], 1)):
+            add(ph, times, launches, ops, nbytes)
+            if hop:
+                add(ph, times, 1, 1, hop[k])
+        r = u.rep_at((shard_rank, tp_rank)) if u.rep or u.bare != RepLoad() else RepLoad()
+        add("replicate", reduces, r.reduce_launches, r.reduce_ops, r.reduce_bytes)
+        add("replicate", 1, r.bcast_launches, r.bcast_ops, r.bcast_bytes)
+    return {ph: v for ph, v in out.items() if v["calls"]}
 
 
 def fsdp2_unit_comm(u: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitComm:
@@ -289,14 +245,14 @@ def fsdp2_unit_comm(u: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitC
         n = -(-rows // S) * rn
         shard += n
         state += n * (3 if spec.muon else 4)  # shard, gradient, momentum or AdamW's two
-    c = UnitComm(state_bytes=float(state * d.storage),
-                 launches=(int(S > 1), int(S > 1), int(R > 1), 0))
+    one = (int(S > 1), int(S > 1), int(R > 1), 0)
+    c = UnitComm(state_bytes=float(state * d.storage), launches=one, ops=one)
     for isz, attr in ((d.gather, "gather"), (d.reduce, "reduce")):
         setattr(c, attr, mc.shard.ring(S * shard * isz))
         setattr(c, attr + "_bytes", float((S - 1) * shard * isz))
     if R > 1:
         c.bare = RepLoad(mc.replicate.all_reduce(shard * d.reduce), 0.0,
-                         2 * (R - 1) / R * shard * d.reduce, 0.0)
+                         2 * (R - 1) / R * shard * d.reduce, 0.0, 1, 0)
         c.rep_reduce, c.rep_reduce_bytes = c.bare.reduce, c.bare.reduce_bytes
     return c
 
@@ -323,7 +279,8 @@ def step_bytes(units: Sequence[UnitComm], m: int, pp: int = 1, prefix: str = ""
 class NSLoads:
     """A plan's Newton-Schulz: the busiest rank's FLOPs, the bound ``max(largest, total /
     ranks)``, every matrix once, and per matrix (each expert counted) its FLOPs, elements,
-    shape and unit."""
+    shape, unit and tp split (0: rows, 1: columns, None: not split). ``busiest``: the
+    busiest rank's largest matrix (name, shape) and that matrix's FLOPs."""
 
     max: float
     bound: float
@@ -332,28 +289,44 @@ class NSLoads:
     numel: list[int]
     shapes: list[tuple[int, int]] = field(default_factory=list)
     units: list[int] = field(default_factory=list)
+    tp_dims: list[int | None] = field(default_factory=list)
+    busiest: tuple[str, tuple[int, int], float] = ("", (0, 0), 0.0)
 
 
 def ns_loads(plan: Plan, T: int) -> NSLoads:
     """:class:`NSLoads` of a plan whose matrices may be tp-split (held by ``tp_owner``)."""
-    load: dict[tuple[int, int], int] = defaultdict(int)
-    costs, numel, shapes, units = [], [], [], []
+    load: dict[tuple[int, int], float] = defaultdict(float)
+    top: dict[tuple[int, int], tuple[float, str, tuple[int, int]]] = {}
+    costs, numel, shapes, units, dims = [], [], [], [], []
     work = 0
     for pl in plan.placements.values():
         if not pl.spec.muon:
             continue
         f = ns_flops(pl.spec.matrix_shape, plan.ns_steps)
         n = pl.spec.matrices
+        shape = tuple(pl.spec.matrix_shape)
         costs += [float(f)] * n
         numel += [math.prod(pl.spec.matrix_shape)] * n
-        shapes += [tuple(pl.spec.matrix_shape)] * n
+        shapes += [shape] * n
         units += [pl.spec.unit] * n
+        dims += [pl.spec.tp_dim if pl.spec.tp > 1 else None] * n
         work += f * n * (plan.replicas if pl.spec.is_experts else 1)
-        if T > 1:
-            load[(pl.owner, pl.tp_owner)] += f
-    busiest = max(load.values(), default=0) if T > 1 else max(plan.rank_cost, default=0)
+        if pl.owner is not None:
+            key = (pl.owner, pl.tp_owner or 0)
+            load[key] += f
+            if f > top.get(key, (-1.0,))[0]:
+                top[key] = (float(f), pl.spec.name, shape)
+    if T > 1:
+        busiest = max(load.values(), default=0)
+        key = max(load, key=load.get, default=None)
+    else:
+        busiest = max(plan.rank_cost, default=0)
+        ranks = [k for k in load if k[0] == plan.rank_cost.index(busiest)] if busiest else []
+        key = ranks[0] if ranks else None
+    named = ("", (0, 0), 0.0) if key is None else (top[key][1], top[key][2], top[key][0])
     bound = max(max(costs, default=0.0), work / (plan.world_size * T))
-    return NSLoads(float(busiest), float(bound), float(sum(costs)), costs, numel, shapes, units)
+    return NSLoads(float(busiest), float(bound), float(sum(costs)), costs, numel, shapes, units,
+                   dims, named)
 
 
 def _buffers(layouts: Sequence[UnitLayout], d: Dtypes, kept: bool) -> float:
@@ -401,21 +374,8 @@ def stage_costs(plan: Plan, parts: Sequence[UnitsPart], mesh: Mesh, d: Dtypes,
     layouts = [u for p in parts for u in p.layouts]
     even = sum(u.even_numel for u in layouts)
     busiest = max(plan.rank_bytes, default=0) / d.storage - even
-    elementwise = (7 * even + 5 * max(busiest, 0) / max(T, 1)) * d.storage
     return StageCosts(state_max, state_mean, _buffers(layouts, d, kept), ns.max, ns.bound,
                       ns.total, [c for p in parts for c in p.comm],
                       [c for p in parts for c in p.fsdp2], ns.numel,
-                      sum(c.state_bytes for p in parts for c in p.fsdp2), elementwise)
-
-
-def lpt_max(costs: Sequence[float], sizes: Sequence[int], ranks: int) -> tuple[float, int]:
-    """Longest-processing-time owners over ``ranks``: (largest load, largest bytes owned)."""
-    if not costs:
-        return 0.0, 0
-    if ranks >= len(costs):
-        return float(max(costs)), max(sizes)
-    heap = [(0.0, 0, r) for r in range(ranks)]
-    for c, b in sorted(zip(costs, sizes), reverse=True):
-        load, held, r = heapq.heappop(heap)
-        heapq.heappush(heap, (load + c, held + b, r))
-    return max(h[0] for h in heap), max(h[1] for h in heap)
+                      sum(c.state_bytes for p in parts for c in p.fsdp2),
+                      7.0 * even * d.storage, 5.0 * max(busiest, 0) / max(T, 1) * d.storage)

@@ -12,10 +12,12 @@ the model as each layout's runtime sees it: tensor-parallel specs, pipeline stag
   logits: ``vocab`` per token in bf16 and again in fp32 for the loss. Tensor parallelism
   (with sequence parallelism, torchtitan's plan) divides all of them by ``tp``.
 * **Tensor parallelism** (torchtitan's Llama plan as :mod:`matrixfsdp.runtime.tp` plans it):
-  every block matrix is split ``tp`` ways (along dim 0 where ``tp`` divides it, else dim 1;
-  the dim does not change bytes or memory) and planned whole; the embedding and the head
-  are split by vocabulary rows; every other parameter (norms, biases, a position
-  embedding) is replicated over tp.
+  every block matrix is split ``tp`` ways and planned whole: the output projections
+  (``wo``, ``w2``, ``o_proj``, ``down_proj``, ``proj``, ...: RowwiseParallel) along their
+  columns, the others (ColwiseParallel) along their rows (the dim does not change bytes or
+  memory, it decides how torch's Muon runs on the DTensor); the embedding and the head are
+  split by vocabulary rows; every other parameter (norms, biases, a position embedding) is
+  replicated over tp.
 * **Pipeline stages** (torchtitan's split, docs/pipelining.md): the blocks in ``pp``
   contiguous stages, as even as possible (the first stages take one more); stage 0 also
   holds the root's embeddings (parameters named ``*emb*``, ``wte``, ``wpe``, ``pos``), the
@@ -37,6 +39,9 @@ from .planner import collect_params
 from .types import MuonFilter, ParamSpec
 
 _EMBEDDING = re.compile(r"(^|[._])(emb|embed\w*|embeddings|wte|wpe|pos|tok_embeddings)([._]|$)")
+# torchtitan's RowwiseParallel weights (the blocks' output projections): split along columns
+_ROWWISE = re.compile(r"(^|\.)(wo|w2|o|o_proj|out_proj|proj|c_proj|down_proj|dense_4h_to_h)"
+                      r"\.weight$")
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,8 @@ def tp_specs(shapes: ModelShapes, tp: int) -> list[ParamSpec] | None:
     out = []
     for s in shapes.specs:
         if s.muon and len(s.shape) == 2:
-            dim = 0 if s.shape[0] % tp == 0 else 1 if s.shape[1] % tp == 0 else None
-            if dim is None:
+            dim = 1 if _ROWWISE.search(s.name) else 0
+            if s.shape[dim] % tp:
                 return None
             out.append(replace(s, tp=tp, tp_dim=dim))
         elif s.unit == 0 and len(s.shape) == 2 and s.rows == shapes.vocab:

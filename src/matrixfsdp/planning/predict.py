@@ -24,7 +24,7 @@ from torch import nn
 from .costs import PlanCosts, plan_summary
 from .layout import unit_layouts
 from .planner import plan_module
-from .traffic import Dtypes, Held, predict_comm, rank_held
+from .traffic import Dtypes, Held, predict_comm, predict_launches, rank_held
 from .types import MuonFilter, Plan
 
 
@@ -34,13 +34,14 @@ class PlanPrediction:
     ``comm_stats(model).summary()`` reads on rank ``w`` after one steady training step
     (collective kind -> calls, payload / sent / received / critical / mean bytes);
     ``held[w]`` the bytes it holds after an optimizer step (segments, shards, gradients,
-    optimizer state). ``summary``: the plan's max / mean costs (model state, buffers, NS, bytes
-    per step against FSDP2's), on NCCL's calls whatever ``uneven_collectives`` says."""
+    optimizer state). ``launches[w]``: its ``CommStats.launches`` (per phase). ``summary``: the
+    plan's max / mean costs (model state, buffers, NS, bytes per step against FSDP2's)."""
 
     plan: Plan
     comm: list[dict[str, dict[str, int]]]
     held: list[Held]
     summary: PlanCosts
+    launches: list[dict[str, int]]
 
     def critical_bytes(self, rank: int) -> int:
         """Bytes on the critical path of rank ``rank``'s collectives over the step: each
@@ -70,7 +71,8 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
                units: Sequence[nn.Module] | None = None, muon_filter: MuonFilter | None = None,
                ns_steps: int = 5, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None, micro_batches: int = 1,
-               uneven_collectives: bool = True) -> PlanPrediction:
+               coalesced: bool = True, uneven_collectives: bool | None = None
+               ) -> PlanPrediction:
     """Plan ``model`` for a mesh of shape ``mesh_shape`` (``(world,)`` or ``world``: 1-D;
     ``(replicate, shard)``: HSDP) and predict, per rank, the collectives of one training
     step and the bytes held.
@@ -80,8 +82,8 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
     ``Muon``; ``param_dtype`` / ``reduce_dtype`` as in ``MixedPrecisionPolicy`` (default: the
     parameters' dtype); ``micro_batches``: forward/backward passes per optimizer step, each
     reducing (the runtime's default without ``set_requires_gradient_sync(False)``);
-    ``uneven_collectives``: the process groups have uneven all-gather / reduce-scatter
-    (NCCL, XCCL: one call per unit and direction), False for gloo's calls.
+    ``coalesced``: the process groups run a unit's ops of one direction as one launch
+    (NCCL), False for gloo's one launch per op (``uneven_collectives``: its former name).
     Tensor-parallel models are costed by ``matrixfsdp plan``'s layout search only."""
     shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
     if len(shape) not in (1, 2) or any(int(n) < 1 for n in shape):
@@ -96,5 +98,8 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
     dtypes = Dtypes(storage, _itemsize(param_dtype, storage), _itemsize(reduce_dtype, storage))
     layouts = unit_layouts(plan)
     held = [rank_held(layouts, w, 0, dtypes) for w in range(world)]
-    return PlanPrediction(plan, predict_comm(plan, dtypes, micro_batches, uneven_collectives),
-                          held, plan_summary(plan, dtypes, micro_batches))
+    if uneven_collectives is not None:
+        coalesced = uneven_collectives
+    return PlanPrediction(plan, predict_comm(plan, dtypes, micro_batches, coalesced), held,
+                          plan_summary(plan, dtypes, micro_batches),
+                          predict_launches(plan, dtypes, micro_batches, coalesced))

@@ -19,7 +19,6 @@ from .layout_costs import (
     NSLoads,
     StageCosts,
     UnitsPart,
-    lpt_max,
     ns_loads,
     stage_costs,
     step_bytes,
@@ -27,10 +26,13 @@ from .layout_costs import (
 )
 from .links import Links, Mesh, MeshCost
 from .model_shapes import ModelShapes, Stage, activation_bytes, stages, tp_specs
+from .peers import DistMuonBest, distmuon, distmuon_best, dtensor_muon_step, fsdp2_muon
 from .planner import make_plan, with_even_params
-from .steptime import Bucket, StepTime, Workload, distmuon, fsdp2_muon, ours, stage_work
+from .steptime import ONE_STAGE, SCHEDULES, PipelineSchedule, StepTime, Workload, ours, stage_work
 from .traffic import Dtypes
 from .types import Plan
+
+LLAMA3_TOKENS = 2 ** 24  # Llama 3's global batch at its final stage: 16M tokens per step
 
 KEYS = ("replicate", "shard", "tp", "pp", "largest_rank_bytes", "device_memory_bytes", "fits",
         "model_state_max_over_mean", "critical_bytes_vs_fsdp2", "owner_floor",
@@ -44,10 +46,12 @@ class Layout:
     tp: int
     pp: int
     checkpointing: bool
+    schedule: PipelineSchedule = ONE_STAGE
 
     def label(self) -> str:
         ac = ", AC" if self.checkpointing else ""
-        return f"{self.replicate} x {self.shard} x tp {self.tp} x pp {self.pp}{ac}"
+        sched = f" ({self.schedule.name})" if self.pp > 1 else ""
+        return f"{self.replicate} x {self.shard} x tp {self.tp} x pp {self.pp}{sched}{ac}"
 
 
 @dataclass
@@ -72,11 +76,14 @@ class Evaluated:
     ns_bound: float
     step: StepTime
     fsdp2: StepTime
-    distmuon: StepTime | None  # None: DistMuon cannot run this layout (tp > 1)
+    distmuon: StepTime | None  # None: DistMuon refuses this layout (tp > 1, pp > 1)
     fsdp2_memory: float = 0.0  # FSDP2 + torch.optim.Muon's largest rank
-    distmuon_memory: float = 0.0  # DistMuon's: FSDP2's and the gathered matrices it owns
-    launches: int = 0  # process-group calls per step of the slowest stage (data-parallel)
+    distmuon_memory: float = 0.0  # DistMuon's: FSDP2's and its two bucket slots' buffers
+    launches: int = 0  # process-group launches per step of the slowest stage (data-parallel)
     fsdp2_launches: int = 0
+    ops: int = 0  # the NCCL ops those launches hold
+    distmuon_blocks: int = 0  # DistMuon's fastest bucket size (blocks per bucket)
+    busiest_matrix: tuple[str, tuple[int, int], float] = ("", (0, 0), 0.0)  # NS FLOPs
     plan: Plan | None = field(default=None, repr=False)  # stage 0's plan
 
     @property
@@ -112,6 +119,7 @@ class Evaluated:
         rep = (self.replicate_bytes / self.fsdp2_replicate_bytes
                if self.fsdp2_replicate_bytes else None)
         out = {"replicate": lay.replicate, "shard": lay.shard, "tp": lay.tp, "pp": lay.pp,
+               "schedule": lay.schedule.name if lay.pp > 1 else None,
                "largest_rank_bytes": round(self.largest_rank_bytes),
                "device_memory_bytes": round(self.device_memory), "fits": self.fits,
                "model_state_max_over_mean": self.state_max / self.state_mean
@@ -137,7 +145,11 @@ class Evaluated:
                     "breakdown": self.step.as_dict(), "fsdp2_breakdown": self.fsdp2.as_dict(),
                     "distmuon_breakdown": self.distmuon.as_dict() if self.distmuon else None,
                     "launches_per_step": self.launches, "fsdp2_launches_per_step":
-                    self.fsdp2_launches})
+                    self.fsdp2_launches, "ops_per_step": self.ops,
+                    "distmuon_blocks_per_bucket": self.distmuon_blocks or None,
+                    "busiest_matrix": {"name": self.busiest_matrix[0],
+                                       "shape": list(self.busiest_matrix[1]),
+                                       "ns_flops": self.busiest_matrix[2]}})
         return out
 
 
@@ -150,6 +162,7 @@ class Search:
     seconds: float
     world_size: int
     global_batch: int
+    floor: float = 0.0  # the compute floor: the step's model FLOPs over every rank's rate
 
     @property
     def fitting(self) -> list[Evaluated]:
@@ -166,19 +179,19 @@ class _StagePlan:
     stage: Stage
     plan: Plan
     costs: StageCosts
-    distmuon: tuple[float, int]  # DistMuon's busiest rank: NS FLOPs, bytes of matrices owned
-    buckets: list[Bucket]  # DistMuon's: one per block
     ns: NSLoads
+    distmuon: DistMuonBest | None = None
+    torch_muon: float = 0.0  # FSDP2 + torch.optim.Muon's optimizer seconds at this mesh
 
 
 def _plan_stages(stage_list: Sequence[Stage], dp: int, S: int, mesh: Mesh, mc: MeshCost,
-                 d: Dtypes, ns_steps: int) -> list[_StagePlan]:
+                 d: Dtypes, ns_steps: int, w: Workload) -> list[_StagePlan]:
     """Every stage planned by the runtime's planner and costed. Stages with the same blocks
     share one plan of those blocks, to which each adds its root's even parameters
     (:func:`~matrixfsdp.planning.planner.with_even_params`: the same owners as planning the
     stage whole); a root holding Muon matrices is planned with its stage."""
     cores: dict[tuple, tuple[Plan, UnitsPart, NSLoads]] = {}
-    lpt: dict[int, tuple[float, int]] = {}
+    dm: dict[int, tuple[DistMuonBest | None, float]] = {}
     out = []
     for st in stage_list:
         root = [s for s in st.specs if s.unit == 0]
@@ -197,27 +210,19 @@ def _plan_stages(stage_list: Sequence[Stage], dp: int, S: int, mesh: Mesh, mc: M
             head = layout_of([plan.placements[s.name] for s in root], S, mesh.replicate, mesh.tp)
             parts = [units_part([head], mesh, mc, d), blocks]
         costs = stage_costs(plan, parts, mesh, d, mesh.pp > 1, ns)
-        if id(ns) not in lpt:
-            lpt[id(ns)] = lpt_max(ns.costs, [n * d.storage for n in ns.numel], S * mesh.tp)
-        out.append(_StagePlan(st, plan, costs, lpt[id(ns)], _buckets(ns, d.storage), ns))
+        if id(ns) not in dm:
+            dm[id(ns)] = (distmuon_best(ns, d.storage, mesh, mc, w),
+                          dtensor_muon_step(ns, ns_steps, mesh, mc, w))
+        out.append(_StagePlan(st, plan, costs, ns, *dm[id(ns)]))
     return out
 
 
-def _buckets(ns: NSLoads, storage: int) -> list[Bucket]:
-    """DistMuon's buckets as the bench configures it: one per unit holding matrices."""
-    by_unit: dict[int, list[int]] = {}
-    for i, u in enumerate(ns.units):
-        by_unit.setdefault(u, []).append(i)
-    return [Bucket(tuple(ns.costs[i] for i in idx), tuple(ns.numel[i] * storage for i in idx))
-            for _, idx in sorted(by_unit.items())]
-
-
-def _launches(units, m: int, pp: int) -> int:
-    """Data-parallel process-group calls per step of a stage's units (a busiest rank's)."""
+def _launches(units, m: int, pp: int, which: str = "launches") -> int:
+    """Data-parallel launches (or NCCL ops) per step of a stage's units (a busiest rank's)."""
     total = 0
     for i, u in enumerate(units):
         gathers, reduces = (1, 1) if pp > 1 else (m * (1 if i == 0 else 2), m)
-        g, r, rr, rb = u.launches
+        g, r, rr, rb = getattr(u, which)
         total += gathers * g + reduces * (r + rr) + rb
     return total
 
@@ -227,8 +232,9 @@ def _evaluate(shapes: ModelShapes, sps: list[_StagePlan], layout: Layout, m: int
               device_memory: float) -> Evaluated:
     mesh = Mesh(layout.pp, layout.replicate, layout.shard, layout.tp)
     w = replace(w, checkpointing=layout.checkpointing)
+    sched = layout.schedule
     tokens = w.micro_batch * w.seq
-    in_flight = min(m, layout.pp) if layout.pp > 1 else 1
+    in_flight = sched.in_flight(m, layout.pp)
     block_at = 0
     rows = []  # per stage: (costs, activations, step times, bytes, FSDP2's, floor)
     for sp in sps:
@@ -240,9 +246,9 @@ def _evaluate(shapes: ModelShapes, sps: list[_StagePlan], layout: Layout, m: int
         act = activation_bytes(shapes, blocks, tokens, layout.tp, layout.checkpointing,
                                in_flight, sp.stage.last)
         c = sp.costs
-        steps = (ours(c, work, mesh, mc, w, m),
-                 fsdp2_muon(c, work, mesh, mc, w, m, sp.ns.shapes, sp.plan.ns_steps),
-                 distmuon(c, work, mesh, mc, w, m, sp.buckets))
+        steps = (ours(c, work, mesh, mc, w, m, sched),
+                 fsdp2_muon(c, work, mesh, mc, w, m, sp.torch_muon, sched),
+                 distmuon(c, work, mesh, mc, w, m, sp.distmuon))
         rows.append((c, act, steps, step_bytes(c.units, m, layout.pp),
                      step_bytes(c.fsdp2_units, m, layout.pp),
                      step_bytes(c.units, m, layout.pp, "floor_")))
@@ -252,14 +258,45 @@ def _evaluate(shapes: ModelShapes, sps: list[_StagePlan], layout: Layout, m: int
     mine, theirs = (max(rows, key=lambda r: r[k][0])[k] for k in (3, 4))
     floor = max(rows, key=lambda r: r[3][0])[5][0]
     fsdp2 = max(r[0].fsdp2_state + r[0].buffers + r[1] for r in rows)
-    owned = max(sp.distmuon[1] for sp in sps)
-    launches = max(_launches(sp.costs.units, m, layout.pp) for sp in sps)
-    fsdp2_launches = max(_launches(sp.costs.fsdp2_units, m, layout.pp) for sp in sps)
+    dm = sps[0].distmuon
+    busiest = max(sps, key=lambda sp: sp.ns.max).ns
     return Evaluated(layout, m, mem[0].state_max, sum(r[0].state_mean for r in rows) / len(rows),
                      mem[0].buffers, mem[1], device_memory, mine[0], theirs[0], floor, mine[1],
                      theirs[1], max(r[0].ns_max for r in rows), max(r[0].ns_bound for r in rows),
-                     *slow, fsdp2, fsdp2 + 2 * owned, launches, fsdp2_launches,
-                     plan=sps[0].plan)
+                     *slow, fsdp2, fsdp2 + (dm.buffers if dm else 0.0),
+                     max(_launches(sp.costs.units, m, layout.pp) for sp in sps),
+                     max(_launches(sp.costs.fsdp2_units, m, layout.pp) for sp in sps),
+                     max(_launches(sp.costs.units, m, layout.pp, "ops") for sp in sps),
+                     dm.blocks if dm else 0, busiest.busiest, plan=sps[0].plan)
+
+
+def compute_floor(shapes: ModelShapes, seq: int, tokens: int, world_size: int,
+                  tflops: float) -> float:
+    """Seconds of a step's model FLOPs (forward, and backward twice it; no recompute, no
+    communication) spread evenly over every rank at ``tflops``: what no layout beats."""
+    blocks, head = shapes.forward_flops_per_token(seq)
+    return 3.0 * (blocks + head) * tokens / (world_size * tflops)
+
+
+def cost_path(shapes: ModelShapes, replicate: int, shard: int, tp: int = 1, pp: int = 1, *,
+              dtypes: Dtypes | None = None, links: Links | None = None, ns_steps: int = 5
+              ) -> list[tuple[Stage, Plan, StageCosts]]:
+    """The search's costs of one layout, stage by stage (each stage's plan and
+    :class:`~matrixfsdp.planning.layout_costs.StageCosts`, its units' collectives with them:
+    :func:`~matrixfsdp.planning.layout_costs.rank_counts` reads them rank by rank)."""
+    specs = tp_specs(shapes, tp)
+    if specs is None:
+        raise ValueError(f"cost_path: the model does not split over tp {tp}")
+    links, dtypes = links or Links(), dtypes or Dtypes()
+    mesh = Mesh(pp, replicate, shard, tp)
+    sps = _plan_stages(stages(specs, shapes.unit_names, pp), replicate * shard, shard, mesh,
+                       mesh.costs(links), dtypes, ns_steps, Workload())
+    return [(sp.stage, sp.plan, sp.costs) for sp in sps]
+
+
+def default_global_batch(seq: int, tokens: int = LLAMA3_TOKENS) -> int:
+    """Sequences per step for ``tokens`` per step (default Llama 3's 16M), at least one."""
+    return max(1, tokens // seq)
 
 
 def search(shapes: ModelShapes, world_size: int, device_memory: float, *,
@@ -268,17 +305,19 @@ def search(shapes: ModelShapes, world_size: int, device_memory: float, *,
            global_batch: int | None = None, tp: Sequence[int] | None = None,
            pp: Sequence[int] | None = None, shard: Sequence[int] | None = None,
            checkpointing: Sequence[bool] = (False, True), ns_steps: int = 5,
-           max_pp: int = 16) -> Search:
+           max_pp: int = 16, schedules: Sequence[PipelineSchedule] = SCHEDULES) -> Search:
     """Every layout of ``world_size`` ranks (module docstring), evaluated; the advice.
 
-    ``global_batch``: sequences per step (default ``world_size x workload.micro_batch``: one
-    micro-batch per rank without tp and pp), so every layout trains the same tokens per step;
-    a layout whose data-parallel size does not divide it is skipped. ``tp`` / ``pp`` /
-    ``shard``: restrict the search to these sizes (default: tp up to a node, pp powers of two
-    up to ``max_pp`` and the block count, every shard size)."""
+    ``global_batch``: sequences per step (default :func:`default_global_batch`: Llama 3's
+    16M tokens), the same for every layout; a layout whose data-parallel size times the
+    micro-batch does not divide it (a fraction of a micro-batch per rank) is skipped.
+    ``tp`` / ``pp`` / ``shard``: restrict the search to these sizes (default: tp up to a
+    node, pp powers of two up to ``max_pp`` and the block count, every shard size);
+    ``schedules``: the pipeline schedules tried where ``pp > 1`` (each where torch runs
+    it)."""
     t0 = time.perf_counter()
     links, workload, dtypes = links or Links(), workload or Workload(), dtypes or Dtypes()
-    G = global_batch or world_size * workload.micro_batch
+    G = global_batch or default_global_batch(workload.seq)
     g = links.gpus_per_node
     tps = tp or [t for t in divisors(g) if world_size % t == 0]
     found: list[Evaluated] = []
@@ -295,18 +334,24 @@ def search(shapes: ModelShapes, world_size: int, device_memory: float, *,
             if G % (dp * workload.micro_batch):
                 continue
             m = G // (dp * workload.micro_batch)
+            scheds = [sc for sc in schedules if sc.allows(m, P, shapes.blocks)] if P > 1 \
+                else [ONE_STAGE]
+            if not scheds:
+                continue
             stage_list = stages(specs, shapes.unit_names, P)
             for S in (shard or divisors(dp)):
                 if dp % S:
                     continue
                 mesh = Mesh(P, dp // S, S, T)
                 mc = mesh.costs(links)
-                sps = _plan_stages(stage_list, dp, S, mesh, mc, dtypes, ns_steps)
-                for ac in checkpointing:
-                    found.append(_evaluate(shapes, sps, Layout(dp // S, S, T, P, ac), m, links,
-                                           mc, workload, dtypes, device_memory))
+                sps = _plan_stages(stage_list, dp, S, mesh, mc, dtypes, ns_steps, workload)
+                for sc in scheds:
+                    for ac in checkpointing:
+                        found.append(_evaluate(shapes, sps, Layout(dp // S, S, T, P, ac, sc), m,
+                                               links, mc, workload, dtypes, device_memory))
     fitting = [e for e in found if e.fits]
     pool = fitting or found
     best = min(pool, key=lambda e: (e.step.total if fitting else e.largest_rank_bytes,
                                     e.critical_bytes)) if pool else None
-    return Search(found, best, time.perf_counter() - t0, world_size, G)
+    floor = compute_floor(shapes, workload.seq, G * workload.seq, world_size, workload.tflops)
+    return Search(found, best, time.perf_counter() - t0, world_size, G, floor)

@@ -1,5 +1,6 @@
 """Seconds per training step of one layout, this library's and its baselines' (FSDP2 +
-``torch.optim.Muon``, torchtitan's DistMuon), from a stage's costs and the workload.
+``torch.optim.Muon``, torchtitan's DistMuon: :mod:`~matrixfsdp.planning.peers`), from a
+stage's costs and the workload.
 
 **A pass** (one micro-batch's forward and backward; the runtime's schedule,
 docs/overlap.md): the root unit is gathered first and kept until its backward; each
@@ -17,25 +18,17 @@ block forward, two per backward, two more per recompute) block the compute.
 
 **A step**: ``m`` micro-batches per data-parallel rank (``global batch / (dp x micro
 batch)``). Without pipeline stages each runs a pass (gathering and reducing, the runtime's
-default). With ``pp`` stages (1F1B, every stage gathered once and kept, its gradients held
-unreduced, one reduce per step: :mod:`matrixfsdp.integrations.pipelining`): the first
-micro-batch's gathers behind its forward, then ``(m + pp - 1)`` slots of the slowest stage's
-forward + backward + two activation sends, then every reduce, exposed. Then the optimizer:
-Newton-Schulz of the busiest rank's matrices at the given TFLOP/s, and the element-wise
-updates at HBM bandwidth (7 accesses per AdamW element, 5 per Muon element, 4 bytes each).
+default). With ``pp`` stages (every stage gathered once and kept, its gradients held
+unreduced, one reduce per step: :mod:`matrixfsdp.integrations.pipelining`), one of torch's
+schedules (:data:`SCHEDULES`): the first micro-batch's gathers behind its forward, ``m``
+micro-batches of the slowest stage's forward and backward, the schedule's bubble, the
+activation sends, then every reduce, exposed. Then the optimizer: Newton-Schulz of the
+busiest rank's matrices, and the element-wise updates (7 fp32 accesses per AdamW element, 5
+per Muon element).
 
-**Collectives** are this library's on NCCL: one launch per unit and direction over the
-shard group (an uneven all-gather / reduce-scatter), the tp hop, and each rank's own
-replicate-dim calls. Every rank has its own queues, so a step is timed on the ranks whose
-replicate-dim traffic weighs most (and a rank holding no piece) and the slowest counts.
-
-**Baselines** at the same layout and links: FSDP2's all-gathers and reduce-scatters of
-padded shards (HSDP: an all-reduce of the shard across replicas after each reduce-scatter),
-the same schedule. FSDP2 + ``torch.optim.Muon``: each matrix's NS on its DTensor, every
-matmul split over a replica's ranks with an all-gather of its operand
-(:func:`dtensor_muon_step`). DistMuon as torchtitan runs it (:func:`distmuon_step`): one
-bucket per block through two buffer slots; it refuses tp-split matrices, so it has no time
-at ``tp > 1``.
+**Collectives** are the ops the runtime issues (:mod:`~matrixfsdp.planning.layout_costs`),
+each at its own latency. Every rank has its own queues, so a step is timed on the ranks
+whose replicate-dim traffic weighs most (and a rank holding no piece) and the slowest counts.
 """
 
 from __future__ import annotations
@@ -51,14 +44,70 @@ from .links import Links, Mesh, MeshCost, p2p_time
 @dataclass(frozen=True)
 class Workload:
     """Per data-parallel rank: ``micro_batch`` sequences of ``seq`` tokens per micro-batch;
-    ``tflops`` (FLOP/s, bf16, reached by the model's matmuls and by NS), ``hbm`` (bytes/s),
-    ``checkpointing`` (recompute each block in backward)."""
+    ``tflops`` (FLOP/s reached by the model's matmuls), ``ns_tflops`` (by Newton-Schulz, bf16;
+    None: ``tflops``), ``hbm`` (bytes/s of the element-wise updates; ``adamw_hbm`` /
+    ``muon_hbm`` where measured apart), ``checkpointing`` (recompute each block in
+    backward)."""
 
     seq: int = 8192
     micro_batch: int = 1
     tflops: float = 400e12
     hbm: float = 3.35e12
     checkpointing: bool = False
+    ns_tflops: float | None = None
+    adamw_hbm: float | None = None
+    muon_hbm: float | None = None
+
+    @property
+    def ns_rate(self) -> float:
+        return self.ns_tflops or self.tflops
+
+    def elementwise(self, st: StageCosts) -> float:
+        """Seconds of a stage's element-wise optimizer updates on its busiest rank."""
+        return st.adamw_bytes / (self.adamw_hbm or self.hbm) + \
+            st.muon_bytes / (self.muon_hbm or self.hbm)
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A pipeline schedule of torch's: ``v`` stages per rank (looped), ``split``: backward
+    split into input and weight passes (zero bubble)."""
+
+    name: str
+    v: int
+    split: bool
+
+    def allows(self, m: int, pp: int, blocks: int) -> bool:
+        """Whether torch runs it: 1F1B needs ``m >= pp``; the looped schedules need
+        ``pp x v`` stages of at least one block and ``m`` a multiple of its rounds
+        (``max(1, m // pp)``: ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``)."""
+        if self.v == 1:
+            return m >= pp
+        return pp * self.v <= blocks and m % max(1, m // pp) == 0
+
+    def in_flight(self, m: int, pp: int) -> float:
+        """Micro-batches whose activations the first stage holds at its peak (in whole-stage
+        units): 1F1B ``pp``; looped, ``((v-1) pp + 2 (pp-1) + 1) / v`` chunks' worth (its
+        warm-up); never more than ``m``."""
+        if pp == 1:
+            return 1.0
+        if self.v == 1:
+            return float(min(m, pp))
+        return min(float(m), ((self.v - 1) * pp + 2 * (pp - 1) + 1) / self.v)
+
+    def bubble(self, pp: int, fwd: float, bwd: float, weight: float) -> float:
+        """Idle seconds of the slowest stage: 1F1B ``(pp-1)(F+B)``; interleaved over ``v``
+        stages per rank ``(pp-1)(F+B)/v`` (Narayanan et al. 2021); zero bubble, the weight
+        pass ``W`` filling it, ``(pp-1)(F+B-2W)/v`` (Qi et al. 2023, ZB-H1: ``F+B_in-W``)."""
+        if pp == 1:
+            return 0.0
+        busy = fwd + bwd - (2 * weight if self.split else 0.0)
+        return (pp - 1) * max(busy, 0.0) / self.v
+
+
+SCHEDULES = (PipelineSchedule("1F1B", 1, False), PipelineSchedule("interleaved 1F1B", 2, False),
+             PipelineSchedule("interleaved zero bubble", 2, True))
+ONE_STAGE = SCHEDULES[0]
 
 
 @dataclass
@@ -71,7 +120,7 @@ class StepTime:
     exposed_comm: float = 0.0  # data-parallel collectives not hidden behind compute
     bubble: float = 0.0  # pipeline fill and drain
     p2p: float = 0.0  # activations between pipeline stages
-    ns: float = 0.0  # Newton-Schulz in the optimizer step
+    ns: float = 0.0  # Newton-Schulz in the optimizer step (or the peer's optimizer exchange)
     optimizer_other: float = 0.0  # element-wise updates and the step's own collectives
 
     def as_dict(self) -> dict[str, float]:
@@ -171,12 +220,14 @@ def busiest_ranks(units: Sequence[UnitComm], m: int, count: int = 3) -> list[Ran
 @dataclass
 class StageWork:
     """One stage's per-micro-batch compute: per unit forward and backward seconds (unit 0
-    the root), of which tensor parallelism's all-reduces, and the activation send."""
+    the root), of which tensor parallelism's all-reduces, the weight-gradient matmuls
+    (``weight``: what a zero-bubble schedule defers), and the activation send."""
 
     cf: list[float]
     cb: list[float]
     tp_comm: float
     p2p: float
+    weight: float = 0.0
 
 
 def stage_work(block_flops: Sequence[float], head_flops: float, tokens: int, d_model: int,
@@ -188,20 +239,22 @@ def stage_work(block_flops: Sequence[float], head_flops: float, tokens: int, d_m
     recompute = 1 if w.checkpointing else 0
     cf = [tokens * head_flops / T / w.tflops]
     cb = [2 * cf[0]]
+    weight = cf[0]
     for f in block_flops:
         fwd = tokens * f / T / w.tflops
         cf.append(fwd + 2 * ar)
         cb.append((2 + recompute) * fwd + (2 + 2 * recompute) * ar)
+        weight += fwd
     tp = len(block_flops) * (4 + 2 * recompute) * ar
     p2p = 2 * p2p_time(2.0 * tokens * d_model / T, crosses_nodes, links) if mesh.pp > 1 else 0.0
-    return StageWork(cf, cb, tp, p2p)
+    return StageWork(cf, cb, tp, p2p, weight)
 
 
 def data_parallel_time(units: Sequence[UnitComm], work: StageWork, mesh: Mesh, mc: MeshCost,
-                       m: int, rank: Rank = None) -> tuple[float, float]:
+                       m: int, rank: Rank = None, schedule: PipelineSchedule = ONE_STAGE
+                       ) -> tuple[float, float]:
     """(seconds of the forward/backward part of a step on ``rank``, of which pipeline
     bubble)."""
-    busy = sum(work.cf) + sum(work.cb)
     if mesh.pp == 1:
         first = simulate_pass(units, work.cf, work.cb, mc, broadcasts=True, rank=rank)
         rest = simulate_pass(units, work.cf, work.cb, mc, broadcasts=False, rank=rank) \
@@ -209,136 +262,33 @@ def data_parallel_time(units: Sequence[UnitComm], work: StageWork, mesh: Mesh, m
         return first + (m - 1) * rest, 0.0
     fwd = simulate_pass(units, work.cf, work.cb, mc, True, forward_only=True, rank=rank)
     gathers_exposed = fwd - sum(work.cf)
-    slots = (m + mesh.pp - 1) * (busy + work.p2p)
+    bubble = schedule.bubble(mesh.pp, sum(work.cf), sum(work.cb), work.weight)
+    sends = (m + mesh.pp - 1) * schedule.v * work.p2p
     shard, rep = _links(mc)
     end = max([0.0] + [_reduce(shard, rep, 0.0, u, u.rep_at(rank) if rank else u.bare)
                        for u in units])
     rep.flush(float("inf"))
     end = max(end, rep.free)
-    return gathers_exposed + slots + end, (mesh.pp - 1) * busy
+    busy = sum(work.cf) + sum(work.cb)
+    return gathers_exposed + m * busy + bubble + sends + end, bubble
 
 
 def assemble(units: Sequence[UnitComm], work: StageWork, mesh: Mesh, mc: MeshCost, m: int,
-             ns: float, other: float) -> StepTime:
+             ns: float, other: float, schedule: PipelineSchedule = ONE_STAGE) -> StepTime:
     """A step from its stage's units and compute, ``m`` micro-batches, the optimizer's NS
     and other seconds: the slowest of the ranks whose replicate-dim collectives weigh most
     (:func:`busiest_ranks`; every shard-group collective is the same on every rank)."""
-    dp, bubble = max((data_parallel_time(units, work, mesh, mc, m, r)
+    dp, bubble = max((data_parallel_time(units, work, mesh, mc, m, r, schedule)
                       for r in busiest_ranks(units, m)), key=lambda x: x[0])
     busy = sum(work.cf) + sum(work.cb)
     compute = busy * m
-    p2p = work.p2p * (m + mesh.pp - 1) if mesh.pp > 1 else 0.0
+    p2p = work.p2p * (m + mesh.pp - 1) * schedule.v if mesh.pp > 1 else 0.0
     exposed = max(0.0, dp - compute - bubble - p2p)
     tp = work.tp_comm * m
     return StepTime(dp + ns + other, compute - tp, tp, exposed, bubble, p2p, ns, other)
 
 
 def ours(st: StageCosts, work: StageWork, mesh: Mesh, mc: MeshCost, w: Workload,
-         m: int) -> StepTime:
-    return assemble(st.units, work, mesh, mc, m, st.ns_max / w.tflops, st.elementwise / w.hbm)
-
-
-def dtensor_muon_step(shapes: Sequence[tuple[int, int]], ns_steps: int, mesh: Mesh,
-                      mc: MeshCost, w: Workload) -> float:
-    """FSDP2 + ``torch.optim.Muon`` (torch 2.13): each matrix's Newton-Schulz on its
-    ``DTensor`` gradient, whose sharding propagation splits every matmul over the ``S x tp``
-    ranks of a replica and all-gathers an operand for it (``X`` twice and ``X X^T`` once per
-    iteration, bf16), one matrix after the other, every replica alike. Measured shape of it:
-    808 collectives in one step of the bench's 48 matrices (docs/benchmarks.md)."""
-    P = mesh.shard * mesh.tp
-    total = 0.0
-    for rows, cols in shapes:
-        a, b = min(rows, cols), max(rows, cols)
-        flops = ns_steps * (4 * a * a * b + 2 * a ** 3)
-        gathers = 2 * mc.replica.ring(2.0 * a * b) + mc.replica.ring(2.0 * a * a)
-        total += flops / P / w.tflops + ns_steps * gathers + mc.replica.all_reduce(4.0)
-    return total
-
-
-def fsdp2_muon(st: StageCosts, work: StageWork, mesh: Mesh, mc: MeshCost, w: Workload,
-               m: int, shapes: Sequence[tuple[int, int]], ns_steps: int) -> StepTime:
-    ns = dtensor_muon_step(shapes, ns_steps, mesh, mc, w)
-    return assemble(st.fsdp2_units, work, mesh, mc, m, ns, st.elementwise / w.hbm)
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One of DistMuon's buckets (a block's matrices): per matrix its NS FLOPs and bytes."""
-
-    flops: tuple[float, ...]
-    nbytes: tuple[int, ...]
-
-
-def _bucket_owners(b: Bucket, ranks: int, cumulative: dict[int, float],
-                   fresh: list[int]) -> list[int]:
-    """torchtitan's owners of a bucket's matrices: longest processing time over the ranks,
-    ties to the least cumulative load (``_balance_loads_across_partitions``)."""
-    order = sorted(range(len(b.flops)), key=lambda i: (-b.flops[i], -b.nbytes[i], i))
-    owners = [0] * len(order)
-    if ranks >= len(order):  # each matrix on its own rank: the least loaded so far
-        used = sorted(cumulative, key=lambda r: (cumulative[r], r))
-        free = [r for r in range(fresh[0], min(ranks, fresh[0] + len(order)))]
-        pick = sorted(free + used[:len(order)], key=lambda r: (cumulative.get(r, 0.0), r))
-        for i, r in zip(order, pick):
-            owners[i] = r
-    else:
-        heap = [(0.0, 0, cumulative.get(r, 0.0), r) for r in range(ranks)]
-        heapq.heapify(heap)
-        for i in order:
-            load, held, cum, r = heapq.heappop(heap)
-            owners[i] = r
-            heapq.heappush(heap, (load + b.flops[i], held + b.nbytes[i], cum + b.flops[i], r))
-    for i, r in enumerate(owners):
-        cumulative[r] = cumulative.get(r, 0.0) + b.flops[i]
-        if r >= fresh[0]:
-            fresh[0] = r + 1
-    return owners
-
-
-def distmuon_step(buckets: Sequence[Bucket], mesh: Mesh, mc: MeshCost, w: Workload
-                  ) -> float:
-    """torchtitan's DistMuon step, as ``_BucketedRedistributionRuntime.run`` runs it: per
-    bucket an all-to-all gathers each matrix to its owner (FSDP2 shards in, the whole
-    matrix out), the owner runs NS on its compute stream, an all-to-all scatters the update
-    back; two buffer slots, so bucket ``k + 2``'s gather waits for bucket ``k``'s scatter,
-    which waits for every owner of bucket ``k``. Each replica repeats it."""
-    P = mesh.shard
-    transfer, gathered, cfree = 0.0, {}, {}
-    cumulative: dict[int, float] = {}
-    fresh = [0]
-    moves = []
-    for b in buckets:
-        owners = _bucket_owners(b, P, cumulative, fresh)
-        got: dict[int, float] = {}
-        for r, n in zip(owners, b.nbytes):
-            got[r] = got.get(r, 0.0) + n
-        total = sum(b.nbytes)
-        busiest = max(max(got.values()) * (P - 1) / P, total * (P - 1) / P / P) if P > 1 else 0
-        moves.append((owners, mc.replica.all_to_all(busiest)))
-
-    def gather(k: int) -> None:
-        nonlocal transfer
-        transfer += moves[k][1]
-        gathered[k] = transfer
-    for k in range(min(2, len(buckets))):
-        gather(k)
-    for k, b in enumerate(buckets):
-        owners, a2a = moves[k]
-        done = gathered[k]
-        for r, f in zip(owners, b.flops):
-            cfree[r] = max(cfree.get(r, 0.0), gathered[k]) + f / w.tflops
-            done = max(done, cfree[r])
-        transfer = max(transfer, done) + a2a  # the scatter: after every owner's NS
-        if k + 2 < len(buckets):
-            gather(k + 2)
-    return transfer
-
-
-def distmuon(st: StageCosts, work: StageWork, mesh: Mesh, mc: MeshCost, w: Workload,
-             m: int, buckets: Sequence[Bucket]) -> StepTime | None:
-    """DistMuon at this layout, or None where torchtitan's cannot run it: it refuses 2-D
-    matrices sharded over tp ("multi-axis transport is not implemented")."""
-    if mesh.tp > 1:
-        return None
-    opt = distmuon_step(buckets, mesh, mc, w)
-    return assemble(st.fsdp2_units, work, mesh, mc, m, opt, st.elementwise / w.hbm)
+         m: int, schedule: PipelineSchedule = ONE_STAGE) -> StepTime:
+    return assemble(st.units, work, mesh, mc, m, st.ns_max / w.ns_rate, w.elementwise(st),
+                    schedule)

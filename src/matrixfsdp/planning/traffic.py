@@ -1,12 +1,14 @@
 """What the runtime moves and holds, rank by rank, predicted from a plan alone.
 
-The runtime lays each unit out with :mod:`matrixfsdp.planning.layout` and issues the calls
-:func:`~matrixfsdp.planning.layout.calls` lists, counting each in a ``CommStats`` with the
-same load model (:class:`~matrixfsdp.planning.layout.Call`'s). This module walks the same
-layouts and calls over a plan, so that ``matrixfsdp plan`` and :func:`matrixfsdp.plan_costs`
-predict, to the byte and the launch, per rank and per collective kind, what one training
-step issues, and the bytes each rank holds; ``tests/test_plan_model.py`` runs 8 ranks on
-gloo and on NCCL's uneven collectives and compares.
+The runtime lays each unit out with :mod:`matrixfsdp.planning.layout` and issues the ops
+:func:`~matrixfsdp.planning.layout.calls` lists, counting each in a ``CommStats`` from the
+tensors it hands to the collective (``runtime/collectives.py``, independently of this
+package). This module walks the same layouts and ops over a plan, charging each by the
+planner's own load functions (:meth:`~matrixfsdp.planning.layout.Call.load`), so that
+``matrixfsdp plan`` and :func:`matrixfsdp.plan_costs` predict, to the byte, the op and the
+launch, per rank and per collective kind, what one training step issues, and the bytes each
+rank holds; ``tests/test_plan_model.py`` runs 8 ranks on gloo and on NCCL's coalesced path
+(grouped_gloo) and compares.
 
 One steady training step with ``micro_batches`` forward/backward passes (each reducing, the
 runtime's default), the root unit kept gathered from forward to backward (its default
@@ -15,12 +17,12 @@ runtime's default), the root unit kept gathered from forward to backward (its de
 * per pass and unit with parameters: a forward gather, a backward gather (not the root's),
   a gradient reduce (its chunks carry one flag per parameter: which ranks had a gradient);
 * HSDP, per pass: after each unit's reduce, an all-reduce of its replicated run and one
-  reduce of each replica's run of matrices to it (one uneven reduce-scatter where the group
-  has it) over the replicate group; per step (at the next forward): a broadcast of each
-  replica's run from it (one uneven all-gather), for the units holding replica-owned
-  matrices.
+  reduce of each replica's run of matrices to it over the replicate group; per step (at
+  the next forward): a broadcast of each replica's run from it, for the units holding
+  replica-owned matrices.
 
-``grouped``: the process groups have uneven collectives (NCCL, XCCL); else gloo's calls.
+``coalesced``: the process groups run a unit's ops of one direction as one launch (NCCL);
+else each op is a launch (gloo). The ops and bytes are the same either way.
 """
 
 from __future__ import annotations
@@ -47,6 +49,12 @@ COUNTERS = ("calls", "payload_bytes", "sent_bytes", "received_bytes", "critical_
 class _Counts:
     def __init__(self):
         self.by_kind: dict[str, list[int]] = {}
+        self.launches: dict[str, int] = {}
+
+    def launch(self, phase: str, ops: int, coalesced: bool, times: int) -> None:
+        n = (1 if ops else 0) if coalesced else ops
+        if n:
+            self.launches[phase] = self.launches.get(phase, 0) + n * times
 
     def add(self, kind: str, payload: int, load, times: int = 1) -> None:
         c = self.by_kind.setdefault(kind, [0] * len(COUNTERS))
@@ -74,33 +82,36 @@ def reduce_layouts(layouts: Sequence[UnitLayout]) -> list[UnitLayout]:
 
 
 def _shard_calls(c: _Counts, lay: UnitLayout, r: int, itemsize: int, reduce: bool,
-                 grouped: bool, times: int) -> None:
-    for call in calls(lay, reduce):
+                 coalesced: bool, times: int) -> None:
+    ops = calls(lay, reduce)
+    for call in ops:
         c.add(call.kind, call.numel * itemsize, call.load(lay, r, itemsize), times)
+    c.launch("reduce" if reduce else "gather", len(ops), coalesced, times)
 
 
 def _replicate(c: _Counts, seg: Segment, R: int, replica: int, itemsize: int, reduce: bool,
-               grouped: bool, times: int) -> None:
-    """The replicate dim's calls of one segment: a reduce's (the replicated run's
-    all-reduce, then the matrices' reduce to their replica) or a broadcast's."""
+               coalesced: bool, times: int) -> None:
+    """The replicate dim's ops of one segment: a reduce's (the replicated run's all-reduce,
+    then one reduce of each replica's run of matrices to it) or a broadcast's (each
+    replica's non-empty run from it), one launch where the group coalesces."""
+    ops = 0
     if reduce and seg.shared:
         n = seg.shared * itemsize
         c.add("replicate_allreduce", n, ring_load(n, R, 2), times)
-    sizes = [n * itemsize for _, n in seg.replica_runs(R)]
-    for i, n in enumerate(sizes):
+        ops += 1
+    for i, (_, n) in enumerate(seg.replica_runs(R)):
         if n:
+            n *= itemsize
             c.add("replicate_reduce" if reduce else "replicate_broadcast", n,
                   pipeline_load(n, R, replica, i, reduce), times)
+            ops += 1
+    c.launch("replicate", ops, coalesced, times)
 
 
-def predict_comm(plan: Plan, dtypes: Dtypes = Dtypes(), micro_batches: int = 1,
-                 grouped: bool = False) -> list[dict[str, dict[str, int]]]:
-    """Per world rank, what its ``CommStats.summary()`` reads after one steady training
-    step (module docstring): per collective kind, calls and payload / sent / received /
-    critical / mean bytes. 1-D and HSDP plans (no tensor parallelism)."""
+def _walk(plan: Plan, dtypes: Dtypes, micro_batches: int, coalesced: bool) -> list[_Counts]:
     if any(pl.spec.tp > 1 for pl in plan.placements.values()):
         raise NotImplementedError("predict_comm: tensor-parallel plans are costed by the "
-                                  "layout search (matrixfsdp.planning.search), not per rank")
+                                  "layout search (matrixfsdp.planning.layout_costs)")
     S, R, W = plan.shard_size, plan.replicas, plan.world_size
     layouts = unit_layouts(plan)
     reduces = reduce_layouts(layouts)
@@ -111,16 +122,33 @@ def predict_comm(plan: Plan, dtypes: Dtypes = Dtypes(), micro_batches: int = 1,
         for ui, (lay, red) in enumerate(zip(layouts, reduces)):
             if not lay.numel:
                 continue
-            _shard_calls(c, lay, r, dtypes.gather, False, grouped,
+            _shard_calls(c, lay, r, dtypes.gather, False, coalesced,
                          micro_batches * (1 if ui == 0 else 2))
-            _shard_calls(c, red, r, dtypes.reduce, True, grouped, micro_batches)
+            _shard_calls(c, red, r, dtypes.reduce, True, coalesced, micro_batches)
             if R == 1:
                 continue
-            _replicate(c, red.segment(r), R, replica, dtypes.reduce, True, grouped, micro_batches)
+            _replicate(c, red.segment(r), R, replica, dtypes.reduce, True, coalesced,
+                       micro_batches)
             if lay.has_replica_owned:
-                _replicate(c, lay.segment(r), R, replica, dtypes.storage, False, grouped, 1)
-        out.append(c.summary())
+                _replicate(c, lay.segment(r), R, replica, dtypes.storage, False, coalesced, 1)
+        out.append(c)
     return out
+
+
+def predict_comm(plan: Plan, dtypes: Dtypes = Dtypes(), micro_batches: int = 1,
+                 coalesced: bool = True) -> list[dict[str, dict[str, int]]]:
+    """Per world rank, what its ``CommStats.summary()`` reads after one steady training
+    step (module docstring): per collective kind, calls (NCCL ops) and payload / sent /
+    received / critical / mean bytes. 1-D and HSDP plans (no tensor parallelism)."""
+    return [c.summary() for c in _walk(plan, dtypes, micro_batches, coalesced)]
+
+
+def predict_launches(plan: Plan, dtypes: Dtypes = Dtypes(), micro_batches: int = 1,
+                     coalesced: bool = True) -> list[dict[str, int]]:
+    """Per world rank, its ``CommStats.launches`` after one steady training step: launches
+    per phase (``gather``, ``reduce``, ``replicate``): one per unit and direction where the
+    groups coalesce (``coalesced``: NCCL), else one per op (gloo)."""
+    return [dict(c.launches) for c in _walk(plan, dtypes, micro_batches, coalesced)]
 
 
 # ---- memory ------------------------------------------------------------------------------
