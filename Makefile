@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 muon-fsdp2==0.3.0
 
-.PHONY: demo test lint bench plan clean
+.PHONY: demo test lint bench plan gpu-check clean
 
 # --no-compile: no bytecode for all of torch at install (some 15 s here); what the suite
 # and the demo import is compiled once, at first import.
@@ -31,6 +31,15 @@ lint: $(BIN)/.installed
 
 bench: $(BIN)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp bench --out runs/bench
+
+# The checks only a GPU shows (docs/gpu.md). On a GPU machine, with its own CUDA build of
+# torch: `make gpu-check GPU_PY=python3 NGPU=8`; without a GPU it is a dry run that says what
+# it would measure and runs what a CPU can.
+GPU_PY  ?= $(BIN)/python
+NGPU    ?= 1
+gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(BIN)/.installed)
+	PYTHONPATH=src OMP_NUM_THREADS=1 $(GPU_PY) -m torch.distributed.run --standalone \
+		--nproc-per-node $(NGPU) -m matrixfsdp.bench.gpu_check --out runs/gpu-check
 
 plan: $(BIN)/.installed
 	$(BIN)/matrixfsdp plan --model paper --world-size 8
