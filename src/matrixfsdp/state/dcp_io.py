@@ -27,6 +27,7 @@ wrong, instead of a bare unpickling or zip error from inside torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner import LoadPlan, WriteItemType
 
 from ..runtime import arrival
 from ..runtime.arrival import CollectiveTimeout
@@ -49,7 +50,17 @@ from .integrity import (
     mark_file,
     read_index,
 )
-from .load_plan import RankPlan, apply_shared, fetch_shared, read_failure, requests, resolve
+from .load_plan import (
+    RankPlan,
+    apply_shared,
+    fetch_shared,
+    own_files,
+    own_reads,
+    plan_reads,
+    read_failure,
+    requests,
+    shared_key,
+)
 
 
 class Watched:
@@ -95,6 +106,23 @@ class Watched:
         return self.work.failure(exc) if self.work is not None else None
 
 
+def _items_by_file(plan, results) -> dict[str, list | None]:
+    """Per file written, the records of the tensor pieces in it (fqn, the tensor's size, the
+    piece's offsets and sizes, where its bytes lie: what a rank needs to load its own pieces
+    without DCP's index); None for a file whose bytes are transformed on the way."""
+    pieces = {item.index: item.tensor_data for item in plan.items if item.tensor_data is not None}
+    out: dict[str, list | None] = {}
+    for r in results:
+        info, data = r.storage_data, pieces.get(r.index)
+        items = out.setdefault(info.relative_path, [])
+        if getattr(info, "transform_descriptors", None) or items is None:
+            out[info.relative_path] = None
+        elif data is not None:
+            items.append([r.index.fqn, list(data.size), list(data.chunk.offsets),
+                          list(data.chunk.sizes), info.offset, info.length])
+    return out
+
+
 class SaveWriter(dcp.FileSystemWriter):
     """DCP's file writer; the end of this rank's planning, its write and the coordinator's
     metadata write are local work of ``watched``."""
@@ -111,8 +139,8 @@ class SaveWriter(dcp.FileSystemWriter):
     def write_data(self, plan, planner):
         with self.watched.part("writing its part"):
             written = super().write_data(plan, planner)  # done when it returns
-            for name in sorted({r.storage_data.relative_path for r in written.value()}):
-                mark_file(Path(str(self.path)) / name)
+            for name, items in sorted(_items_by_file(plan, written.value()).items()):
+                mark_file(Path(str(self.path)) / name, items)
             return written
 
     def finish(self, metadata, results) -> None:
@@ -122,14 +150,16 @@ class SaveWriter(dcp.FileSystemWriter):
 
 class SavePlanner(DefaultSavePlanner):
     """DCP's default save planner; this rank's planning starts at its set-up, and the
-    coordinator's global planning is local work of ``watched``. A value every rank proposes
-    alike (DCP's replicated values: buffers, AdamW's ``step``, the parameter groups) is
-    written by rank 0 (``dedup_save_to_lowest_rank``; DCP's default spreads them over the
-    ranks that write least), so that a load at the same world size reads them from rank 0's
-    file alone and every other rank opens only its own (:mod:`.load_plan`)."""
+    coordinator's global planning is local work of ``watched``. A value that DCP treats as
+    replicated (bytes, plain tensors: buffers, AdamW's ``step``, the parameter groups) is
+    written by the lowest rank proposing it, rank 0 in MatrixFSDP's state dicts (DCP's
+    default spreads them over the ranks that write least), so that a load at the same world
+    size reads them from rank 0's file alone and every other rank opens only its own
+    (:mod:`.load_plan`). Pieces several ranks propose (HSDP's replicas) stay spread, as DCP
+    spreads them."""
 
     def __init__(self, watched: Watched):
-        super().__init__(dedup_save_to_lowest_rank=True)
+        super().__init__()
         self.watched = watched
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -138,7 +168,18 @@ class SavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans):
         with self.watched.part("DCP's global save planning (the coordinator)", solo=True):
-            return super().create_global_plan(all_plans)
+            kept: set = set()
+            lowest = []
+            for plan in all_plans:
+                items = []
+                for item in plan.items:
+                    if item.type in (WriteItemType.BYTE_IO, WriteItemType.TENSOR):
+                        if item.index in kept:
+                            continue
+                        kept.add(item.index)
+                    items.append(item)
+                lowest.append(dataclasses.replace(plan, items=items))
+            return super().create_global_plan(lowest)
 
 
 class LoadReader(dcp.FileSystemReader):
@@ -166,47 +207,78 @@ class LoadReader(dcp.FileSystemReader):
                 raise CheckpointError(read_failure(Path(str(self.path)), name, e)) from e
 
 
-def _global_plan(everyone: list, path: Path, verify: bool, names: str | None,
-                 world: int) -> list:
-    """The coordinator's part: the index read and checked, then every rank's plan; or, for
-    a failure of any rank's planning or of the checks, that error for every rank."""
+def _coordinate(mine: list, path: Path, verify: bool, names: str | None, fast: bool,
+                world: int) -> tuple[Any, RankPlan | None]:
+    """Rank 0's part: the index read and checked (the model's names both ways, where
+    ``names``), its own shared entries planned; the message for the ranks: resuming as saved
+    (``fast``) each rank's own files' records, else the index itself; with the shared
+    entries rank 0 reads for all. A failure: that error, for every rank."""
     try:
-        failed = next((e for e in everyone if isinstance(e, BaseException)), None)
-        if failed is not None:
-            raise failed
         index = read_index(path, verify)
         if names is not None:  # the saved names of the model, both ways, before any other key
             cut = len(names) + 1
-            check_names({fqn[cut:] for fqn, *_ in everyone[0] if fqn.startswith(names + ".")},
+            check_names({fqn[cut:] for fqn, *_ in mine if fqn.startswith(names + ".")},
                         {k[cut:] for k in index.metadata.state_dict_metadata if k.startswith(names + ".")},
                         f"checkpoint {path}")
-        return resolve(everyone, index.metadata, index)
+        own0 = plan_reads(mine, index.metadata, index, only_shared=fast)
+        for _, _, info in own0.shared:
+            own0.files[info.relative_path] = index.record(info.relative_path)
+        shared = [fqn for fqn, _, _ in own0.shared]
+        if fast:
+            return [(files, shared) for files in own_files(index, world)], own0
+        return (index, shared), own0
     except Exception as e:  # noqa: BLE001 (every rank raises it)
-        return [e] * world
+        return ([e] * world if fast else e), None
 
 
 def _plan(state: dict, path: Path, planner, reader: LoadReader, watched: Watched, rank: int,
-          verify: bool, names: str | None) -> RankPlan:
-    """Every rank's requests to the coordinator; its plan back (or the error every rank raises)."""
+          verify: bool, names: str | None) -> tuple[RankPlan, list[str], list[str]]:
+    """This rank's reads, its shared entries that rank 0 reads for all, and those it reads
+    itself. Resuming as saved, each rank finds its pieces in its own files and rank 0 sends
+    each its files' records; otherwise rank 0 broadcasts the index and each rank plans from
+    it. One all-reduce decides which, or carries any rank's failure to all."""
+    world = dist.get_world_size(watched.group) if watched.on else 1
+    failed, mine, own = None, [], None
     with watched.part("DCP's load planning"):
         try:
             planner.set_up_planner(state, None, rank == 0)
-            mine: Any = requests(planner.state_dict)
-            if rank != 0:  # what a rank holds none of: rank 0's list names every entry
-                mine = [r for r in mine if r[1] is None or r[2]]
+            mine = requests(planner.state_dict)
+            own = own_reads(path, rank, mine)
             reader.prepare_local_plan(LoadPlan([]))  # DCP's hook, as dcp.load calls it
-        except Exception as e:  # noqa: BLE001 (sent to the coordinator, raised by every rank)
-            mine = e
-    everyone = exchange.gather_to_coordinator(mine, watched.group)
-    plans = None
+        except Exception as e:  # noqa: BLE001 (raised by every rank)
+            failed = e
+    key = shared_key(mine)
+    got = exchange.maxima([world - rank if failed is not None else 0, int(own is None), key, -key],
+                          watched.group)
+    if got[0]:
+        raise exchange.from_rank(failed, world - got[0], watched.group)
+    fast = got[1] == 0 and got[2] == -got[3]
+    msg, own0 = None, None
     if rank == 0:
         with watched.part("DCP's global load planning (the coordinator)", solo=True):
-            world = dist.get_world_size(watched.group) if watched.on else 1
-            plans = _global_plan(everyone, path, verify, names, world)
-    plan = exchange.scatter_from_coordinator(plans, watched.group)
-    if isinstance(plan, BaseException):
-        raise plan
-    return plan
+            msg, own0 = _coordinate(mine, path, verify, names, fast, world)
+    msg = exchange.scatter_from_coordinator(msg, watched.group) if fast else \
+        exchange.broadcast_from_coordinator(msg, watched.group)
+    if isinstance(msg, BaseException):
+        raise msg
+    if fast:
+        files, shared = msg
+        plan = own
+        plan.files = {name: files.get(name, (None, None, None, False)) for name in plan.files}
+    else:
+        index, shared = msg
+        plan = plan_reads(mine, index.metadata, index)
+    fetched = set(shared)
+    for fqn, item, info in plan.shared if not fast else []:
+        if fqn not in fetched:  # a shared entry rank 0 does not hold: read here
+            plan.items.append(item)
+            plan.storage[item.storage_index] = info
+            plan.files[info.relative_path] = index.record(info.relative_path)
+    if own0 is not None:  # rank 0 reads the shared entries for all
+        plan.shared = own0.shared
+        plan.files.update(own0.files)
+    wanted = [fqn for fqn, _, _, is_shared in mine if is_shared and fqn in fetched]
+    return plan, shared, wanted
 
 
 def _check(plan: RankPlan, path: Path, watched: Watched, verify: bool) -> None:
@@ -225,10 +297,11 @@ def _check(plan: RankPlan, path: Path, watched: Watched, verify: bool) -> None:
         raise damaged(path, problem)
 
 
-def _read(plan: RankPlan, path: Path, planner, reader: LoadReader, watched: Watched, rank: int) -> None:
-    """The shared values from rank 0 (one broadcast), this rank's own reads, one verdict."""
-    payload: Any = []
-    if plan.shared_from:
+def _read(plan: RankPlan, shared: list[str], wanted: list[str], path: Path, planner,
+          reader: LoadReader, watched: Watched, rank: int) -> None:
+    """The shared entries from rank 0 (one broadcast), this rank's own reads, one verdict."""
+    payload: Any = {}
+    if shared:
         if rank == 0:
             with watched.part("reading what every rank loads alike (the coordinator)", solo=True):
                 try:
@@ -242,7 +315,7 @@ def _read(plan: RankPlan, path: Path, planner, reader: LoadReader, watched: Watc
             if isinstance(payload, str):
                 raise CheckpointError(payload)
             reader.read(plan, planner)
-            apply_shared(planner, plan.shared, payload, plan.shared_from, path)
+            apply_shared(planner, wanted, payload, path)
         except CheckpointError as e:
             failed = str(e)
         except Exception as e:  # noqa: BLE001 (agreed on, then raised by every rank)
@@ -272,9 +345,9 @@ def load(state: dict, path: Path, process_group=None, *, verify: bool = True,
     rank = dist.get_rank(watched.group) if watched.on else 0
     planner, reader = DefaultLoadPlanner(), LoadReader(path, watched)
     try:
-        plan = _plan(state, path, planner, reader, watched, rank, verify, names)
+        plan, shared, wanted = _plan(state, path, planner, reader, watched, rank, verify, names)
         _check(plan, path, watched, verify)
-        _read(plan, path, planner, reader, watched, rank)
+        _read(plan, shared, wanted, path, planner, reader, watched, rank)
     except Exception as e:
         hung = watched.failure(e)
         if hung is not None:

@@ -95,15 +95,29 @@ def broadcast_from_coordinator(obj: object, group=None) -> object:
     return obj if rank == 0 else _decode(t)
 
 
-def agree(problem: str | None, group=None) -> str | None:
+def maxima(values: list[int], group=None) -> list[int]:
+    """The largest of each of ``values`` over the ranks of ``group`` (one all-reduce of a
+    few integers; the smallest of ``x`` is minus the largest of ``-x``)."""
+    if not _on(group):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=_object_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def from_rank(obj: object, rank: int, group=None) -> object:
+    """Group rank ``rank``'s ``obj`` on every rank of ``group`` (the failure path's details)."""
+    if not _on(group):
+        return obj
+    return broadcast_object(obj, dist.get_global_rank(group, rank), group)
+
+
+def agree(problem: object | None, group=None) -> object | None:
     """The verdict of every rank of ``group``: None when no rank has a problem, else the
-    problem of the lowest rank that has one, on every rank. One all-reduce (MIN) of one
-    integer; only when a rank failed, its message is broadcast from it."""
+    problem (a message, an exception) of the lowest rank that has one, on every rank. One
+    all-reduce of one integer; only when a rank failed, its problem is broadcast from it."""
     if not _on(group):
         return problem
-    device, rank, world = _object_device(group), dist.get_rank(group), dist.get_world_size(group)
-    first = torch.tensor([rank if problem is not None else world], dtype=torch.int64, device=device)
-    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)
-    if int(first) == world:
-        return None
-    return str(broadcast_object(problem, dist.get_global_rank(group, int(first)), group))
+    world = dist.get_world_size(group)
+    first = world - maxima([world - dist.get_rank(group) if problem is not None else 0], group)[0]
+    return None if first == world else from_rank(problem, first, group)

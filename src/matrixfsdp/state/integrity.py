@@ -49,6 +49,10 @@ _CHUNK = 1 << 20
 # ranges its .metadata gives, so torch's readers never see it): a shard swapped with or
 # copied over another is named without checksums too.
 FILE_MARK = b"\x00matrixfsdp-file "
+# Before the name: what the file holds (JSON, one record per item: fqn, the tensor's size,
+# the chunk's offsets and sizes, where its bytes lie), behind this mark and the JSON's length,
+# so that a rank finds its own pieces in its own files without DCP's index (.metadata).
+FILE_INDEX = b"\x00matrixfsdp-index "
 
 
 class CheckpointError(RuntimeError):
@@ -151,12 +155,38 @@ def read_listing(path: Path) -> tuple[dict[str, str], dict[str, int]] | None:
     return digests, sizes
 
 
-def mark_file(f: Path) -> None:
-    """Append ``f``'s own name after :data:`FILE_MARK` (once the save has written it)."""
+def mark_file(f: Path, items: list | None = None) -> None:
+    """Append, once the save has written ``f``: ``items`` (what it holds, see
+    :data:`FILE_INDEX`), then ``f``'s own name after :data:`FILE_MARK`."""
+    tail = b""
+    if items is not None:
+        blob = json.dumps(items, separators=(",", ":")).encode()
+        tail = blob + FILE_INDEX + str(len(blob)).encode() + b"\n"
     with open(f, "ab") as out:
-        out.write(FILE_MARK + f.name.encode() + b"\n")
+        out.write(tail + FILE_MARK + f.name.encode() + b"\n")
         out.flush()
         os.fsync(out.fileno())
+
+
+def file_index(f: Path) -> list | None:
+    """The items the save recorded at the end of ``f`` (:func:`mark_file`), if it ends with
+    its own name; None where it has none or they do not read."""
+    try:
+        with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            fh.seek(max(0, size - 512))
+            tail = fh.read()
+            at = tail.rfind(FILE_MARK)
+            start = tail.rfind(FILE_INDEX, 0, at)
+            if at < 0 or start < 0 or tail[at - 1:at] != b"\n" or \
+                    tail[at + len(FILE_MARK):].rstrip(b"\n").decode(errors="replace") != f.name:
+                return None
+            n = int(tail[start + len(FILE_INDEX):at - 1])
+            fh.seek(size - len(tail) + start - n)
+            found = json.loads(fh.read(n))
+            return found if isinstance(found, list) else None
+    except (OSError, ValueError):
+        return None
 
 
 def file_mark(f: Path) -> str | None:

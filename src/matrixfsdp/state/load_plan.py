@@ -1,26 +1,30 @@
-"""What each rank reads of a checkpoint, decided by one rank that reads the index.
+"""What each rank reads of a checkpoint, planned without every rank reading DCP's index.
 
 ``dcp.load`` has every rank read DCP's index (``.metadata``) and find, for each of its
 tensors, the saved chunks that overlap its own. At P ranks the index holds O(P) chunks of
-every row-sharded tensor, so each rank reads and searches O(P), and the file system serves
-P reads of one file. Here (:func:`~matrixfsdp.state.dcp_io.load`) each rank sends the
-coordinator what it holds instead (:func:`requests`: per entry of its state dict, its own
-chunks, no index), the coordinator resolves every rank's requests against the index in one
-pass per tensor, with DCP's own ``create_read_items_for_chunk_list`` (:func:`resolve`), and
-each rank gets back its :class:`RankPlan`: its read items, where each lies (file, offset,
-length), and the files it reads with what the save recorded of them (checksum, size, the
-end of the data the index places there), which it checks before reading.
+every row-sharded tensor: each rank reads and searches O(P), and the file system serves P
+reads of one file. Here (:func:`~matrixfsdp.state.dcp_io.load`):
+
+* each rank lists what it holds (:func:`requests`: per entry of its state dict, its chunks);
+* **resuming as saved** (the same world size and placement): each rank finds every chunk it
+  holds in the files it wrote itself, from the list of items each file ends with
+  (:func:`~matrixfsdp.state.integrity.file_index`; :func:`own_reads`), exactly (tensor size,
+  offsets, sizes). The ranks agree on that with one all-reduce, and rank 0 alone reads the
+  index, for its checks and for what every rank loads alike;
+* **otherwise** (another world size, another placement, a checkpoint without those lists):
+  rank 0 reads the index and broadcasts it, and each rank plans its own reads from it with
+  DCP's own ``create_read_items_for_chunk_list`` (:func:`plan_reads`), as ``dcp.load`` would,
+  without the file system serving the index to every rank.
 
 Values that DCP treats as replicated (plain tensors, bytes) and 0-d tensors are the same on
-every rank that asks for them: the coordinator alone reads each (``RankPlan.fetch``) and
-every rank gets them in one broadcast (:func:`fetch_shared`, :func:`apply_shared`). A save
-puts them in rank 0's file (``dedup_save_to_lowest_rank``), so at the same world size every
-rank opens only the files it wrote itself.
+every rank that holds them: rank 0 alone reads them (:func:`fetch_shared`) and every rank
+gets them in one broadcast (:func:`apply_shared`). A save puts them in rank 0's file
+(``dedup_save_to_lowest_rank``), so resuming as saved each rank opens only its own files.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import io
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -38,23 +42,34 @@ from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from .integrity import CheckpointError, Index, error_line
+from .integrity import CheckpointError, Index, error_line, file_index
 
 # One entry of a rank's state dict: (fqn, size (None: bytes), its chunks as (offsets,
 # sizes), shared: a value every rank holding it holds alike).
 Request = tuple[str, "tuple[int, ...] | None", "list[tuple[tuple[int, ...], tuple[int, ...]]]", bool]
 
 
+@dataclass(frozen=True)
+class Stored:
+    """Where an item's bytes lie, as DCP's file reader takes it (``relative_path``,
+    ``offset``, ``length``, ``transform_descriptors``)."""
+
+    relative_path: str
+    offset: int
+    length: int
+    transform_descriptors: Any = None
+
+
 @dataclass
 class RankPlan:
-    """One rank's part of a load, as the coordinator planned it."""
+    """One rank's reads: ``items`` from the files (``storage``: where each lies), the
+    ``files`` it reads with what the save recorded of each (checked first), and its shared
+    entries ``(fqn, item, where)`` (rank 0 fetches its own for the broadcast)."""
 
-    items: list[ReadItem] = field(default_factory=list)  # read by this rank from the files
-    storage: dict[MetadataIndex, Any] = field(default_factory=dict)  # where each lies (DCP's)
-    files: dict[str, tuple] = field(default_factory=dict)  # name -> Index.record: checked first
-    shared: list[tuple[int, ReadItem]] = field(default_factory=list)  # (slot, item) applied here
-    fetch: list[MetadataIndex] = field(default_factory=list)  # coordinator: the broadcast's slots
-    shared_from: list[str] = field(default_factory=list)  # each slot's file, on every rank
+    items: list[ReadItem] = field(default_factory=list)
+    storage: dict[MetadataIndex, Any] = field(default_factory=dict)
+    files: dict[str, tuple] = field(default_factory=dict)
+    shared: list[tuple[str, ReadItem, Any]] = field(default_factory=list)
 
 
 def requests(state_dict: dict[str, Any]) -> list[Request]:
@@ -80,6 +95,49 @@ def requests(state_dict: dict[str, Any]) -> list[Request]:
     return out
 
 
+def shared_key(reqs: list[Request]) -> int:
+    """A 62-bit digest of the shared entries a rank asks for (their names and sizes)."""
+    text = repr(sorted((fqn, size) for fqn, size, _, shared in reqs if shared)).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
+
+
+def _tensor_item(fqn: str, offsets: tuple, i: int, sizes: tuple) -> ReadItem:
+    zero = torch.Size([0] * len(offsets))
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, torch.Size(offsets), i),
+                    dest_offsets=zero, storage_index=MetadataIndex(fqn, torch.Size(offsets)),
+                    storage_offsets=zero, lengths=torch.Size(sizes))
+
+
+def own_reads(path: Path, rank: int, reqs: list[Request]) -> RankPlan | None:
+    """Every chunk this rank holds (shared entries aside), found exactly in the files it
+    wrote (``__<rank>_<n>.distcp``, from the items each ends with); None where one is not
+    there (another world size or placement, a file without its list). Opens only those."""
+    found: dict[tuple, tuple] = {}
+    wanted = any(chunks for _, _, chunks, shared in reqs if not shared)
+    for n in range(1 << 16 if wanted else 0):
+        name = f"__{rank}_{n}.distcp"
+        if not (path / name).is_file():
+            break
+        for fqn, size, offsets, sizes, offset, length in file_index(path / name) or []:
+            if size is not None:
+                found[(fqn, tuple(size), tuple(offsets))] = (tuple(sizes), name, offset, length)
+    plan = RankPlan()
+    for fqn, size, chunks, shared in reqs:
+        if shared:
+            continue
+        for i, (offsets, sizes) in enumerate(chunks):
+            if 0 in sizes:
+                continue  # an empty piece: nothing to read
+            hit = found.get((fqn, size, offsets))
+            if hit is None or hit[0] != sizes:
+                return None
+            item = _tensor_item(fqn, offsets, i, sizes)
+            plan.items.append(item)
+            plan.storage[item.storage_index] = Stored(hit[1], hit[2], hit[3])
+            plan.files[hit[1]] = ()
+    return plan
+
+
 def _bytes_item(fqn: str) -> ReadItem:
     zero = torch.Size([0])
     return ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn), dest_offsets=zero,
@@ -88,6 +146,8 @@ def _bytes_item(fqn: str) -> ReadItem:
 
 def _check(fqn: str, size, md) -> None:
     """DCP's own refusals of an entry that does not fit the saved one, with its words."""
+    if md is None:
+        raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
     if (size is None) != isinstance(md, BytesStorageMetadata):
         raise ValueError(f"Invalid checkpoint metadata for {fqn}, expected "
                          f"{'BytesStorageMetadata' if size is None else 'TensorStorageMetadata'} "
@@ -97,74 +157,51 @@ def _check(fqn: str, size, md) -> None:
                          f"{torch.Size(size)} for {fqn}")
 
 
-def resolve(everyone: list[list[Request]], meta: Metadata, index: Index) -> list[RankPlan]:
-    """The coordinator's plan for each rank from every rank's :func:`requests` (in rank
-    order): one sweep per tensor over all ranks' chunks and the saved ones (O(chunks log
-    chunks), not O(ranks x saved chunks)). Raises, as DCP does, for an entry the checkpoint
-    lacks (``RuntimeError: Missing key in checkpoint state_dict: ...``) or holds otherwise."""
-    saved = meta.state_dict_metadata
-    plans = [RankPlan() for _ in everyone]
-    wanted: dict[str, list[tuple[int, int, ChunkStorageMetadata, bool]]] = defaultdict(list)
-    slots: dict[MetadataIndex, int] = {}
-
-    def place(rank: int, item: ReadItem, shared: bool) -> None:
-        info = meta.storage_data[item.storage_index]
-        if shared and not getattr(info, "transform_descriptors", None):
-            slot = slots.setdefault(item.storage_index, len(slots))
-            plans[rank].shared.append((slot, item))
-            return
-        plan = plans[rank]
-        plan.items.append(item)
-        plan.storage[item.storage_index] = info
-        plan.files.setdefault(info.relative_path, index.record(info.relative_path))
-
-    for rank, reqs in enumerate(everyone):
-        for fqn, size, chunks, shared in reqs:
-            if fqn not in saved:
-                raise RuntimeError(f"Missing key in checkpoint state_dict: {fqn}.")
-            _check(fqn, size, saved[fqn])
-            if size is None:
-                place(rank, _bytes_item(fqn), True)
-            for i, (offsets, sizes) in enumerate(chunks):
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                wanted[fqn].append((rank, i, chunk, shared))
-    for fqn, held in wanted.items():
-        found = create_read_items_for_chunk_list(fqn, saved[fqn], [c for _, _, c, _ in held])
-        for item in found:
-            rank, i, _, shared = held[item.dest_index.index]
-            if 0 in item.lengths:
-                continue  # an empty piece: nothing to read (its name and shape were checked)
-            place(rank, dataclasses.replace(item, dest_index=MetadataIndex(
-                fqn, item.dest_index.offset, i)), shared)
-    fetch = list(slots)
-    for idx in fetch:
-        info = meta.storage_data[idx]
-        plans[0].storage[idx] = info
-        plans[0].files.setdefault(info.relative_path, index.record(info.relative_path))
-    plans[0].fetch = fetch
-    shared_from = [meta.storage_data[idx].relative_path for idx in fetch]
-    for plan in plans:
-        plan.shared_from = shared_from
-    return plans
+def plan_reads(reqs: list[Request], meta: Metadata, index: Index, only_shared: bool = False) -> RankPlan:
+    """This rank's reads from DCP's index, as ``dcp.load`` plans them (one sweep per tensor
+    over this rank's chunks and the saved ones); shared entries go to ``RankPlan.shared``.
+    Raises, as DCP does, for an entry the checkpoint lacks (``RuntimeError: Missing key in
+    checkpoint state_dict: ...``) or holds otherwise (``ValueError``)."""
+    saved, plan = meta.state_dict_metadata, RankPlan()
+    for fqn, size, chunks, shared in reqs:
+        if only_shared and not shared:
+            continue
+        _check(fqn, size, saved.get(fqn))
+        if size is None:
+            items = [_bytes_item(fqn)]
+        else:
+            items = create_read_items_for_chunk_list(fqn, saved[fqn], [
+                ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks])
+        for item in items:
+            if size is not None and 0 in item.lengths:
+                continue  # an empty piece: nothing to read (its name and size were checked)
+            info = meta.storage_data[item.storage_index]
+            if shared and not getattr(info, "transform_descriptors", None):
+                plan.shared.append((fqn, item, info))
+                continue
+            plan.items.append(item)
+            plan.storage[item.storage_index] = info
+            plan.files[info.relative_path] = index.record(info.relative_path)
+    return plan
 
 
-def fetch_shared(path: Path, plan: RankPlan) -> list[bytes]:
-    """The coordinator's read of the values every rank loads alike (``plan.fetch``, in slot
-    order): each one's bytes as the save wrote them, each file opened once. A file that
-    cannot be read is named (:class:`~matrixfsdp.state.integrity.CheckpointError`)."""
-    out: list[bytes] = [b""] * len(plan.fetch)
-    per_file: dict[str, list[int]] = defaultdict(list)
-    for slot, idx in enumerate(plan.fetch):
-        per_file[plan.storage[idx].relative_path].append(slot)
-    for name, slots in per_file.items():
+def fetch_shared(path: Path, plan: RankPlan) -> dict[str, tuple[ReadItem, bytes, str]]:
+    """Rank 0's read of the values every rank loads alike (its ``plan.shared``): each one's
+    item, bytes as the save wrote them and file, each file opened once. A file that cannot
+    be read is named (:class:`~matrixfsdp.state.integrity.CheckpointError`)."""
+    out: dict[str, tuple[ReadItem, bytes, str]] = {}
+    per_file: dict[str, list] = defaultdict(list)
+    for entry in plan.shared:
+        per_file[entry[2].relative_path].append(entry)
+    for name, entries in per_file.items():
         try:
             with open(path / name, "rb") as f:
-                for slot in slots:
-                    info = plan.storage[plan.fetch[slot]]
+                for fqn, item, info in entries:
                     f.seek(info.offset)
-                    out[slot] = f.read(info.length)
-                    if len(out[slot]) != info.length:
-                        raise EOFError(f"{info.length} bytes at {info.offset}, found {len(out[slot])}")
+                    data = f.read(info.length)
+                    if len(data) != info.length:
+                        raise EOFError(f"{info.length} bytes at {info.offset}, found {len(data)}")
+                    out[fqn] = (item, data, name)
         except Exception as e:  # noqa: BLE001 (named, then agreed on by every rank)
             raise CheckpointError(read_failure(path, name, e)) from e
     return out
@@ -180,25 +217,36 @@ def read_failure(path: Path, name: str, exc: BaseException) -> str:
             "overwritten or swapped with another file after the save")
 
 
-def apply_shared(planner, shared: list[tuple[int, ReadItem]], payload: list[bytes],
-                 where: list[str], path: Path) -> None:
-    """Load this rank's shared items from the broadcast bytes, as DCP's file reader would
+def apply_shared(planner, fqns: list[str], payload: dict[str, tuple[ReadItem, bytes, str]],
+                 path: Path) -> None:
+    """Load the shared entries ``fqns`` from rank 0's broadcast, as DCP's file reader would
     from the file: bytes through the planner's ``load_bytes``, a tensor through
-    ``torch.load``, narrowed to the item's piece and copied into the state dict.
-    ``where``: each slot's file, for the message of bytes that do not load."""
-    for slot, item in shared:
+    ``torch.load``, narrowed to the item's piece and copied into the state dict."""
+    for fqn in fqns:
+        item, data, name = payload[fqn]
         try:
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(payload[slot]))
+                planner.load_bytes(item, io.BytesIO(data))
                 continue
-            t = torch.load(io.BytesIO(payload[slot]), map_location="cpu", weights_only=True)
+            t = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             for dim, (start, n) in enumerate(zip(item.storage_offsets, item.lengths)):
                 t = t.narrow(dim, start, n)
             target = planner.resolve_tensor(item).detach()
             if target.size() != t.size():
-                raise ValueError(f"{item.storage_index.fqn}: {tuple(t.size())} saved where "
-                                 f"{tuple(target.size())} is loaded")
+                raise ValueError(f"{fqn}: {tuple(t.size())} saved where {tuple(target.size())} is loaded")
             target.copy_(t)
             planner.commit_tensor(item, target)
         except Exception as e:  # noqa: BLE001 (named, then agreed on by every rank)
-            raise CheckpointError(read_failure(path, where[slot], e)) from e
+            raise CheckpointError(read_failure(path, name, e)) from e
+
+
+def own_files(index: Index, world: int) -> list[dict[str, tuple]]:
+    """Per rank of ``world``, the files it wrote (``__<rank>_<n>.distcp``) with their
+    records (:meth:`~matrixfsdp.state.integrity.Index.record`): rank 0's loop over the index."""
+    out: list[dict[str, tuple]] = [{} for _ in range(world)]
+    for name in set(index.digests or {}) | set(index.ends):
+        if name.startswith("__") and name.endswith(".distcp"):
+            rank = name[2:].split("_", 1)[0]
+            if rank.isdigit() and int(rank) < world:
+                out[int(rank)][name] = index.record(name)
+    return out
