@@ -429,21 +429,73 @@ def _init_on_shards(rank, world, out):
             ref = config.model_spec.model.build()
         torch.manual_seed(7)
         ref.init_weights(buffer_device=None)
+        losses = _chunked_and_plain(model, rank)
     if rank == 0:
         from torchtitan.components.checkpointer.utils import canonical_fqn
         owners = {n: pl.owner for n, pl in mf.plan_of(model).placements.items()}
         full = {canonical_fqn(n): t for n, t in full.items()}
-        torch.save({"full": full, "ref": dict(ref.named_parameters()), "owners": owners},
-                   os.path.join(out, "init.pt"))
+        torch.save({"full": full, "ref": dict(ref.named_parameters()), "owners": owners,
+                    "losses": losses}, os.path.join(out, "init.pt"))
 
 
-def test_titan_init_on_shards_is_one_process_init(tmp_path):
+def _chunked_and_plain(model, rank) -> dict:
+    """One step of torchtitan's ChunkedLossWrapper (8 chunks: lm_head called outside the
+    model's forward, a unit of its own) and one of its plain CrossEntropyLoss: the loss, the
+    global grad norm, and each step's collectives (``mf.comm_stats``)."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+
+    import matrixfsdp as mf
+    vocab = model.config.vocab_size
+    x = torch.randint(0, vocab, (2, 33), generator=torch.Generator().manual_seed(rank))
+    tokens = torch.tensor(2 * 32 * dist.get_world_size())
+    out = {}
+    for name, chunks in (("chunked", 8), ("plain", 0)):
+        ce = CrossEntropyLoss.Config(global_vocab_size=vocab)
+        loss_fn = (ChunkedLossWrapper.Config(num_chunks=chunks, loss_fn=ce) if chunks else ce).build()
+        if chunks:
+            loss_fn.set_lm_head(model.lm_head)
+        model._skip_lm_head = bool(chunks)  # what torchtitan's trainer sets for the wrapper
+        for _ in range(2):  # the second step is counted
+            mf.comm_stats(model).reset()
+            loss, _ = loss_fn(model(x[:, :-1]), x[:, 1:], tokens)
+            loss.backward()
+            out[name] = dict(loss=float(loss), norm=float(mf.total_grad_norm(model.parameters())),
+                             calls=dict(mf.comm_stats(model).calls),
+                             launches=dict(mf.comm_stats(model).launches))
+            model.zero_grad()
+    model._skip_lm_head = False
+    return out
+
+
+@pytest.fixture(scope="module")
+def init_job(tmp_path_factory):
+    out = tmp_path_factory.mktemp("titan_init")
+    spawn(_init_on_shards, 2, str(out))
+    return torch.load(out / "init.pt")
+
+
+def test_titan_init_on_shards_is_one_process_init(init_job):
     """torchtitan's init_weights after the integration's parallelize (AC applied, blocks
     sharded, the fused-QKV init copying a full tensor in, on owners and non-owners) gives
     every parameter the one-process init, bit for bit."""
-    spawn(_init_on_shards, 2, str(tmp_path))
-    res = torch.load(tmp_path / "init.pt")
+    res = init_job
     assert set(res["full"]) == set(res["ref"]), sorted(set(res["full"]) ^ set(res["ref"]))
     assert any(n.endswith("wqkv.weight") for n in res["full"])  # a non-owner copies it in too
     bad = [n for n, t in res["full"].items() if not torch.equal(t, res["ref"][n])]
     assert not bad, bad
+
+
+def test_chunked_loss_calls_lm_head_outside_forward(init_job):
+    """torchtitan's ChunkedLossWrapper (lm_head a unit of its own, called 8 times outside
+    the model's forward) gives the loss and global gradient norm of its plain
+    CrossEntropyLoss; lm_head is gathered once per step (kept through the chunks'
+    backwards), its gradient reduced once per chunk (torchtitan's no-sync calls are for
+    FSDP2's FSDPModule only): 7 reduces more than the plain loss's."""
+    chunked, plain = init_job["losses"]["chunked"], init_job["losses"]["plain"]
+    print("chunked", chunked, "\nplain", plain)
+    assert abs(chunked["loss"] - plain["loss"]) <= 1e-5 * abs(plain["loss"])
+    # bf16 compute: the wrapper accumulates the chunks' hidden-state gradients in fp32
+    assert abs(chunked["norm"] - plain["norm"]) <= 1e-4 * plain["norm"]
+    # lm_head gathered once, not once per chunk
+    assert chunked["calls"]["all_gather"] - plain["calls"]["all_gather"] < 8 - 1
+    assert chunked["calls"]["reduce_scatter"] == plain["calls"]["reduce_scatter"] + 7

@@ -297,6 +297,10 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     if not tied and getattr(model, "lm_head", None) is not None:
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=last)
+        # ChunkedLossWrapper runs forward and backward of each chunk in turn: kept gathered
+        # between them (the optimizer step reshards), one gather per step, as torchtitan
+        # arranges for FSDP2's lm_head
+        model.lm_head.set_reshard_after_backward(last)
     fully_shard(model, mesh=mesh, mp_policy=mp, muon_filter=_muon_filter(list(muon_groups)))
     for m in model.modules():
         if isinstance(m, FSDPModule):
