@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from .._compat import backend_timeout
 
-# group -> {(backend, timeout): its twin}; an entry goes with its group
+# group -> {(backend, timeout, lazy): its twin}; an entry goes with its group
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # read by ProcessGroupGloo when it is made
 _env_lock = threading.Lock()
