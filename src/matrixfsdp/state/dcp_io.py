@@ -223,20 +223,20 @@ def _coordinate(mine: list, path: Path, verify: bool, names: str | None, fast: b
         own0 = plan_reads(mine, index.metadata, index, only_shared=fast)
         for _, _, info in own0.shared:
             own0.files[info.relative_path] = index.record(info.relative_path)
-        shared = [fqn for fqn, _, _ in own0.shared]
-        if fast:
-            return [(files, shared) for files in own_files(index, world)], own0
-        return (index, shared), own0
+        if fast:  # every rank's shared entries are rank 0's: the broadcast says which
+            return own_files(index, world), own0
+        return (index, [fqn for fqn, _, _ in own0.shared]), own0
     except Exception as e:  # noqa: BLE001 (every rank raises it)
         return ([e] * world if fast else e), None
 
 
 def _plan(state: dict, path: Path, planner, reader: LoadReader, watched: Watched, rank: int,
-          verify: bool, names: str | None) -> tuple[RankPlan, list[str], list[str]]:
-    """This rank's reads, its shared entries that rank 0 reads for all, and those it reads
-    itself. Resuming as saved, each rank finds its pieces in its own files and rank 0 sends
-    each its files' records; otherwise rank 0 broadcasts the index and each rank plans from
-    it. One all-reduce decides which, or carries any rank's failure to all."""
+          verify: bool, names: str | None) -> tuple[RankPlan, list[str], bool]:
+    """This rank's reads (with its shared entries that rank 0 does not read for all), its
+    shared entries, and whether rank 0 broadcasts shared entries (alike on every rank).
+    Resuming as saved, each rank finds its pieces in its own files and rank 0 sends each only
+    its files' records; otherwise rank 0 broadcasts the index and each rank plans from it.
+    One all-reduce decides which, or carries any rank's failure to all."""
     world = dist.get_world_size(watched.group) if watched.on else 1
     failed, mine, own = None, [], None
     with watched.part("DCP's load planning"):
@@ -261,24 +261,22 @@ def _plan(state: dict, path: Path, planner, reader: LoadReader, watched: Watched
         exchange.broadcast_from_coordinator(msg, watched.group)
     if isinstance(msg, BaseException):
         raise msg
-    if fast:
-        files, shared = msg
-        plan = own
-        plan.files = {name: files.get(name, (None, None, None, False)) for name in plan.files}
+    mine_shared = [fqn for fqn, _, _, is_shared in mine if is_shared]
+    if fast:  # every rank's shared entries alike (the all-reduce above)
+        plan, broadcast = own, bool(mine_shared)
+        plan.files = {name: msg.get(name, (None, None, None, False)) for name in plan.files}
     else:
-        index, shared = msg
-        plan = plan_reads(mine, index.metadata, index)
-    fetched = set(shared)
-    for fqn, item, info in plan.shared if not fast else []:
-        if fqn not in fetched:  # a shared entry rank 0 does not hold: read here
-            plan.items.append(item)
-            plan.storage[item.storage_index] = info
-            plan.files[info.relative_path] = index.record(info.relative_path)
+        index, fetched = msg
+        plan, broadcast = plan_reads(mine, index.metadata, index), bool(fetched)
+        for fqn, item, info in plan.shared:
+            if fqn not in fetched:  # a shared entry rank 0 does not hold: read here
+                plan.items.append(item)
+                plan.storage[item.storage_index] = info
+                plan.files[info.relative_path] = index.record(info.relative_path)
     if own0 is not None:  # rank 0 reads the shared entries for all
         plan.shared = own0.shared
         plan.files.update(own0.files)
-    wanted = [fqn for fqn, _, _, is_shared in mine if is_shared and fqn in fetched]
-    return plan, shared, wanted
+    return plan, mine_shared, broadcast
 
 
 def _check(plan: RankPlan, path: Path, watched: Watched, verify: bool) -> None:
@@ -297,11 +295,11 @@ def _check(plan: RankPlan, path: Path, watched: Watched, verify: bool) -> None:
         raise damaged(path, problem)
 
 
-def _read(plan: RankPlan, shared: list[str], wanted: list[str], path: Path, planner,
+def _read(plan: RankPlan, shared: list[str], broadcast: bool, path: Path, planner,
           reader: LoadReader, watched: Watched, rank: int) -> None:
     """The shared entries from rank 0 (one broadcast), this rank's own reads, one verdict."""
     payload: Any = {}
-    if shared:
+    if broadcast:
         if rank == 0:
             with watched.part("reading what every rank loads alike (the coordinator)", solo=True):
                 try:
@@ -315,7 +313,7 @@ def _read(plan: RankPlan, shared: list[str], wanted: list[str], path: Path, plan
             if isinstance(payload, str):
                 raise CheckpointError(payload)
             reader.read(plan, planner)
-            apply_shared(planner, wanted, payload, path)
+            apply_shared(planner, [fqn for fqn in shared if fqn in payload], payload, path)
         except CheckpointError as e:
             failed = str(e)
         except Exception as e:  # noqa: BLE001 (agreed on, then raised by every rank)
@@ -345,9 +343,9 @@ def load(state: dict, path: Path, process_group=None, *, verify: bool = True,
     rank = dist.get_rank(watched.group) if watched.on else 0
     planner, reader = DefaultLoadPlanner(), LoadReader(path, watched)
     try:
-        plan, shared, wanted = _plan(state, path, planner, reader, watched, rank, verify, names)
+        plan, shared, broadcast = _plan(state, path, planner, reader, watched, rank, verify, names)
         _check(plan, path, watched, verify)
-        _read(plan, shared, wanted, path, planner, reader, watched, rank)
+        _read(plan, shared, broadcast, path, planner, reader, watched, rank)
     except Exception as e:
         hung = watched.failure(e)
         if hung is not None:
