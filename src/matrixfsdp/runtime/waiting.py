@@ -10,6 +10,7 @@ rank would post nothing before it failed. So the waiting thread registers its wa
 process, started at the first wait that is not over at once, posts for each wait past its
 deadline. The post runs under the same lock as :meth:`Watchdog.leave`, so a ``waiting``
 post never lands after the ``done`` that the waiting thread posts when its wait is over.
+Debug mode's check (:mod:`matrixfsdp.runtime.debug`) posts a lasting wait the same way.
 """
 
 from __future__ import annotations
