@@ -97,7 +97,7 @@ def test_installed_with_declared_dependencies_only_it_trains_and_writes_the_summ
         capture_output=True, text=True, timeout=300, env=_clean_env(), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-4000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["steps"] == 3 and len(summary["optimizer_step_ms_median_per_rank"]) == 2
+    assert summary["steps"] == 3 and summary["optimizer_step_ms_median"]["max"] > 0
     saved = [c["path"] for c in summary["checkpoints"]]  # DCP and the checksums ran, numpy-free or not
     assert saved == [str(tmp_path / "run" / "checkpoints" / "step_00000003")], saved
     assert "loss.png skipped: matplotlib is not installed" in run.stdout

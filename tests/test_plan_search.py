@@ -200,7 +200,7 @@ def test_cli_plans_a_transformers_config_on_disk(tmp_path, capsys):
     path.write_text(json.dumps(LLAMA))
     main(["plan", "--model", str(path), "--world-size", "16", "--seq", "2048", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert out["model"] == "tiny-llama" and out["world_size"] == 16
+    assert out["model"] == "tiny-llama/config.json" and out["world_size"] == 16
     n = 2 * 1024 * 256 + 4 * (2 * 256 * 256 + 2 * 128 * 256 + 3 * 256 * 704 + 2 * 256) + 256
     assert out["parameters"] == n
     assert out["recommended"]["fits"] and {x["tp"] for x in out["layouts"]} == {1, 2, 4, 8}

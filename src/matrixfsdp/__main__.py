@@ -32,7 +32,7 @@ from .planning.steptime import Workload
 from .planning.traffic import Dtypes
 from .runtime.exit import exit_rank
 from .train.cluster import DTYPE_BYTES, parse_bytes
-from .train.launch import DEFAULT_TIMEOUT_S, launch
+from .train.launch import DEFAULT_TIMEOUT_S, DefaultsHelp, launch
 from .train.launch import positive_float as _positive_float
 from .train.loop import checkpoint_root, train
 from .train.models import GPT, PRESETS, GPTConfig
@@ -264,27 +264,35 @@ def _tau(text: str) -> float:
 
 
 def _add_train_args(sub) -> argparse.ArgumentParser:
-    tr = sub.add_parser("train", help="train a byte-level model on the stdlib sources")
+    tr = sub.add_parser("train", help="train a byte-level model on the stdlib sources",
+                        description="Train a byte-level model on the Python standard library's "
+                        "sources, on local ranks it starts (gloo on CPU, NCCL with one GPU per "
+                        "rank), or in place under torchrun. Every default is shown.",
+                        formatter_class=DefaultsHelp)
     pos = _int_at_least(1)
     tr.add_argument("--ranks", type=pos, default=None,
-                    help=f"local ranks to start (default {DEFAULT_RANKS}; under torchrun, its own)")
-    tr.add_argument("--steps", type=pos, default=60)
+                    help=f"local ranks to start (default {DEFAULT_RANKS}; under torchrun, its own, "
+                         "WORLD_SIZE; --world-size is another name for it)")
+    tr.add_argument("--world-size", dest="ranks", type=pos, default=argparse.SUPPRESS,
+                    help=argparse.SUPPRESS)  # bench's and plan's spelling
+    tr.add_argument("--steps", type=pos, default=60, help="optimizer steps")
     tr.add_argument("--model", choices=("gpt", "hf-llama"), default="gpt",
                     help="gpt: matrixfsdp.train.models.GPT; hf-llama: a randomly initialised "
                          "transformers LlamaForCausalLM of the same sizes (needs transformers)")
     tr.add_argument("--tp", type=pos, default=1, metavar="N",
                     help="tensor parallelism over N ranks (torchtitan's plan: Colwise q/k/v/fc, "
                          "Rowwise o/proj), fully_shard over the ranks / N data-parallel ones")
-    tr.add_argument("--layers", type=pos, default=4)
-    tr.add_argument("--d-model", type=pos, default=128)
-    tr.add_argument("--heads", type=pos, default=4)
-    tr.add_argument("--mlp", type=pos, default=512)
-    tr.add_argument("--seq", type=pos, default=128)
+    tr.add_argument("--layers", type=pos, default=4, help="transformer blocks")
+    tr.add_argument("--d-model", type=pos, default=128, help="model width")
+    tr.add_argument("--heads", type=pos, default=4, help="attention heads")
+    tr.add_argument("--mlp", type=pos, default=512, help="MLP hidden width")
+    tr.add_argument("--seq", type=pos, default=128, help="tokens (bytes) per sequence")
     tr.add_argument("--batch", type=pos, default=8, help="sequences per rank per micro-batch")
     tr.add_argument("--grad-accum", type=pos, default=1, metavar="K",
                     help="micro-batches per step, each backward of loss / K")
-    tr.add_argument("--lr", type=_positive_float, default=0.02)
-    tr.add_argument("--adamw-lr", type=_positive_float, default=3e-3)
+    tr.add_argument("--lr", type=_positive_float, default=0.02, help="Muon's learning rate")
+    tr.add_argument("--adamw-lr", type=_positive_float, default=3e-3,
+                    help="AdamW's learning rate (embeddings, head, norms, biases)")
     tr.add_argument("--per-head", action="store_true",
                     help="per-head Muon: each attention head's block of q/k/v orthogonalised on "
                          "its own (matrixfsdp.muon_param_groups(per_head=True))")
@@ -303,11 +311,11 @@ def _add_train_args(sub) -> argparse.ArgumentParser:
                     help="bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
     tr.add_argument("--activation-checkpointing", action="store_true",
                     help="recompute each block's activations in backward")
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     tr.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                    help="process-group timeout: a collective waiting longer fails "
-                         f"(default {DEFAULT_TIMEOUT_S:.0f})")
-    tr.add_argument("--out", default="runs/train")
+                    help="process-group timeout: a collective waiting longer fails")
+    tr.add_argument("--out", default="runs/train",
+                    help="directory for summary.json, loss.png and checkpoints (one run at a time)")
     tr.add_argument("--save-every", type=_int_at_least(0), default=0, metavar="N",
                     help="save a checkpoint (torch.distributed.checkpoint, by parameter name) every N "
                          "steps and at the last step, into <out>/checkpoints/step_<N>; a directory is "
@@ -320,15 +328,17 @@ def _add_train_args(sub) -> argparse.ArgumentParser:
                          "ones once a newer one is committed")
     tr.add_argument("--resume", nargs="?", const="", default=None, metavar="DIR",
                     help="continue from the latest complete checkpoint in DIR or DIR/checkpoints "
-                         "(default <out>/checkpoints), saved at any --ranks, its checksums verified; "
-                         "none there is an error")
+                         "(without DIR: <out>/checkpoints), saved at any --ranks, its checksums "
+                         "verified; none there is an error")
     tr.add_argument("--resume-or-start", action="store_true",
                     help="with --resume: start from step 0 when there is no checkpoint")
     tr.add_argument("--resume-fallback", action="store_true",
                     help="with --resume: if the newest checkpoint is damaged (its checksums, its "
                          ".metadata, a shard or CHECKSUMS.json missing, a load that fails), load the "
                          "newest one that loads, saying which it skipped and why, instead of stopping")
-    tr.add_argument("--rss-every", type=_int_at_least(0), default=0, help=argparse.SUPPRESS)
+    tr.add_argument("--rss-every", type=_int_at_least(0), default=0, metavar="N",
+                    help="record each rank's resident memory (VmRSS) every N steps, into "
+                         "summary.json's rss_mib (min, mean, max over the ranks); 0: never")
     return tr
 
 

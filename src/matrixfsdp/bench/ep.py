@@ -53,6 +53,7 @@ import matrixfsdp as mf
 from .._compat import flatten
 from ..planning.layout import calls
 from ..runtime.collectives import all_gather_object
+from ..train.launch import DefaultsHelp
 from .ep_model import SYSTEMS, EPBenchConfig, MoEConfig, apply_ep, build_moe
 from .ep_report import render, summarise
 from .record import parse_grids, record_step, run_grids
@@ -155,7 +156,8 @@ def measure(cfg: EPBenchConfig, d: int, ep: int) -> dict[str, Any]:
 
 # ---- command line ---------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> EPBenchConfig:
-    p = argparse.ArgumentParser(prog="matrixfsdp bench --ep", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="matrixfsdp bench --ep", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelp)
     p.add_argument("--ep", action="store_true", help="this benchmark (with matrixfsdp bench)")
     p.add_argument("--grids", default="2x2,4x2",
                    help="comma list of DxEP grids (dp_shard_mod_ep x ep), each run on D*EP local "

@@ -149,7 +149,7 @@ from dataclasses import asdict
 
 import torch
 
-from ..train.launch import positive_float
+from ..train.launch import DefaultsHelp, positive_float
 from ..train.rank_process import ranks_started
 from .config import (
     EXACT_BOUND,
@@ -177,22 +177,37 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
     """The run's settings from the command line (``matrixfsdp bench --help``); errors exit
     through ``argparse`` before any rank starts."""
     p = argparse.ArgumentParser(
-        prog="matrixfsdp bench",
+        prog="matrixfsdp bench", formatter_class=DefaultsHelp,
         description="MatrixFSDP vs FSDP2 + AdamW / torch Muon / DistMuon / muon-fsdp2, "
-                    "side by side on local ranks.")
+                    "side by side on local ranks. Three other benchmarks share the command: "
+                    "--link, --tp and --ep (each with its own --help).")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model/batch preset (default: cpu; gpu = bf16, d_model 2048, 16 layers, "
                         "MLP 8192, seq 2048, needs CUDA)")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="ranks (default: 4 on CPU, the GPU count with CUDA)")
+    p.add_argument("--ranks", dest="world_size", type=int, default=None, metavar="N",
+                   help="ranks (default: 4 on CPU, the GPU count with CUDA; --world-size is "
+                        "another name for it)")
+    p.add_argument("--world-size", dest="world_size", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)  # the earlier spelling
     p.add_argument("--steps", type=int, default=5, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per system first")
     p.add_argument("--systems", default=None,
                    help=f"comma list out of {','.join(SYSTEMS + OPTIONAL_SYSTEMS)} (default: "
                         f"{','.join(SYSTEMS)}; with --replicas: {','.join(HSDP_SYSTEMS)})")
     p.add_argument("--replicas", type=int, default=1, metavar="R",
-                   help="HSDP: run every system on a (R, world-size / R) (replicate, shard) mesh")
+                   help="HSDP: run every system on a (R, ranks / R) (replicate, shard) mesh")
     p.add_argument("--out", default="runs/bench", help="output directory")
+    modes = p.add_argument_group("other benchmarks of the same command (each its own options: "
+                                 "matrixfsdp bench --link 1 --help, --tp --help, --ep --help)")
+    modes.add_argument("--link", metavar="GB/S,...", default=None,
+                       help="step time against modelled link speeds, overlap on and off, FSDP2 "
+                            "under the same link (bench/link.py; its default --out runs/link)")
+    modes.add_argument("--tp", action="store_true",
+                       help="dp x tp bytes against FSDP2 + TP, same run (bench/tp.py; its default "
+                            "--out runs/bench_tp)")
+    modes.add_argument("--ep", action="store_true",
+                       help="expert-parallel bytes against FSDP2 + EP, same run (bench/ep.py; its "
+                            "default --out runs/bench_ep)")
     p.add_argument("--timeout", type=positive_float, default=PG_TIMEOUT_S, metavar="SECONDS",
                    help=f"process-group timeout (default {PG_TIMEOUT_S})")
     p.add_argument("--backend", choices=["gloo", "grouped_gloo"], default=None,
@@ -204,7 +219,9 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
                         "(torch's MixedPrecisionPolicy), fp32 master weights")
     for flag, dest in (("--layers", "layers"), ("--d-model", "d_model"), ("--heads", "heads"),
                        ("--mlp", "mlp"), ("--seq", "seq"), ("--batch", "batch")):
-        p.add_argument(flag, dest=dest, type=int, default=None, help="override the preset")
+        p.add_argument(flag, dest=dest, type=int, default=None,
+                       help=f"default: the preset's ({PRESETS['cpu'][dest]} in cpu, "
+                            f"{PRESETS['gpu'][dest]} in gpu)")
     a = p.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -222,10 +239,10 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
         p.error(f"systems {unknown} do not run{hsdp}; choose from {','.join(known)}")
     world = a.world_size or (torch.cuda.device_count() if cuda else 4)
     if world < 1 or (cuda and world > torch.cuda.device_count()):
-        p.error(f"--world-size {world}: need 1..{torch.cuda.device_count() if cuda else 'N'} "
+        p.error(f"--ranks {world}: need 1..{torch.cuda.device_count() if cuda else 'N'} "
                 "(one GPU per rank)")
     if a.replicas < 1 or world % a.replicas:
-        p.error(f"--replicas {a.replicas} must be >= 1 and divide --world-size {world}")
+        p.error(f"--replicas {a.replicas} must be >= 1 and divide --ranks {world}")
     if a.steps < 1 or a.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
     sizes = {k: (v if getattr(a, k, None) is None else getattr(a, k))

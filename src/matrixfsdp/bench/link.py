@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import matrixfsdp as mf
 from matrixfsdp.bench.measure import machine_info, machine_line
 
-from ..train.launch import launch
+from ..train.launch import DefaultsHelp, launch
 from ..train.models import GPT, GPTConfig
 from . import grouped_gloo
 from .grouped_gloo import Link
@@ -183,10 +183,14 @@ def _rank(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="matrixfsdp bench --link", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="matrixfsdp bench --link", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelp)
     p.add_argument("--link", type=lambda s: [float(v) for v in s.split(",")],
                    default=[0.25, 0.5, 1.0, 2.0, 4.0], help="link speeds in GB/s, comma list")
-    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--ranks", type=int, default=4,
+                   help="local ranks (--world-size is another name for it) (default: 4)")
+    p.add_argument("--world-size", dest="ranks", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)

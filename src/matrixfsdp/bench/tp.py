@@ -83,6 +83,7 @@ from torch import nn
 import matrixfsdp as mf
 
 from ..runtime.collectives import all_gather_object
+from ..train.launch import DefaultsHelp
 from .record import parse_grids, record_step, run_grids
 from .tp_model import SYSTEMS, Llama, LlamaConfig, TPBenchConfig, apply_tp
 from .tp_report import render, summarise
@@ -174,7 +175,8 @@ def measure(cfg: TPBenchConfig, dp: int, tp: int) -> dict[str, Any]:
 
 # ---- command line ---------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> TPBenchConfig:
-    p = argparse.ArgumentParser(prog="matrixfsdp bench --tp", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="matrixfsdp bench --tp", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelp)
     p.add_argument("--tp", action="store_true", help="this benchmark (with matrixfsdp bench)")
     p.add_argument("--grids", default="2x2,4x2",
                    help="comma list of DPxTP grids, each run on DP*TP local ranks (default 2x2,4x2)")

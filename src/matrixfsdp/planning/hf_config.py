@@ -48,6 +48,8 @@ def meta_model(path: Path) -> tuple[nn.Module, list[nn.Module], str]:
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     model.float()
     name = getattr(cfg, "name_or_path", "") or ""
-    if not name or name.endswith(".json") or Path(name) == path:
-        name = path.parent.name if path.name == "config.json" else path.stem
-    return model, _blocks(model), name or str(path)
+    if not name or name.endswith(".json") or Path(name) in (path, path.parent):
+        # the file and its folder (path/to/config.json: "to/config.json"): a folder's name
+        # alone read as a model's name ("to")
+        name = f"{path.parent.name}/{path.name}" if path.parent.name else path.name
+    return model, _blocks(model), name

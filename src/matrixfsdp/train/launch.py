@@ -2,11 +2,13 @@
 and the bench tools) and kept out of the CLI so that the benchmark can use it without
 importing it: the launcher (:func:`launch`: local processes, or in place under torchrun),
 the device a local rank runs on, waiting for that device before reading host clocks, and
-the argument type of ``--timeout`` (and ``--clip``)."""
+the argument type of ``--timeout`` (and ``--clip``) and the ``--help`` format that shows
+every default."""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import ctypes
 import json
 import math
@@ -66,6 +68,26 @@ def positive_float(text: str) -> float:
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
     return v
+
+
+class DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that shows every option's default: argparse's own form ``(default: X)``,
+    ``off`` for a switch or an unset option, nothing more where the help already says it."""
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings:  # argparse shows nothing: say the default
+            action = copy.copy(action)
+            action.help = ""
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.default is None or action.default is False:
+            return f"{text} (default: off)".strip()
+        return f"{text} (default: %(default)s)".strip()
 
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -279,3 +280,12 @@ def train(args) -> None:
     where = None if resumed is None else {"path": str(resumed), "step": start,
                                            "world_size": history.get("world_size")}
     write_summary(run, hist, val.item() / run.world, where)
+    if not math.isfinite(hist.losses[-1]):  # only with --skip-nonfinite: without, the step stopped
+        sys.stdout.flush()
+        with arrival.Point(dist.group.WORLD, "summary barrier"):
+            dist.barrier()  # rank 0's summary is out before a rank stops the run
+        skipped = len(hist.skipped)
+        raise NonFiniteError(
+            f"the last step's loss (step {args.steps}) is not finite; {skipped} of "
+            f"{len(hist.losses)} steps were skipped by --skip-nonfinite (none of them reached the "
+            "weights); summary.json is written. Lower --lr/--adamw-lr, or --clip")

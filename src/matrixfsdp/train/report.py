@@ -90,13 +90,20 @@ def _finite_or_none(obj: Any) -> Any:
     return obj
 
 
-def _all_gather_floats(values: list[float], device: torch.device) -> list[list[float]]:
-    """Every rank's ``values`` (same length on every rank), as a tensor collective."""
+def _over_ranks(values: list[float], device: torch.device) -> dict[str, list[float]]:
+    """Each of ``values`` (the same length on every rank) as its minimum, mean and maximum
+    over the ranks: two all-reduces of ``2 len(values)`` numbers, whatever the world size
+    (an all-gather of every rank's list would hand each rank P lists)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    with arrival.Point(dist.group.WORLD, "summary all_gather"):
-        dist.all_gather(out, t)
-    return [o.tolist() for o in out]
+    total, extremes = t.clone(), torch.cat([t, -t])
+    with arrival.Point(dist.group.WORLD, "summary all_reduce"):
+        dist.all_reduce(total)
+    with arrival.Point(dist.group.WORLD, "summary all_reduce"):
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    n = len(values)
+    world = dist.get_world_size()
+    return {"min": (-extremes[n:]).tolist(), "mean": (total / world).tolist(),
+            "max": extremes[:n].tolist()}
 
 
 def write_summary(run, hist, val_loss: float, resumed: dict | None) -> None:
@@ -104,14 +111,14 @@ def write_summary(run, hist, val_loss: float, resumed: dict | None) -> None:
     and print the summary. A collective. ``run`` is :class:`matrixfsdp.train.Run`, ``hist``
     its :class:`matrixfsdp.train.History`; ``resumed``: where the run started from."""
     args, device = run.args, run.device
-    step_ms_all = [r[0] for r in _all_gather_floats([statistics.median(hist.step_ms[1:] or hist.step_ms)],
-                                                     device)]
-    rss_all = _all_gather_floats(hist.rss, device) if args.rss_every else None
+    step_ms = {k: v[0] for k, v in _over_ranks([statistics.median(hist.step_ms[1:] or hist.step_ms)],
+                                               device).items()}
+    rss = _over_ranks(hist.rss, device) if args.rss_every else None
     if run.rank != 0:
         return
-    summary = _summary(run, hist, val_loss, step_ms_all)
-    if rss_all is not None:
-        summary["rss_mib"] = {"steps": hist.rss_steps, "per_rank": rss_all}
+    summary = _summary(run, hist, val_loss, step_ms)
+    if rss is not None:
+        summary["rss_mib"] = {"steps": hist.rss_steps, **rss}  # min, mean, max over the ranks
     if resumed is not None:
         summary["resumed_from"] = resumed
     out = Path(args.out)
@@ -123,7 +130,7 @@ def write_summary(run, hist, val_loss: float, resumed: dict | None) -> None:
           + (" and loss.png" if plotted else ""))
 
 
-def _summary(run, hist, val_loss: float, step_ms_all: list[float]) -> dict[str, Any]:
+def _summary(run, hist, val_loss: float, step_ms: dict[str, float]) -> dict[str, Any]:
     args, losses = run.args, hist.losses
     k = max(1, min(5, len(losses) // 4))
     summary: dict[str, Any] = {
@@ -133,7 +140,7 @@ def _summary(run, hist, val_loss: float, step_ms_all: list[float]) -> dict[str, 
         "activation_checkpointing": args.activation_checkpointing, "clip": args.clip,
         "loss_start": statistics.mean(losses[:k]), "loss_end": statistics.mean(losses[-k:]),
         "loss_mean_steps": k, "val_loss_end": val_loss,
-        "optimizer_step_ms_median_per_rank": step_ms_all,
+        "optimizer_step_ms_median": step_ms,  # each rank's median step: min, mean, max over ranks
         "tokens_per_s_median": statistics.median(hist.tok_s[1:] or hist.tok_s),
         "bytes_per_step": statistics.median(hist.step_bytes),
         "collectives_per_step": hist.step_calls,
@@ -163,8 +170,9 @@ def _print_summary(summary: dict[str, Any], args, plan) -> None:
     print(f"loss (mean of first/last {k} steps): {summary['loss_start']:.3f} -> "
           f"{summary['loss_end']:.3f}  (held-out: {summary['val_loss_end']:.3f}; "
           f"uniform bytes would be {math.log(256):.3f})")
-    print("optimizer step (median ms per rank, no collectives): "
-          + ", ".join(f"r{r} {t:.1f}" for r, t in enumerate(summary["optimizer_step_ms_median_per_rank"])))
+    ms = summary["optimizer_step_ms_median"]
+    print(f"optimizer step (each rank's median ms, no collectives): min {ms['min']:.1f}, mean "
+          f"{ms['mean']:.1f}, max {ms['max']:.1f} over {summary['ranks']} ranks")
     print(f"communicated per step per rank: {summary['bytes_per_step'] / 2**20:.2f} MiB payload "
           f"in {sum(calls.values())} collectives ({calls})")
     finite = [n for n in norms if n is not None and math.isfinite(n)]
@@ -172,6 +180,14 @@ def _print_summary(summary: dict[str, Any], args, plan) -> None:
         print(f"gradient norm (global, before clipping): median {statistics.median(finite):.3f}, "
               f"max {max(finite):.3f}" + (f"; clipped to {args.clip}" if args.clip else ""))
     if args.skip_nonfinite:
-        print(f"steps skipped for non-finite gradients: {len(summary['skipped_steps'])}")
+        skipped = [s["step"] for s in summary["skipped_steps"]]
+        print(f"steps skipped for a non-finite loss or gradients (--skip-nonfinite): {len(skipped)} "
+              f"of {len(summary['losses'])}" + (f" (steps {_steps_text(skipped)})" if skipped else ""))
     print(f"plan balance: NS-cost max/mean {plan.imbalance:.3f} (lower bound "
           f"{plan.imbalance_bound:.3f})")
+
+
+def _steps_text(steps: list[int], shown: int = 8) -> str:
+    """``2, 3, 5`` (the first ``shown``, then how many more)."""
+    more = f" and {len(steps) - shown} more" if len(steps) > shown else ""
+    return ", ".join(map(str, steps[:shown])) + more

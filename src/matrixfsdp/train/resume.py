@@ -113,17 +113,19 @@ def plan_start(args, root: Path, error: Callable[[str], Any], say: Callable[[str
         return
     where = Path(args.resume) if args.resume else root
     complete, skipped = find_checkpoints(where)
-    if not complete and not skipped:
-        complete, skipped = find_checkpoints(where / "checkpoints")
+    looked = [where]  # DIR given: DIR or DIR/checkpoints; none: this run's own <out>/checkpoints
+    if args.resume and not complete and not skipped:
+        looked.append(where / "checkpoints")
+        complete, skipped = find_checkpoints(looked[-1])
     for d, why in skipped:
         say(f"--resume: skipping {d}: {why}")
     if not complete:
+        places = " or ".join(str(p) for p in looked)
         if not args.resume_or_start:
-            error(f"--resume {args.resume or where}: no complete checkpoint in {where} or "
-                  f"{where / 'checkpoints'} (a step_<N> directory with COMPLETE and .metadata, or "
-                  "such a directory itself). Pass --resume-or-start to start from step 0 when "
-                  "there is none")
-        say(f"--resume: no complete checkpoint in {where}; --resume-or-start: starting from step 0")
+            error(f"--resume {args.resume or ''}".rstrip() + f": no complete checkpoint in {places} "
+                  "(a step_<N> directory with COMPLETE and .metadata, or such a directory "
+                  "itself). Pass --resume-or-start to start from step 0 when there is none")
+        say(f"--resume: no complete checkpoint in {places}; --resume-or-start: starting from step 0")
         refuse_overwrite(args, root, error)
         return
     args.resume_candidates, args.resume_where = [str(d) for d in complete], str(where)

@@ -1,0 +1,115 @@
+"""The commands the docs show are the commands' own: every flag that README.md and docs/
+give ``matrixfsdp train``, ``matrixfsdp bench`` (and its ``--link``, ``--tp``, ``--ep``
+modes) or a ``python -m matrixfsdp.bench.<tool>`` appears in that command's ``--help``,
+each option there with its default; and the messages the pages quote for the rough edges
+are the ones the command prints. No rank is started."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from matrixfsdp.__main__ import main
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+COMMAND = re.compile(r"(matrixfsdp (?:train|bench)|python -m matrixfsdp\.bench\.\w+)"
+                     r"((?:\s+(?!matrixfsdp\b|python\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def _code(text: str) -> list[str]:
+    """The pages' code: fenced blocks and inline spans, each as one line."""
+    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
+    rest = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.S | re.M)
+    spans = re.findall(r"`([^`]+)`", rest)
+    return [re.sub(r"\\?\n\s*", " ", c) for c in blocks + spans]
+
+
+def _which(cmd: str, args: str) -> str:
+    """The parser a documented command line reaches."""
+    if cmd == "matrixfsdp bench":
+        for mode in ("--link", "--tp", "--ep"):
+            if re.search(rf"(?<![\w-]){mode}(?![\w-])", args):
+                return f"bench {mode}"
+    return cmd.removeprefix("matrixfsdp ").removeprefix("python -m ")
+
+
+def documented() -> dict[str, dict[str, str]]:
+    """{command: {flag: where it is documented}}."""
+    found: dict[str, dict[str, str]] = {}
+    for page in PAGES:
+        for code in _code(page.read_text()):
+            for m in COMMAND.finditer(code):
+                args = m.group(2)
+                for flag in FLAG.findall(args):
+                    found.setdefault(_which(m.group(1), args), {}).setdefault(flag, page.name)
+    return found
+
+
+def help_text(command: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        if command.startswith("matrixfsdp.bench."):
+            importlib.import_module(command).main(["--help"])
+        elif command.startswith("bench --link"):
+            main(["bench", "--link", "1", "--help"])
+        else:
+            main([*command.split(), "--help"])
+    return out.getvalue()
+
+
+def _options(text: str) -> dict[str, str]:
+    """Each option of a ``--help`` text with its help (the lines up to the next option)."""
+    found: dict[str, str] = {}
+    current: list[str] = []
+    for line in text.splitlines():
+        m = re.match(r"\s{2}(-[-\w]+)", line)
+        if m:
+            names = re.findall(r"(?<![\w-])--?[\w-]+", line.split("  ", 2)[1])
+            current = [o for o in names if o.startswith("--")]
+            for o in current:
+                found[o] = line
+        elif current and line.startswith(" " * 8):
+            for o in current:
+                found[o] += " " + line.strip()
+        else:
+            current = []
+    return found
+
+
+@pytest.mark.parametrize("command", sorted(documented()))
+def test_documented_flags_are_in_help_with_defaults(command):
+    options = _options(help_text(command))
+    missing = {f: page for f, page in documented()[command].items() if f not in options}
+    assert not missing, f"{command} --help lacks flags the docs use: {missing}"
+    if not command.startswith("matrixfsdp.bench."):  # the tools' own help is theirs
+        bare = [o for o, h in options.items() if o != "--help" and "default" not in h]
+        assert not bare, f"{command} --help shows no default for {bare}"
+
+
+def test_rank_count_is_ranks_everywhere_world_size_an_alias():
+    """One spelling for the rank count of the commands that start ranks (``--ranks``); the
+    other (``--world-size``) still accepted, and said in the help."""
+    for command, argv in (("train", ["train", "--world-size", "0"]),
+                          ("bench", ["bench", "--world-size", "2", "--replicas", "3"]),
+                          ("bench --link", ["bench", "--link", "1", "--world-size", "1"])):
+        options = _options(help_text(command))
+        assert "--world-size is another name" in options["--ranks"], command
+        with pytest.raises(SystemExit):  # refused by the checks of the value: the alias parsed
+            main(argv)
+
+
+def test_resume_without_checkpoint_names_the_directory_once(tmp_path, capsys):
+    out = tmp_path / "empty"
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--ranks", "1", "--steps", "2", "--resume", "--out", str(out)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--resume: no complete checkpoint in {out}/checkpoints (" in err, err
+    assert "checkpoints/checkpoints" not in err
