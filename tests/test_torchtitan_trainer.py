@@ -499,3 +499,30 @@ def test_chunked_loss_calls_lm_head_outside_forward(init_job):
     # lm_head gathered once, not once per chunk
     assert chunked["calls"]["all_gather"] - plain["calls"]["all_gather"] < 8 - 1
     assert chunked["calls"]["reduce_scatter"] == plain["calls"]["reduce_scatter"] + 7
+
+
+# ---- refusals, named --------------------------------------------------------------------------------
+def test_unsupported_options_are_named():
+    """What the integration does not do yet is refused naming the option: tensor (and
+    pipeline, context, expert) parallelism at parallelize, before the model is touched; an
+    optimizer with no MatrixFSDP form at convert; a Muon option Muon does not take."""
+    from types import SimpleNamespace
+
+    titan_cpu.import_torchtitan()
+    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    import matrixfsdp.integrations.torchtitan as mft
+    dims = SimpleNamespace(pp_enabled=False, tp_enabled=True, cp_enabled=False, ep_enabled=False)
+    with pytest.raises(NotImplementedError, match="tensor parallelism is not supported"):
+        mft.parallelize(None, parallel_dims=dims, training=SimpleNamespace(enable_cpu_offload=False),
+                        parallelism=SimpleNamespace(), compile_config=None, ac_config=None,
+                        dump_folder="")
+    config = llama3_debugmodel()
+    config.optimizer = OptimizersContainer.Config(param_groups=[
+        ParamGroupConfig(pattern=".*", optimizer_name="Lion", optimizer_kwargs={"lr": 1e-4})])
+    with pytest.raises(NotImplementedError, match="optimizer 'Lion'"):
+        mft.convert(config)
+    group = dict(params=[torch.zeros(4, 4)], param_names=["w"], lr=0.1, betas=(0.9, 0.95))
+    with pytest.raises(ValueError, match=r"Muon group of 'w' has option\(s\) \['betas'\]"):
+        mft._muon_group(group, {}, "Muon")

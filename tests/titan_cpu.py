@@ -189,10 +189,32 @@ def titan_on_cpu() -> Iterator[None]:
             perf_counter=trainer.time.perf_counter, monotonic=trainer.time.monotonic,
             time=trainer.time.time, sleep=lambda s: None)))
         stack.enter_context(_dist_muon_cpu_shim())
-        try:
-            yield
-        finally:
-            gc.enable()  # torchtitan's GarbageCollection disables it for the process
+        stack.enter_context(_process_state())
+        yield
+
+
+@contextlib.contextmanager
+def _process_state() -> Iterator[None]:
+    """What torchtitan's run changes for the whole process, put back for the tests that use
+    these rank processes next: garbage collection (its GarbageCollection disables it), the
+    root logger (its init_logger replaces the handlers), dynamo's settings (apply_compile
+    sets two; activation checkpointing turns off dynamo's LRU cache)."""
+    import logging
+
+    import torch._dynamo
+    root = logging.getLogger()
+    level, handlers = root.level, list(root.handlers)
+    dynamo = {k: getattr(torch._dynamo.config, k) for k in
+              ("capture_scalar_outputs", "skip_fwd_side_effects_in_bwd_under_checkpoint")}
+    try:
+        yield
+    finally:
+        gc.enable()
+        root.setLevel(level)
+        root.handlers[:] = handlers
+        for k, v in dynamo.items():
+            setattr(torch._dynamo.config, k, v)
+        torch._C._dynamo.eval_frame._set_lru_cache(True)
 
 
 def run_main(args: list[str], env: dict[str, str] | None = None) -> None:

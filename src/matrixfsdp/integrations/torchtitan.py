@@ -50,6 +50,7 @@ from ..state.init import init_weights
 try:  # torchtitan is optional: this module is only for its users
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
     from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, load_flat_optim_state_dict
+    from torchtitan.distributed.flex_shard import BlockShard
 except ImportError as e:  # pragma: no cover (torchtitan is a test dependency)
     raise ImportError("matrixfsdp.integrations.torchtitan needs torchtitan (tested with 0.3.0)") from e
 
@@ -68,9 +69,8 @@ def _heads(fqn: str, layout: Any, shape: torch.Size) -> int | None:
     its own, which is per-head Muon with ``rows / r`` heads; ``Owned``, ``Replicate`` and
     ``Shard(0)`` of an expert stack step whole matrices."""
     shardings = getattr(layout, "shardings_by_mesh_axis", {}) or {}
-    blocks = {s.block_size for s in shardings.values() if type(s).__name__ == "BlockShard"
-              and getattr(s, "dim", 0) == 0}
-    bad = [s for s in shardings.values() if type(s).__name__ == "BlockShard" and s.dim != 0]
+    blocks = {s.block_size for s in shardings.values() if isinstance(s, BlockShard) and s.dim == 0}
+    bad = [s for s in shardings.values() if isinstance(s, BlockShard) and s.dim != 0]
     if bad or len(blocks) > 1:
         raise NotImplementedError(f"matrixfsdp: DistMuon compute layout of '{fqn}' ({layout}) "
                                   "splits it other than into row blocks of one size")
@@ -337,7 +337,6 @@ def convert(config: Any) -> Any:
     config.optimizer = MatrixOptimizersContainer.Config(**fields)
     groups = tuple((g.pattern, g.optimizer_name in MUON_NAMES) for g in opt.param_groups)
     spec.parallelize_fn = functools.partial(parallelize, muon_groups=groups)
-    spec.pipelining_fn = None  # pipeline stages are not supported yet (parallelize says so)
     config.parallelism.spmd_backend = "partial_dtensor"
     return config
 
