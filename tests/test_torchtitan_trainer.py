@@ -123,14 +123,18 @@ def dist_muon():
 
 
 # ---- one run of torchtitan's entry point -----------------------------------------------------------
-def _run(make, out: str, name: str, *args: str, module: str = "titan_cpu") -> dict[int, dict]:
-    """``torchtitan.train.main()`` with ``--module <module> --config configured`` (the config
-    ``make()`` returns, at the test's size) and ``args``; returns rank 0's logged steps."""
+HERE = "test_torchtitan_trainer"  # this module, a config registry too (--module HERE)
+
+
+def _run(out: str, name: str, module: str, config: str, *args: str) -> dict[int, dict]:
+    """``torchtitan.train.main()`` with ``--module <module> --config <config>`` and ``args``,
+    the loaded config made to run here (``titan_cpu.on_cpu``: the test's size, CPU needs);
+    returns rank 0's logged steps."""
     path = os.path.join(out, f"{name}.json")
-    titan_cpu.NEXT["make"] = lambda: titan_cpu.on_cpu(make(), dump_folder=os.path.join(out, name),
-                                                      metrics_path=path)
+    titan_cpu.ADAPT["config"] = lambda c: titan_cpu.on_cpu(
+        c, dump_folder=os.path.join(out, name), metrics_path=path)
     _group(out, name)  # torchtitan's main() destroys the process group it ran on
-    titan_cpu.run_main(["--module", module, "--config", "configured", *args])
+    titan_cpu.run_main(["--module", module, "--config", config, *args])
     if dist.is_initialized() or not os.path.exists(path):  # rank 0 wrote it before the end
         return {}
     with open(path) as f:
@@ -173,12 +177,12 @@ def _load(path: str) -> list[str]:
 
 
 def _registry():
-    """The one line: the registry's config function, by --module."""
+    """What the one line loads: the registry's config function."""
     import matrixfsdp.integrations.torchtitan as mft
     return mft.llama3_debugmodel()
 
 
-def _compiled_full_ac():
+def compiled_full_ac():
     """The registry's config with torchtitan's compile (each block, in place, aot_eager) and
     full activation checkpointing (the registry's default is selective)."""
     from torchtitan.distributed.activation_checkpoint import FullAC
@@ -189,42 +193,43 @@ def _compiled_full_ac():
     return config
 
 
+def converted_dist_muon():
+    """``convert`` of torchtitan's own DistMuon config (:func:`dist_muon`)."""
+    import matrixfsdp.integrations.torchtitan as mft
+    return mft.convert(dist_muon())
+
+
 def _trainer_runs(rank, world, out):
     """Every run the tests compare, on the same 2 ranks (torchtitan imported once), each on
     a process group of its own (torchtitan's main() ends its group)."""
-    from functools import partial
-
     os.environ.update(MF_RANK=str(rank), MF_WORLD=str(world))
     _group(out, "seed")
     titan_cpu.import_torchtitan()
-    import matrixfsdp.integrations.torchtitan as mft
     seed = _seed(out)
     fp32 = ["--training.mixed_precision_param", "float32"]
     runs: dict[str, dict] = {}
 
-    def run(name, make, *args, module="titan_cpu"):
-        import time
-        t = time.perf_counter()
-        runs[name] = _run(make, out, name, *args, module=module)
-        print(f"RUN {name} rank {rank}: {time.perf_counter() - t:.1f} s", flush=True)
+    def run(name, module, config, *args):
+        runs[name] = _run(out, name, module, config, *args)
 
     first = ["--checkpoint.enable", "--checkpoint.initial_load_path", seed]  # the model only
-    run("ours", _registry, *first, *_ckpt(True))
-    run("fsdp2", fsdp2_torch_muon, *first)
-    run("resumed", _registry, "--checkpoint.enable", "--checkpoint.load_step", str(SAVE_AT),
+    ours = (MF, "llama3_debugmodel")  # the one line
+    run("ours", *ours, *first, *_ckpt(True))
+    run("fsdp2", HERE, "fsdp2_torch_muon", *first)
+    run("resumed", *ours, "--checkpoint.enable", "--checkpoint.load_step", str(SAVE_AT),
         "--checkpoint.folder", os.path.join(out, "ours", "checkpoint"))
-    run("ours_fp32", _registry, *first, *fp32, *_ckpt(True))
-    run("fsdp2_fp32", fsdp2_torch_muon, *first, *fp32, *_ckpt(True))
+    run("ours_fp32", *ours, *first, *fp32, *_ckpt(True))
+    run("fsdp2_fp32", HERE, "fsdp2_torch_muon", *first, *fp32, *_ckpt(True))
     step = f"checkpoint/step-{SAVE_AT}"
-    run("to_fsdp2", fsdp2_torch_muon, *fp32, *_load(os.path.join(out, "ours_fp32", step)))
-    run("from_fsdp2", _registry, *fp32, *_load(os.path.join(out, "fsdp2_fp32", step)))
-    run("model_only", fsdp2_torch_muon, *fp32, *_load(os.path.join(out, "ours_fp32", step)),
+    run("to_fsdp2", HERE, "fsdp2_torch_muon", *fp32, *_load(os.path.join(out, "ours_fp32", step)))
+    run("from_fsdp2", *ours, *fp32, *_load(os.path.join(out, "fsdp2_fp32", step)))
+    run("model_only", HERE, "fsdp2_torch_muon", *fp32, *_load(os.path.join(out, "ours_fp32", step)),
         "--checkpoint.exclude_from_loading", "optimizer")  # the control: no optimizer state
-    run("dist_muon", dist_muon, *first)
-    run("converted", partial(mft.convert, dist_muon()), *first)
+    run("dist_muon", HERE, "dist_muon", *first)
+    run("converted", HERE, "converted_dist_muon", *first)
     from torch._dynamo.utils import counters
     graphs = counters["stats"]["unique_graphs"]
-    run("compiled", _compiled_full_ac, *first, "--training.steps", str(COMPILED_STEPS))
+    run("compiled", HERE, "compiled_full_ac", *first, "--training.steps", str(COMPILED_STEPS))
     graphs = counters["stats"]["unique_graphs"] - graphs
     if rank == 0:
         with open(os.path.join(out, "runs.json"), "w") as f:

@@ -19,6 +19,9 @@ torchtitan 0.3.0 lacks, on CPU (each named where it is patched or replaced below
   :func:`matrixfsdp.bench.peers._dist_muon_cpu_shim`);
 * a tokenizer and a dataset without downloads: :class:`TinyTokenizer` and
   :class:`TinyData`, through torchtitan's own tokenizer and dataloader configs;
+* a model small enough for a test: the config that ``--module`` / ``--config`` load goes
+  through ``ADAPT["config"]`` (the test's :func:`on_cpu`), so a test runs the one line
+  itself, ``--module matrixfsdp.integrations.torchtitan --config llama3_debugmodel``;
 * the 2 s its trainer sleeps on rank 0 after training, which a test need not wait.
 
 :class:`RecordingMetrics` is torchtitan's ``MetricsProcessor`` writing each logged step's
@@ -189,6 +192,9 @@ def titan_on_cpu() -> Iterator[None]:
             perf_counter=trainer.time.perf_counter, monotonic=trainer.time.monotonic,
             time=trainer.time.time, sleep=lambda s: None)))
         stack.enter_context(_dist_muon_cpu_shim())
+        from torchtitan.config.manager import ConfigManager
+        stack.enter_context(_patched(ConfigManager, "_load_config",
+                                     _adapting(ConfigManager._load_config)))
         stack.enter_context(_process_state())
         yield
 
@@ -381,10 +387,14 @@ def on_cpu(config: Any, *, dim: int = 128, n_layers: int = 2, n_heads: int = 4, 
     return config
 
 
-# ---- the config function a test's run uses ------------------------------------------------------
-NEXT: dict[str, Any] = {}  # "make": a callable returning the Trainer.Config of the next run
+# ---- the config a run loads, made to run here ----------------------------------------------------
+ADAPT: dict[str, Any] = {}  # "config": applied to the config torchtitan's registry loads
 
 
-def configured() -> Any:
-    """``--module titan_cpu --config configured``: the config the test set in ``NEXT``."""
-    return NEXT["make"]()
+def _adapting(load: Any) -> Any:
+    """torchtitan's ``ConfigManager._load_config`` (``--module`` / ``--config``), then the
+    test's ``ADAPT["config"]`` on what it loaded (the test's size and what CPU needs)."""
+    def adapted(self: Any, args: list[str]) -> tuple[Any, list[str]]:
+        config, rest = load(self, args)
+        return (ADAPT["config"](config) if "config" in ADAPT else config), rest
+    return adapted
