@@ -31,7 +31,8 @@ is missing. To name it, at no cost per collective beyond a counter and a clock r
   and phase the loop set: :func:`at`) and the time this rank actually waited, measured.
 
 Only gloo groups: an NCCL ``wait()`` does not block the host (NCCL's watchdog ends a stuck
-collective), and a wait with a timeout would make it block. Debug mode
+collective), and a wait with a timeout would make it block. On NCCL the watchdog's flight
+record names the rank instead (:mod:`matrixfsdp.train.flight`, read by the launcher). Debug mode
 (:mod:`matrixfsdp.runtime.debug`) compares every collective instead.
 """
 

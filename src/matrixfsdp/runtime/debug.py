@@ -14,6 +14,12 @@ rank's position (ranks that agree as spans). Before, every check all-gathered P 
 and each rank wrote a store key (P writes to one store per collective; 9.8 s per step at
 16384 ranks).
 
+On a device (NCCL) the check's all-reduce is waited for as every collective is, with no
+timeout (a timed ``wait`` would block the host in the backend and may leave the
+communicator unusable once it expires); the host then reads the lanes, the check's one
+documented synchronisation. A rank that never arrives is named there by NCCL's watchdog and
+flight recorder (:mod:`matrixfsdp.train.flight`), not by this module.
+
 A rank that never arrives (it left the loop, or hangs outside MatrixFSDP) makes the others
 raise after ``timeout`` seconds (30 s, or the group's timeout if shorter), naming that rank
 and where it last was. A check's wait that lasts (the group's ``slow`` threshold of
@@ -85,6 +91,10 @@ class CollectiveCheck:
         self.count += 1
         lanes = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=self.device)
         work = dist.all_reduce(lanes, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        if self.device.type != "cpu":  # NCCL: no timed wait (module docstring)
+            work.wait()
+            self.compare(mine, lanes)
+            return
         count, post = self.count, self._post
         dog = None if work.is_completed() else watchdog()
         entry = dog.enter(self.slow, lambda: post(count, mine)) if dog is not None else None
@@ -98,6 +108,10 @@ class CollectiveCheck:
         finally:
             if dog is not None:
                 dog.leave(entry)
+        self.compare(mine, lanes)
+
+    def compare(self, mine: list[int], lanes: torch.Tensor) -> None:
+        """Raise on every rank if the all-reduced ``lanes`` say the ranks' signatures differ."""
         top, bottom = lanes[:LANES].tolist(), lanes[LANES:].tolist()
         if any(hi != -lo for hi, lo in zip(top, bottom)):
             self.diverged(mine)

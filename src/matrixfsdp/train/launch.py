@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..runtime.arrival import CollectiveTimeout, lost_peer, ranks_text, timed_out
 from ..runtime.exit import exit_rank
 from ..state.integrity import CheckpointError
+from .flight import hung_ranks, read_dumps, recorder_env
 from .nonfinite import NonFiniteError
 from .rank_process import FromLauncher, ranks_started
 from .report import SummaryError
@@ -324,9 +325,16 @@ def _first_to_fail(processes) -> int | None:
 def _failure_line(ctx, failed: int, killed, report_dir: str | None) -> str:
     """The launcher's one line: the first rank to end, where a signal ended it; else the
     rank that failed first by its report, or the rank that hung (named by those that
-    waited for it); else a rank a signal ended (``killed``), or the exit status."""
+    waited for it, or, on NCCL, by the flight records its watchdog dumped beside the
+    reports: :mod:`.flight`); else a rank a signal ended (``killed``), or the exit status."""
     p = ctx.processes[failed]
     first = first_report(report_dir) if report_dir and p.exitcode > 0 else None
+    records = os.path.join(os.path.dirname(report_dir), "flight") if report_dir else None
+    found = hung_ranks(read_dumps(records)) if records and os.path.isdir(records) else None
+    if found is not None and (first is None or first.get("waited") or killed is not None
+                              or "timeout" in first.get("message", "").lower()):
+        return (f"{ranks_text(found[0])} hung: {found[1]}; every rank was stopped (SIGTERM, "
+                f"then SIGKILL after {STOP_GRACE_S:g} s)")
     if first is not None and first.get("hung"):
         return (f"{ranks_text(first['hung'])} hung: {first['message']}; every rank was stopped "
                 f"(SIGTERM, then SIGKILL after {STOP_GRACE_S:g} s)")
@@ -408,9 +416,16 @@ def launch(fn, args, world_size: int, timeout_s: float | None = None, held=None)
         reports = os.path.join(tmp, "reports")
         os.mkdir(reports)
         os.environ[REPORT_DIR_ENV] = reports  # inherited by the spawned ranks
+        recorded = {}
+        if torch.cuda.is_available():  # NCCL: each rank's watchdog dumps its flight record
+            os.mkdir(os.path.join(tmp, "flight"))
+            recorded = recorder_env(os.path.join(tmp, "flight"))
+            os.environ.update(recorded)
         try:
             with ranks_started(_spawned, (fn, world_size, os.path.join(tmp, "init"), args,
                                           timeout_s, held), world_size) as ctx:
                 _join_ranks(ctx, f"matrixfsdp {getattr(args, 'cmd', None) or 'launch'}", reports)
         finally:
             os.environ.pop(REPORT_DIR_ENV, None)
+            for name in recorded:
+                os.environ.pop(name, None)
