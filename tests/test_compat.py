@@ -5,6 +5,7 @@ private torch module, function or attribute."""
 from __future__ import annotations
 
 import ast
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,14 @@ def test_distributed_entries(world1):
     n = DTensor.from_local(torch.tensor(5.0), d.device_mesh, [_compat.norm_partial(2.0)])
     assert n.placements[0].is_partial() and torch.equal(n.full_tensor(), torch.tensor(5.0))
     assert _compat.norm_partial(float("inf")) == Partial("max")
+    # a made group's timeout, set in place (HSDP's and tp's groups bounded by the world's)
+    group = dist.new_group([0])
+    _compat.set_group_timeout(group, timedelta(seconds=7))
+    assert _compat.backend_timeout(group, torch.device("cpu")) == timedelta(seconds=7)
+    # coalescing: gloo refuses it (its units then take one launch per op)
+    with pytest.raises(RuntimeError, match="does not implement startCoalescing"):
+        with _compat.coalescing(dist.group.WORLD, torch.device("cpu")):
+            pass
 
 
 @pytest.mark.parametrize("name", ["run_exit_handlers"])

@@ -140,6 +140,14 @@ def coalescing(group: dist.ProcessGroup, device: torch.device | None):
         works.append(group._end_coalescing(device))
 
 
+def set_group_timeout(group: dist.ProcessGroup, timeout: Any) -> None:
+    """``group``'s collectives time out after ``timeout`` (a ``timedelta``) from now on, set on
+    the group itself: ``distributed_c10d._set_pg_timeout`` (what torchtitan calls
+    ``set_timeout``); no public API changes a made group's timeout, and a new group with
+    the timeout would be another communicator on NCCL."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def backend_timeout(group: dist.ProcessGroup, device: torch.device) -> Any:
     """The timeout a group's backend for ``device`` was made with (a ``timedelta``), or
     None: ``ProcessGroup._get_backend(device).options._timeout``. Raises if the group has no

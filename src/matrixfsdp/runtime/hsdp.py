@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..planning.layout import Segment
 from ..planning.types import Placement
 from .collectives import Comm, Pending
-from .process_groups import group_timeout, twin_group
+from .process_groups import bound_timeout, group_timeout
 
 
 @dataclass
@@ -61,24 +61,14 @@ class MeshGroups:
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> MeshGroups:
         """The mesh's groups. Every group waits at most the world group's timeout (the one
-        the user gave ``init_process_group``): ``init_device_mesh`` makes its sub-groups
-        with torch's default (30 minutes), so where a mesh group would wait longer, this
-        makes its own group of the same ranks with the world's timeout (a collective of
-        those ranks, made once and kept: :func:`~matrixfsdp.runtime.process_groups.twin_group`),
-        and a hang fails in the user's time."""
+        the user gave ``init_process_group``), set on the mesh's own groups
+        (:func:`~matrixfsdp.runtime.process_groups.bound_timeout`): a hang fails in the
+        user's time, with no group made."""
         device = mesh.device_type
         limit = group_timeout(dist.group.WORLD, device)
-        # Only where every rank of the world runs this (the mesh covers it) may groups be
-        # made: a mesh over some ranks (a pipeline stage) keeps its groups (creating one on
-        # some ranks only hangs the store's naming).
-        whole_world = mesh.size() == dist.get_world_size()
 
         def bounded(g):
-            own = group_timeout(g, device)
-            if limit is None or own is None or own <= limit or not whole_world:
-                return g
-            # local: each rank makes the twin of its own shard (replicate) group, all at once
-            return twin_group(g, timeout=limit, local=True)
+            return bound_timeout(g, limit, device)
 
         if mesh.ndim == 1:
             g = bounded(mesh.get_group())

@@ -3,10 +3,11 @@
 * :func:`group_timeout`: how long a group's collectives wait (HSDP bounds the mesh's groups
   by the world's; debug mode waits at most that long for a missing rank; an asynchronous
   save's group inherits it).
+* :func:`bound_timeout`: a mesh's own groups (HSDP's, tp's) made to wait at most the
+  world's timeout, on the group itself (no twin: on NCCL one more communicator each).
 * :func:`twin_group`: a new group over the same ranks with another timeout or backend, made
-  once and kept: HSDP's mesh groups bounded by the world's timeout
-  (:meth:`~matrixfsdp.runtime.hsdp.MeshGroups.from_mesh`), and the gloo group of an
-  asynchronous save's background thread (:func:`matrixfsdp.state.files.save_checkpoint`).
+  once and kept: the gloo group of an asynchronous save's background thread
+  (:func:`matrixfsdp.state.files.save_checkpoint`).
 
 A gloo group connects every pair of its ranks when it is made (``connectFullMesh``: P - 1
 connections and P - 1 store reads per rank, 16383 at 16384 ranks), whatever its collectives
@@ -28,7 +29,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .._compat import backend_timeout
+from .._compat import backend_timeout, set_group_timeout
 
 # group -> {(backend, timeout, lazy): its twin}; an entry goes with its group
 _twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -48,6 +49,20 @@ def group_timeout(group: dist.ProcessGroup, device: str | torch.device | None = 
         except Exception:  # noqa: BLE001 (no such backend, or no options)
             continue
     return None
+
+
+def bound_timeout(group: dist.ProcessGroup, limit: timedelta | None,
+                  device: str | torch.device | None = None) -> dist.ProcessGroup:
+    """``group`` itself, its collectives made to time out after at most ``limit`` (the world
+    group's, the one the user gave ``init_process_group``): ``init_device_mesh`` makes its
+    sub-groups with torch's default (30 minutes on gloo, 10 on NCCL), so a hang would outlast
+    the user's timeout. Set on the group (no twin: on NCCL a twin is one more communicator,
+    its buffers and its set-up), so it applies to every user of the mesh's group, DTensor's
+    included; a group whose timeout is already within ``limit`` is left as it is."""
+    own = group_timeout(group, device)
+    if limit is not None and own is not None and own > limit:
+        set_group_timeout(group, limit)
+    return group
 
 
 def _registered(group: dist.ProcessGroup) -> bool:

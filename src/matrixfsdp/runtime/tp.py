@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..planning.types import ParamSpec, Placement
 from .collectives import Comm, CommStats
-from .process_groups import group_timeout, twin_group
+from .process_groups import bound_timeout, group_timeout
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,9 @@ def check_tp_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
 class TPGroups:
     """This rank's tp group (from the DTensor parameters' mesh) and the runtime's collectives
     over it, each a counted :class:`~matrixfsdp.runtime.collectives.Comm` on one group:
-    ``gather`` (forward and backward gathers) and ``grads`` (the gradients' last hop). One
-    group serves both: a unit's gradient hop starts where the schedule finishes its reduce,
+    ``gather`` (forward and backward gathers) and ``grads`` (the gradients' last hop): the
+    mesh's own group, its timeout bounded by the world's (no group made). One group serves
+    both: a unit's gradient hop starts where the schedule finishes its reduce,
     a point the order of the units sets (:meth:`~matrixfsdp.runtime.overlap.Schedule.add_reduce`),
     so every rank interleaves hops and gathers alike (one communicator, not two, on NCCL)."""
 
@@ -174,7 +175,7 @@ class TPGroups:
         self.size = mesh.size()
         self.rank = mesh.get_local_rank()
         limit = group_timeout(dist.group.WORLD, mesh.device_type)
-        group = twin_group(mesh.get_group(), timeout=limit, local=True)
+        group = bound_timeout(mesh.get_group(), limit, mesh.device_type)
         self.gather = Comm(group, stats, "tp_")
         self.grads = Comm(group, stats, "tp_grad_")
 
