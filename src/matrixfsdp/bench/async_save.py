@@ -42,6 +42,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
+from ..runtime.process_groups import twin_group
+from ..state.files import save_checkpoint
+from ..train.launch import launch
+
 MODES = {"none": [], "sync": ["--save-every"], "async": ["--save-every", "--async-save"]}
 
 
@@ -120,12 +127,6 @@ def _peers() -> int:
 def _group_rank(args) -> None:
     """One rank of ``--group``: make the asynchronous save's group as ``save_checkpoint``
     does, then save; each rank's numbers into ``args.out_rank``."""
-    import torch
-    import torch.distributed as dist
-
-    from ..runtime.process_groups import twin_group
-    from ..state.files import save_checkpoint
-
     rank = dist.get_rank()
     dist.barrier()
     base = _peers()
@@ -145,8 +146,6 @@ def group_cost(ranks: int, saves: int) -> list[dict]:
     """Per mode (``full mesh``: gloo's default; ``lazy``: as made now) and rank, the peers the
     asynchronous save's group connected when made and after each save, and the seconds
     making it took."""
-    from ..train.launch import launch
-
     rows = []
     for mode, env in (("full mesh", "0"), ("lazy", None)):
         with tempfile.TemporaryDirectory() as tmp:

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 
+from ..optim.muon import zeropower_via_newtonschulz
 from ..runtime.exit import exit_rank
 from ..train.models import GPT, GPTConfig
 
@@ -160,7 +161,6 @@ def check_memory(device: torch.device) -> dict:
 
 
 def check_ns(device: torch.device) -> dict:
-    from ..optim.muon import zeropower_via_newtonschulz
     coeff, steps = (3.4445, -4.775, 2.0315), 5
     shapes = NS_SHAPES if device.type == "cuda" else ((256, 256), (256, 1024))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

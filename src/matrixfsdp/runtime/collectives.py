@@ -43,7 +43,7 @@ from ..planning.traffic import COUNTERS
 from . import arrival
 from .arrival import error_text
 
-log = logging.getLogger(__name__)
+_log = logging.getLogger(__name__)
 
 
 def all_gather_single(*args, **kwargs):
@@ -360,7 +360,7 @@ def coalescing_supported(group: dist.ProcessGroup, device: torch.device) -> bool
         works = bool((every == 1).all()) and bool(one.item() == 1)
     except (RuntimeError, ValueError, NotImplementedError, AttributeError) as e:
         if "does not implement" not in str(e):  # a backend that should coalesce and failed
-            log.warning("matrixfsdp: process group %s (%s) failed to coalesce (%s): its units "
+            _log.warning("matrixfsdp: process group %s (%s) failed to coalesce (%s): its units "
                         "take one launch per op", getattr(group, "group_name", "?"),
                         dist.get_backend(group), error_text(e))
         works = False
