@@ -19,7 +19,7 @@ from matrixfsdp.__main__ import main
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"(matrixfsdp (?:train|bench)|python -m matrixfsdp\.bench\.\w+)"
-                     r"((?:\s+(?!matrixfsdp\b|python\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
+                     r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
@@ -28,7 +28,8 @@ def _code(text: str) -> list[str]:
     blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
     rest = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.S | re.M)
     spans = re.findall(r"`([^`]+)`", rest)
-    return [re.sub(r"\\?\n\s*", " ", c) for c in blocks + spans]
+    lines = [line for b in blocks for line in re.sub(r"\\\n\s*", " ", b).splitlines()]
+    return lines + [re.sub(r"\s*\n\s*", " ", c) for c in spans]
 
 
 def _which(cmd: str, args: str) -> str:
@@ -113,3 +114,28 @@ def test_resume_without_checkpoint_names_the_directory_once(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--resume: no complete checkpoint in {out}/checkpoints (" in err, err
     assert "checkpoints/checkpoints" not in err
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to '-'."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_links_between_pages_resolve():
+    """Every relative link of README.md and docs/ names a file that exists and, with a
+    '#', a heading of that page."""
+    broken = []
+    for page in PAGES:
+        text = page.read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest.read_text()):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)

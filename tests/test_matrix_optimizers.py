@@ -165,7 +165,8 @@ def _refusals(rank, world):
     model(x).sum().backward()
     my_sgd = type("MySGD", (torch.optim.SGD,), {})
     for opt in (po.SOAP(model.parameters()), my_sgd(model.parameters(), lr=0.1)):
-        with pytest.raises(RuntimeError, match=r"not an element-wise .*'0\.norm\.weight'.*matrix_params"):
+        with pytest.raises(RuntimeError, match=r"not on matrixfsdp's element-wise allow-list.*"
+                                               r"'0\.norm\.weight'.*matrix_params"):
             opt.step()
     after = mf.full_state_dict(model)
     assert all(torch.equal(before[n], after[n]) for n in before)
@@ -408,3 +409,23 @@ def test_matrix_params_refuses_expert_stacks(world1):
     with pytest.raises(ValueError, match=r"'0\.w' \(3, 4, 5\) is an expert stack"):
         mf.matrix_params(model)
     assert [p.shape for p in mf.shard_params(model)] == [torch.Size([5])]  # fc.bias; fc.weight is a matrix
+
+
+def test_heavyball_checkpoint_is_refused_at_save(world1, tmp_path):
+    """heavyball's optimizers step exactly but their state does not load back (a resumed
+    step fails inside heavyball): ``mf.get_state_dict`` refuses them before anything is
+    written, in words, whether on the owners' matrices or, declared element-wise, on the
+    row shards; the model alone still saves."""
+    model = _sharded(1)
+    matrices = mf.matrix_optimizer(_heavyball_soap, model)
+    mf.register_elementwise(hb.AdamW)
+    rest = hb.AdamW(mf.shard_params(model), lr=1e-2, compile_step=False)
+    x, y = _data(1)[0]
+    nn.functional.mse_loss(model(x[:PER_RANK]), y[:PER_RANK]).backward()
+    for opt in (matrices, rest):
+        opt.step()
+    for opts, name in (([matrices, torch.optim.AdamW(mf.shard_params(model))], "SOAP"), (rest, "AdamW")):
+        with pytest.raises(ValueError, match=rf"heavyball's {name} cannot be checkpointed: its state "
+                                             "does not load back"):
+            mf.get_state_dict(model, opts)
+    dcp.save(mf.get_state_dict(model), checkpoint_id=str(tmp_path))

@@ -119,14 +119,15 @@ def check_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
                     "process. Use matrixfsdp.Muon, or any optimizer on matrixfsdp.matrix_params")
             if not glob and not pl.whole_on_one_rank:
                 raise RuntimeError(
-                    f"matrixfsdp: {type(optimizer).__name__} is not an element-wise optimizer, and "
-                    f"parameter '{pl.spec.name}' {pl.spec.shape} is sharded by rows over the ranks: "
-                    f"it would step it from this rank's piece {tuple(p.shape)} as if it were the "
-                    "whole tensor and differ from one process. Give it "
+                    f"matrixfsdp: {type(optimizer).__name__} is not on matrixfsdp's element-wise "
+                    f"allow-list, and parameter '{pl.spec.name}' {pl.spec.shape} is sharded by rows "
+                    f"over the ranks: an optimizer that reads more than each element's own values "
+                    f"would step it from this rank's piece {tuple(p.shape)} as if it were the whole "
+                    "tensor and differ from one process. Give it "
                     "matrixfsdp.matrix_params(model) (the whole matrices this rank owns) and an "
                     "element-wise optimizer (AdamW, SGD, ...) matrixfsdp.shard_params(model), or "
-                    "use matrixfsdp.Muon; if this class is element-wise, "
-                    "matrixfsdp.register_elementwise(it)")
+                    "use matrixfsdp.Muon; if this class is element-wise (as heavyball's AdamW or "
+                    "a Lion are), declare it: matrixfsdp.register_elementwise(its class)")
 
 
 # ---- settings alike on every rank -----------------------------------------------------------

@@ -105,10 +105,29 @@ def init_state(opt: torch.optim.Optimizer) -> None:
                 g["lr"] = lr
 
 
+def refuse_unloadable(opt: torch.optim.Optimizer) -> None:
+    """Refuse, before anything is saved, an optimizer whose checkpoint would not load back:
+    heavyball's (3.2.1) keep their state as ``{0: {...}}`` beside a Python ``set``
+    (``is_initialized``) that no state dict carries, so a resumed step fails inside
+    heavyball, its PSGD refuses the zero-gradient step that creates state to load into
+    ("Grad or HVP is all 0s"), and DCP's load meets tensors of another size."""
+    cls = type(opt)
+    if cls.__module__.split(".")[0] == "heavyball":
+        raise ValueError(
+            f"matrixfsdp: heavyball's {cls.__name__} cannot be checkpointed: its state does not "
+            "load back (heavyball keeps it beside an is_initialized set that no state dict "
+            "carries: a resumed step fails inside heavyball). Its steps are exact; to save a "
+            "run, use an optimizer whose state round-trips (torch's, pytorch-optimizer's, "
+            "emerging-optimizers'), or save the model alone: mf.get_state_dict(model)")
+
+
 def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict[str, Any]:
-    """The merged ``{"state", "param_groups"}`` of ``optimizers`` (module docstring)."""
+    """The merged ``{"state", "param_groups"}`` of ``optimizers`` (module docstring); an
+    optimizer whose state would not load back is refused first (:func:`refuse_unloadable`)."""
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
+    for opt in optimizers:
+        refuse_unloadable(opt)
     for opt in optimizers:
         init_state(opt)
         per_rank = _per_rank(opt)
