@@ -108,7 +108,11 @@ def _worker(rank, world_size, out_dir):
     for x in batches(STEPS, world_size, PER_RANK, SEQ):
         x = rank_slice(x, rank, PER_RANK, same_data=False)
         model.loss(x[:, :-1], x[:, 1:]).backward()
-        res["train_norms"].append(mf.clip_grad_norm_(model.parameters(), CLIP).item())
+        with torch.profiler.profile() as prof:  # the kernels the clipping took
+            res["train_norms"].append(mf.clip_grad_norm_(model.parameters(), CLIP).item())
+        res["foreach_mul"] = sum(e.name == "aten::_foreach_mul_" for e in prof.events())
+        res["lone_mul"] = sum(e.name == "aten::mul_" and (e.cpu_parent is None or e.cpu_parent.name
+                              != "aten::_foreach_mul_") for e in prof.events())  # CPU's foreach loops
         opt.step()
         opt.zero_grad()
     state = mf.full_state_dict(model)
@@ -251,3 +255,13 @@ def test_two_roots_and_bad_norm_type(world1):
         mf.clip_grad_norm_([*a.parameters(), *b.parameters()], 1.0)
     with pytest.raises(ValueError, match="norm_type must be > 0"):
         mf.clip_grad_norm_(a.parameters(), 1.0, norm_type=0)
+
+
+def test_clip_scales_with_torchs_foreach_kernels(run):
+    """The scaling is torch's own foreach kernel, one per device and dtype: torch picks it only
+    for gradients of exactly torch.Tensor, and the shards' gradients are this library's
+    subclass, so through torch's clip_grads_with_norm_ it took one mul_ per gradient (a
+    launch each on a GPU). The training with clipping matches torch (the test above)."""
+    _, ranks, _ = run
+    for res in ranks:
+        assert res["foreach_mul"] == 1 and res["lone_mul"] == 0, (res["foreach_mul"], res["lone_mul"])

@@ -54,6 +54,7 @@ def tensor_version(t: torch.Tensor) -> int:
 
 # ---- tensor subclasses -------------------------------------------------------------------------
 FOREACH_NORM = torch._foreach_norm  # what torch's clip_grad_norm_ / get_total_norm call
+FOREACH_MUL_ = torch._foreach_mul_  # what torch's clip_grads_with_norm_ scales with
 DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl  # DTensor's own setting
 # the aten op ``Tensor.to`` dispatches to (a tensor subclass's ``__torch_dispatch__`` sees it)
 ATEN_TO_COPY = torch.ops.aten._to_copy.default
@@ -72,6 +73,13 @@ def foreach_norm(tensors: list[torch.Tensor], p: float,
     which torch's ``clip_grad_norm_`` uses; ``torch.linalg.vector_norm`` is one kernel per
     tensor)."""
     return list(FOREACH_NORM(tensors, p, dtype=dtype))
+
+
+def foreach_mul_(tensors: list[torch.Tensor], scalar: torch.Tensor) -> None:
+    """Each tensor times ``scalar`` (a 0-d tensor on their device), in place, in one kernel
+    per device and dtype (``torch._foreach_mul_``, what torch's ``clip_grads_with_norm_``
+    scales with; torch's own checks hand it only exact ``torch.Tensor``s)."""
+    FOREACH_MUL_(tensors, scalar)
 
 
 # ---- DTensor -----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._compat import foreach_norm
+from .._compat import foreach_mul_, foreach_norm
 from ..runtime import arrival
 from ..runtime.collectives import all_gather_single
 from ..runtime.param import placement_of, root_of, sharded_param
@@ -220,8 +220,30 @@ def clip_grad_norm_(parameters: _Params, max_norm: float, norm_type: float = 2.0
             f"The total norm of order {p} for gradients from `parameters` is non-finite, so "
             "it cannot be clipped. To disable this error and scale the gradients by the "
             f"non-finite norm anyway, set `error_if_nonfinite=False` ({where})")
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+    _scale(params, max_norm, total, foreach)
     return total
+
+
+def _scale(params: list[torch.Tensor], max_norm: float, total: torch.Tensor,
+           foreach: bool | None) -> None:
+    """``torch.nn.utils.clip_grads_with_norm_``'s scaling, the same arithmetic, on plain
+    views of the gradients: torch picks its foreach kernels only for tensors of exactly
+    ``torch.Tensor`` (``_has_foreach_support``), and the shards' gradients are this
+    library's subclass, which made it one ``mul_`` per gradient (a launch each on a GPU)."""
+    grads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for q in params:
+        if q.grad is not None and q.grad.numel():
+            g = q.grad.as_subclass(torch.Tensor)  # the same storage: scaled in place
+            grads.setdefault((g.device, g.dtype), []).append(g)
+    if not grads:
+        return
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for (device, _), gs in grads.items():
+        if foreach or (foreach is None and device.type in ("cpu", "cuda")):
+            foreach_mul_(gs, coef.to(device))
+        else:
+            for g in gs:
+                g.mul_(coef.to(device))
 
 
 @torch.no_grad()
