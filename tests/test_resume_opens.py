@@ -20,9 +20,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from _cli import run_cli
+from _dist import spawn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 
+import matrixfsdp as mf
 from matrixfsdp.state.files import checkpoint_dir
+from matrixfsdp.train.models import GPT, GPTConfig
 
 if not sys.platform.startswith("linux"):
     pytest.skip("torchrun's environment on local processes", allow_module_level=True)
@@ -95,3 +101,49 @@ def test_a_resume_under_torchrun_opens_only_each_ranks_own_files_and_none_before
         # each file hashed once, on the rank that reads it (rank 0: the index too)
         assert hashed == {n: sizes[n] for n in shards | ({".metadata"} if r == 0 else set())}, (r, hashed)
         print(f"rank {r}: opened {dict(sorted(opened.items()))}, hashed {sum(hashed.values())} bytes")
+
+
+def _model(world: int, seed: int):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_mlp=24))
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    return model, mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=3e-3))
+
+
+def _full(model, opt) -> dict:
+    """Every parameter and optimizer state tensor, full (torch's full_state_dict)."""
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    out = {f"model.{k}": v for k, v in msd.items()}
+    for name, state in osd["state"].items():
+        out.update({f"optim.{name}.{k}": v for k, v in state.items()})
+    return out
+
+
+def _save_at_2(rank: int, world: int, tmp: str) -> None:
+    model, opt = _model(world, seed=0)
+    x = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(1))[rank::world]
+    for _ in range(2):
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    mf.save_checkpoint(mf.get_state_dict(model, opt), Path(tmp) / "step_2")
+    full = _full(model, opt)
+    if rank == 0:
+        torch.save(full, Path(tmp) / "full.pt")
+
+
+def test_a_load_at_another_world_size_plans_each_rank_from_the_index_rank_0_read(world1, tmp_path):
+    """Saved at 2 ranks, loaded at 1 by mf.load_checkpoint: no rank finds its pieces in its
+    own file as saved, so rank 0 broadcasts the index and each rank plans its reads from it
+    (DCP's own overlap search): every parameter and optimizer state tensor bit for bit."""
+    spawn(_save_at_2, 2, str(tmp_path))
+    want = torch.load(tmp_path / "full.pt")
+    model, opt = _model(1, seed=7)
+    mf.load_checkpoint(model, opt, tmp_path / "step_2")
+    got = _full(model, opt)
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

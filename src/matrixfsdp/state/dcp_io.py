@@ -15,13 +15,13 @@ their local work, or behind, and where each was last seen (:meth:`Watched.failur
 groups are watched (:mod:`matrixfsdp.runtime.arrival`).
 
 A load (:func:`load`) runs DCP's load protocol with DCP's own planner and file reader, but
-plans on the coordinator (:mod:`.load_plan`): each rank sends what it holds, rank 0 alone
-reads the index and sends each rank its reads; each rank checks the files it reads
-(:func:`~matrixfsdp.state.integrity.check_file`) and the ranks agree on the verdict
-(:func:`~matrixfsdp.state.exchange.agree`) before anything is read; the values every rank
-loads alike come from rank 0 in one broadcast. The reader reads file by file, so that a
-file that cannot be read (missing, truncated, another checkpoint's) is named with what went
-wrong, instead of a bare unpickling or zip error from inside torch.
+no rank other than rank 0 reads DCP's index (:mod:`.load_plan`): resuming as saved each rank
+finds its pieces in its own files; otherwise rank 0 broadcasts the index. Each rank checks
+the files it reads (:func:`~matrixfsdp.state.integrity.check_file`) and the ranks agree on
+the verdict (:func:`~matrixfsdp.state.exchange.agree`) before anything is read; the values
+every rank loads alike come from rank 0 in one broadcast. The reader reads file by file, so
+that a file that cannot be read (missing, truncated, another checkpoint's) is named with
+what went wrong, instead of a bare unpickling or zip error from inside torch.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ def _coordinate(mine: list, path: Path, verify: bool, names: str | None, fast: b
             check_names({fqn[cut:] for fqn, *_ in mine if fqn.startswith(names + ".")},
                         {k[cut:] for k in index.metadata.state_dict_metadata if k.startswith(names + ".")},
                         f"checkpoint {path}")
-        own0 = plan_reads(mine, index.metadata, index, only_shared=fast)
+        own0 = plan_reads(mine, index.metadata, index, only_shared=True)
         for _, _, info in own0.shared:
             own0.files[info.relative_path] = index.record(info.relative_path)
         if fast:  # every rank's shared entries are rank 0's: the broadcast says which
@@ -261,13 +261,17 @@ def _plan(state: dict, path: Path, planner, reader: LoadReader, watched: Watched
         exchange.broadcast_from_coordinator(msg, watched.group)
     if isinstance(msg, BaseException):
         raise msg
-    mine_shared = [fqn for fqn, _, _, is_shared in mine if is_shared]
+    mine_shared = [fqn for fqn, size, chunks, is_shared in mine if is_shared and (chunks or size is None)]
     if fast:  # every rank's shared entries alike (the all-reduce above)
         plan, broadcast = own, bool(mine_shared)
         plan.files = {name: msg.get(name, (None, None, None, False)) for name in plan.files}
     else:
         index, fetched = msg
-        plan, broadcast = plan_reads(mine, index.metadata, index), bool(fetched)
+        broadcast = bool(fetched)
+        try:  # DCP's own refusals (a missing key, a size): agreed on with the checks' verdict
+            plan = plan_reads(mine, index.metadata, index)
+        except Exception as e:  # noqa: BLE001
+            return e, mine_shared, broadcast
         for fqn, item, info in plan.shared:
             if fqn not in fetched:  # a shared entry rank 0 does not hold: read here
                 plan.items.append(item)
@@ -279,11 +283,12 @@ def _plan(state: dict, path: Path, planner, reader: LoadReader, watched: Watched
     return plan, mine_shared, broadcast
 
 
-def _check(plan: RankPlan, path: Path, watched: Watched, verify: bool) -> None:
-    """This rank's files checked (``verify``: their checksums too), then one verdict for all."""
-    problem = None
+def _check(plan: RankPlan | Exception, path: Path, watched: Watched, verify: bool) -> None:
+    """This rank's files checked (``verify``: their checksums too), then one verdict for all
+    (a planning error of a rank, ``plan``, raised by every rank as it is)."""
+    problem: Any = plan if isinstance(plan, Exception) else None
     with watched.part("checking the files it reads"):
-        for name, record in plan.files.items():
+        for name, record in plan.files.items() if problem is None else []:
             try:
                 problem = check_file(path, name, record, verify)
             except OSError as e:
@@ -291,6 +296,8 @@ def _check(plan: RankPlan, path: Path, watched: Watched, verify: bool) -> None:
             if problem is not None:
                 break
     problem = exchange.agree(problem, watched.group)
+    if isinstance(problem, Exception):
+        raise problem
     if problem is not None:
         raise damaged(path, problem)
 
@@ -328,11 +335,12 @@ def load(state: dict, path: Path, process_group=None, *, verify: bool = True,
     """Load ``state`` (filled in place, as ``dcp.load`` does) from checkpoint directory
     ``path``, every rank of ``process_group`` (default: the world) together.
 
-    Rank 0 alone reads the index (the marker, ``CHECKSUMS.json``, DCP's ``.metadata``) and
-    plans every rank's reads from what each holds (:mod:`.load_plan`); each rank checks the
-    files it reads (present, the name at their end, sizes; ``verify``: checksums) and the
-    ranks agree on the verdict before anything is read; each rank then reads its own pieces,
-    and the values every rank loads alike come from rank 0 in one broadcast. ``names``: an
+    Rank 0 alone reads the index (the marker, ``CHECKSUMS.json``, DCP's ``.metadata``);
+    resuming as saved each rank finds its pieces in its own files, otherwise it plans its
+    reads from the index rank 0 broadcasts (:mod:`.load_plan`); each rank checks the files it
+    reads (present, the name at their end, sizes; ``verify``: checksums) and the ranks agree
+    on the verdict before anything is read; each rank then reads its own pieces, and the
+    values every rank loads alike come from rank 0 in one broadcast. ``names``: an
     entry (``"model"``) whose saved names must equal the state's, both ways (``ValueError``
     naming them). Raises the same error on every rank: a damaged file named
     (:class:`~matrixfsdp.state.integrity.CheckpointError`), an entry the checkpoint lacks or

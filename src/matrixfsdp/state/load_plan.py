@@ -96,8 +96,10 @@ def requests(state_dict: dict[str, Any]) -> list[Request]:
 
 
 def shared_key(reqs: list[Request]) -> int:
-    """A 62-bit digest of the shared entries a rank asks for (their names and sizes)."""
-    text = repr(sorted((fqn, size) for fqn, size, _, shared in reqs if shared)).encode()
+    """A 62-bit digest of the shared entries a rank asks for (their names, sizes, and
+    whether it holds them: a 0-d ``RowShard`` only its holders do)."""
+    text = repr(sorted((fqn, size, bool(chunks) or size is None)
+                       for fqn, size, chunks, shared in reqs if shared)).encode()
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 2
 
 
