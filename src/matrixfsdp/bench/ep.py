@@ -29,9 +29,11 @@ same in both systems: it is left out of both.
 of ``M`` bytes (an experts' unit: the ep rank's local stacks) and other parameters of ``E``
 bytes moves per gather (and per reduce) ``M + E(P-1)/P`` under the owner layout (every rank
 relays or receives each whole matrix once, wherever it is placed, the pipelined broadcast's
-cost) against FSDP2's ``(M + E)(P-1)/P``: ``P/(P-1)`` on the matrices. The experts' units sit
-at ``d/(d-1)`` (2x at d = 2), the dense units at ``dP/(dP-1)`` with ``P = d x ep``. The floor
-is the same for every placement, so the measured bytes must equal it (``as_designed``).
+cost) against FSDP2's ``(M + E)(P-1)/P``: ``P/(P-1)`` on the matrices. An experts' unit
+holds whole experts split evenly over its ``d`` ranks, which travel in its even all-gather /
+reduce-scatter at FSDP2's bytes; the dense units' matrices at up to ``dP/(dP-1)`` with
+``P = d x ep``. The floor is the same for every placement, so the measured bytes must equal
+the runtime's own layout arithmetic (``as_designed``) and stay within it (``within_floor``).
 
 Outputs in ``--out`` (default ``runs/bench_ep``): ``ep.json`` (everything) and ``ep.md``
 (the table, also printed).

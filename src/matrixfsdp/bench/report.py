@@ -295,7 +295,8 @@ def _critical_table(v: _View) -> list[str]:
     base = rows[BASELINE]["critical"]
     lines = ["", "Forward+backward bytes per step on the critical path (each collective "
              "charged to its most loaded rank, NCCL's algorithms), MiB, against "
-             f"{BASELINE}; P/(P-1) = {P / (P - 1):.3f} is the owner layout's floor:", "",
+             f"{BASELINE}. The mean is FSDP2's bytes; the busiest rank at most P/(P-1) = "
+             f"{P / (P - 1):.3f} of FSDP2's critical path (docs/design.md, the owner floor):", "",
              "| system | critical path MiB | mean rank MiB | critical vs " + BASELINE + " |",
              "|---|---:|---:|---:|"]
     for n, r in rows.items():
