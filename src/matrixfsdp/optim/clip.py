@@ -150,8 +150,9 @@ def _bad(grad: torch.Tensor | None) -> torch.Tensor:
 
 def _nonfinite(params, by_root, plain) -> dict[str, list[int]]:
     """{name: the world ranks whose piece of its gradient is not finite}, the same on every
-    rank of a root: per root, one all-gather of one int32 flag per planned parameter (and,
-    with the first root, per non-sharded one)."""
+    rank of a root: per root, one MAX all-reduce of one int32 flag per planned parameter
+    (and, with the first root, per non-sharded one), then an all-gather of every rank's
+    flags for the bad parameters alone (a failure path: P x the bad ones, which it names)."""
     others = [(i, q) for i, q in enumerate(params) if placement_of(q) is None]
     other_names = [f"<parameter {i} of shape {tuple(q.shape)} (not sharded)>" for i, q in others]
     if not by_root:  # nothing sharded: this rank's verdict, no collective
@@ -168,13 +169,20 @@ def _nonfinite(params, by_root, plain) -> dict[str, list[int]]:
         for j, (_, q) in enumerate(others if k == 0 else []):
             flags[len(order) + j] = _bad(q.grad)
         group = root.groups.world
+        anywhere = flags.clone()  # which parameters are bad on some rank: one MAX all-reduce
+        work = dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        arrival.wait(work, arrival.issued(group, "non-finite gradients all_reduce"))
+        bad = anywhere.nonzero().flatten()
+        if not bad.numel():
+            continue
+        # then, for those alone, every rank's flag (P x the bad ones, not P x all of them)
         ranks = dist.get_process_group_ranks(group)
-        everyone = torch.empty(len(ranks) * len(names), dtype=torch.int32, device=flags.device)
-        work = all_gather_single(everyone, flags, group=group, async_op=True)
+        everyone = torch.empty(len(ranks) * bad.numel(), dtype=torch.int32, device=flags.device)
+        work = all_gather_single(everyone, flags[bad].contiguous(), group=group, async_op=True)
         arrival.wait(work, arrival.issued(group, "non-finite gradients all_gather"))
-        rows = everyone.view(len(ranks), len(names)).cpu()
-        out.update({names[i]: [ranks[r] for r in rows[:, i].nonzero().flatten().tolist()]
-                    for i in rows.amax(0).nonzero().flatten().tolist()})
+        rows = everyone.view(len(ranks), bad.numel()).cpu()
+        out.update({names[i]: [ranks[r] for r in rows[:, j].nonzero().flatten().tolist()]
+                    for j, i in enumerate(bad.tolist())})
     return out
 
 
@@ -273,7 +281,7 @@ def total_grad_norm(parameters: _Params, norm_type: float = 2.0,
 def nonfinite_grad_names(parameters: _Params) -> list[str]:
     """Names of the parameters whose gradient holds a NaN or inf on any rank.
 
-    A collective (one all-gather of one int32 flag per planned parameter), returning the
+    A collective (one all-reduce of one int32 flag per planned parameter), returning the
     same list on every rank: sharded parameters by name, in plan order, then any
     non-sharded ones by position in ``parameters``. Call it before any clipping scales
     the gradients by a non-finite norm (see :func:`total_grad_norm`)."""
@@ -284,6 +292,7 @@ def nonfinite_grad_names(parameters: _Params) -> list[str]:
 def nonfinite_grad_ranks(parameters: _Params) -> dict[str, list[int]]:
     """:func:`nonfinite_grad_names` with, for each name, the world ranks whose piece of that
     gradient holds a NaN or inf (a rank holding no piece of it is never named). The same
-    on every rank; a collective (one all-gather of one int32 flag per planned parameter).
+    on every rank; a collective (one all-reduce of an int32 flag per planned parameter, then
+    every rank's flags for the bad ones alone).
     Without sharded parameters, this rank's verdict alone, no collective."""
     return _nonfinite(*_split(parameters, None))
