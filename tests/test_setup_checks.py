@@ -46,10 +46,13 @@ def _worker(rank, world, tmp):
     check_same_init(model.named_parameters())  # equal now
     torch.manual_seed(0)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), GPT(CFG).parameters()))
-    # 2. HSDP: init_device_mesh's sub-groups keep torch's 30 minutes; ours wait at most the world's
+    # 2. HSDP: init_device_mesh's sub-groups get torch's 30 minutes; ours wait at most the
+    # world's, set on the mesh's own groups (no twin group: on NCCL a communicator each)
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    before = _timeout(mesh.get_group(1))
     groups = MeshGroups.from_mesh(mesh)
-    out.append(f"{_timeout(dist.group.WORLD)} {_timeout(mesh.get_group(1))} "
+    assert groups.shard is mesh.get_group(1) and groups.replicate is mesh.get_group(0)
+    out.append(f"{_timeout(dist.group.WORLD)} {before} "
                f"{_timeout(groups.shard)} {_timeout(groups.replicate)}")
     # 3. debug mode: rank 1 stops after one collective; rank 0 is told that rank 1 did not arrive
     check = CollectiveCheck(dist.group.WORLD, torch.device("cpu"), ["<root>", "layers.0"], timeout=3)
