@@ -43,8 +43,11 @@ def summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         out["phases"][ph] = entry
     for ph in PHASES:
         calls = [r["collectives"][ph]["calls"] for r in per_rank]
+        # ops: what the launches held (a coalesced launch holds several; else one each)
+        op_count = [r["collectives"][ph].get("op_count", r["collectives"][ph]["calls"]) for r in per_rank]
         nbytes = [r["collectives"][ph]["bytes"] for r in per_rank]
-        out["collectives"][ph] = {"calls": statistics.mean(calls), "bytes": statistics.mean(nbytes),
+        out["collectives"][ph] = {"calls": statistics.mean(calls), "ops": statistics.mean(op_count),
+                                  "bytes": statistics.mean(nbytes),
                                   "per_rank": [r["collectives"][ph] for r in per_rank]}
     out["unknown_ops"] = sorted({o for r in per_rank for o in r["unknown_ops"]})
     peak = [r["peak_bytes"] for r in per_rank]
@@ -62,7 +65,7 @@ def summarise(name: str, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         ns_cpu = [r["ns_owned"]["cpu_ms"] for r in per_rank]
         own = r0["comm_stats"]
         prof_ok = all(
-            sum(v["calls"] for v in own[ph].values()) == out["collectives"][ph]["calls"]
+            sum(v["calls"] for v in own[ph].values()) == out["collectives"][ph]["ops"]
             and sum(v["payload_bytes"] for v in own[ph].values()) == out["collectives"][ph]["bytes"]
             for ph in PHASES)
         out["matrixfsdp"] = {

@@ -160,8 +160,10 @@ def _profiled_step(name: str, cfg: BenchConfig, system: System, device: torch.de
             if stats is not None:
                 stats.reset()
             return
-        ops = {k: {"calls": n, "bytes": grouped_gloo.PAYLOAD[k]} for k, n in grouped_gloo.LAUNCHES.items()}
+        # launches ("calls": a coalesced group is one) and the ops inside them, by kind
+        ops = {k: {"calls": n, "bytes": grouped_gloo.PAYLOAD[k]} for k, n in grouped_gloo.OPS.items()}
         wrapped[ph] = {"calls": sum(grouped_gloo.LAUNCHES.values()),
+                       "op_count": sum(grouped_gloo.OPS.values()),
                        "bytes": sum(grouped_gloo.PAYLOAD.values()), "ops": ops}
         if stats is not None:
             own_counts[ph] = stats.summary()
