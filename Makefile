@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 muon-fsdp2==0.3.0
 
-.PHONY: demo test lint bench plan gpu-check clean
+.PHONY: demo test lint bench plan gpu-check docs-figures clean
 
 # --no-compile: no bytecode for all of torch at install (some 15 s here); what the suite
 # and the demo import is compiled once, at first import.
@@ -40,6 +40,12 @@ NGPU    ?= 1
 gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(BIN)/.installed)
 	PYTHONPATH=src OMP_NUM_THREADS=1 $(GPU_PY) -m torch.distributed.run --standalone \
 		--nproc-per-node $(NGPU) -m matrixfsdp.bench.gpu_check --out runs/gpu-check
+
+# Every measured figure of README.md and docs/ from the command that produces it: outputs in
+# runs/docs-figures, tables in docs/figures (spliced into the pages' marked blocks); about half
+# an hour on 2 cores. One or a few: `make docs-figures FIGURES="ep tp"`.
+docs-figures: $(BIN)/.installed
+	OMP_NUM_THREADS=1 $(BIN)/python -m matrixfsdp.bench.docs_figures $(FIGURES)
 
 plan: $(BIN)/.installed
 	$(BIN)/matrixfsdp plan --model paper --world-size 8

@@ -1,10 +1,11 @@
 """Training runs side by side: loss and largest attention logit per step, from the
 ``summary.json`` of ``matrixfsdp train`` runs.
 
-``python -m matrixfsdp.bench.compare_runs LABEL=DIR ... [--out docs/bench/heads.png]``
+``python -m matrixfsdp.bench.compare_runs LABEL=DIR ... [--out runs/compare.png]``
 prints a table (loss over the first and last 20 steps, held-out loss, largest logit) and
 draws the two curves per run (the loss smoothed over 10 steps). The per-head / QK-clip
-comparison of docs/optimizers.md is three ``matrixfsdp train`` runs compared this way.
+comparison of docs/optimizers.md is three ``matrixfsdp train`` runs compared this way
+(``make docs-figures`` runs them). Output goes to ``runs/``, never over tracked files.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def plot(runs: list[tuple[str, dict]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m matrixfsdp.bench.compare_runs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+", metavar="LABEL=DIR")
-    ap.add_argument("--out", default="runs/compare.png")
+    ap.add_argument("runs", nargs="+", metavar="LABEL=DIR", help="a label and a train run's --out")
+    ap.add_argument("--out", default="runs/compare.png", help="the plot (default: runs/compare.png)")
     args = ap.parse_args(argv)
     runs = [read_run(spec) for spec in args.runs]
     print(table(runs))

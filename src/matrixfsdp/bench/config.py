@@ -22,7 +22,7 @@ PHASES: tuple[str, ...] = ("forward", "backward", "step")
 # the same data; only their summation orders differ, which bf16 Newton-Schulz (8 significant
 # bits) turns into updates that differ by up to ~2^-8 of a step, fed back through later
 # gradients. Measured: 6.6e-4 after 3 steps of test_bench's tiny run, 7.5e-4 to 8.2e-4
-# after 8 steps of the cpu preset (docs/bench). What a bug moves: skipping the Muon step
+# after 8 steps of the cpu preset (docs/benchmarks.md). What a bug moves: skipping the Muon step
 # moves parameters by 2.7e-2 (tiny run; ~9e-3 per step) and 2.4e-2 (cpu preset). 5e-3 is
 # 6x the largest difference seen and 5x below what a skipped Muon step moves.
 EXACT_BOUND = 5e-3
