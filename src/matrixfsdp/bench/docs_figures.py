@@ -32,7 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .init_memory import PATHS as INIT_PATHS
+from .init_memory import render as render_init_memory
 from .measure import machine_info, machine_line
+from .report import BASELINE, critical_path
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs"
@@ -86,9 +89,8 @@ def _stdout(*indices: int) -> Callable[[Path], str]:
 
 
 def _init_memory(out: Path) -> str:
-    from .init_memory import PATHS, render
-    return "\n\n".join(render({p: json.loads((out / r / f"{p}.json").read_text()) for p in PATHS})
-                       for r in ("4", "2"))
+    return "\n\n".join(render_init_memory({p: json.loads((out / r / f"{p}.json").read_text())
+                                            for p in INIT_PATHS}) for r in ("4", "2"))
 
 
 def _fb(phases: dict[str, float]) -> float:
@@ -98,7 +100,6 @@ def _fb(phases: dict[str, float]) -> float:
 def _bench_summary(results: dict) -> str:
     """The README's lines of a ``matrixfsdp bench`` run: the step against each peer's,
     forward + backward against FSDP2 + AdamW's, and the busiest rank's bytes."""
-    from .report import BASELINE, critical_path
     s = {n: x for n, x in results["systems"].items() if x.get("status") == "ok"}
     med = {n: {ph: x["phases"][ph]["wall_ms"]["median"] for ph in ("forward", "backward", "step")}
            for n, x in s.items()}
