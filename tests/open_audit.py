@@ -1,13 +1,13 @@
-"""Test helper, run as a script: ``python tests/open_audit.py LOG ARGS...`` runs ``matrixfsdp
-ARGS...`` in this process (one rank under torchrun's environment: RANK, WORLD_SIZE, ...)
-and records, in ``LOG``, one JSON line per file this process opens (``sys.addaudithook``,
-the ``open`` event: ``open()``, ``os.open``, ``Path.open``) and per file it hashes
-(``matrixfsdp.state.integrity.file_digest``), each with whether the default process group
-existed at that moment.
+"""Test helper: :func:`install` makes this process record, in a log, one JSON line per file it
+opens (``sys.addaudithook``, the ``open`` event: ``open()``, ``os.open``, ``Path.open``)
+and per file it hashes (``matrixfsdp.state.integrity.file_digest``), each with whether the
+default process group existed at that moment. Run as a script, ``python
+tests/open_audit.py LOG ARGS...`` installs it and runs ``matrixfsdp ARGS...`` in this
+process (one rank under torchrun's environment: RANK, WORLD_SIZE, ...).
 
-The recording comes from outside the library: the hook and the wrapper are installed here,
-before the command runs. Each line is written with ``os.write`` to a descriptor opened
-before the hook, so the log itself adds no ``open`` event."""
+The recording comes from outside the library: the hook and the wrapper are installed by
+the test, before the command runs. Each line is written with ``os.write`` to a descriptor
+opened before the hook, so the log itself adds no ``open`` event."""
 
 from __future__ import annotations
 

@@ -6,11 +6,14 @@ the same world size each rank opens and hashes only the DCP shard files it wrote
 (before: every rank opened every rank's file, for the name marks and the replicated values).
 
 Each rank process records its own opens (``sys.addaudithook``) and hashes, from outside the
-library (``tests/open_audit.py``)."""
+library (``tests/open_audit.py``). The rank processes are forked from the server that
+preloaded torch and the library (as the launcher's ranks are), each given torchrun's
+environment before the command starts."""
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import re
 import socket
@@ -19,6 +22,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import open_audit
 import pytest
 import torch
 from _cli import run_cli
@@ -35,7 +39,6 @@ if not sys.platform.startswith("linux"):
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2"]
 WORLD = 4
-AUDIT = Path(__file__).with_name("open_audit.py")
 SHARD = re.compile(r"__(\d+)_\d+\.distcp")
 INDEX = (".metadata", "CHECKSUMS.json", "COMPLETE")
 
@@ -46,45 +49,62 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank(env: dict, log: Path, args: list[str]) -> None:
+    """One rank process: torchrun's environment, this process's opens and hashes recorded
+    from here on, its output into ``log``'s ``.out`` / ``.err``, then the command."""
+    os.environ.update(env)
+    for fd, suffix in ((1, ".out"), (2, ".err")):
+        os.dup2(os.open(str(log.with_suffix(suffix)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    open_audit.install(str(log))
+    from matrixfsdp.__main__ import run
+    sys.argv = ["matrixfsdp", *args]
+    run()
+
+
 def _torchrun_ranks(logs: Path, *args: str) -> list[subprocess.CompletedProcess]:
-    """``matrixfsdp *args`` in WORLD processes with the environment torchrun gives its ranks,
-    each recording into ``logs/rank<r>.jsonl``."""
-    port = _free_port()
+    """``matrixfsdp *args`` in WORLD processes with the environment torchrun gives its ranks
+    (forked from the server that preloaded torch and the library, as the launcher's ranks
+    are: a fresh interpreter per rank costs seconds of imports), each recording into
+    ``logs/rank<r>.jsonl``."""
+    port, ctx = _free_port(), multiprocessing.get_context("forkserver")
     procs = []
     for r in range(WORLD):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r),
+        env = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "RANK": str(r),
                "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(WORLD),
-               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "TORCHELASTIC_RUN_ID": "test-resume-opens"}
-        procs.append(subprocess.Popen([sys.executable, str(AUDIT), str(logs / f"rank{r}.jsonl"), *args],
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    out = []
+               "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        procs.append(ctx.Process(target=_rank, args=(env, logs / f"rank{r}.jsonl", list(args))))
+        procs[-1].start()
     for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
+        p.join(300)
+    out = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
             for q in procs:
                 q.kill()
-            raise
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+            raise TimeoutError(f"rank {r} did not end")
+        log = logs / f"rank{r}.jsonl"
+        out.append(subprocess.CompletedProcess(args, p.exitcode, log.with_suffix(".out").read_text(),
+                                               log.with_suffix(".err").read_text()))
     return out
 
 
 def test_a_resume_under_torchrun_opens_only_each_ranks_own_files_and_none_before_the_group(tmp_path):
     out = tmp_path / "run"
-    saved = run_cli("train", "--ranks", str(WORLD), "--steps", "2", "--save-every", "2", *TINY,
+    saved = run_cli("train", "--ranks", str(WORLD), "--steps", "1", "--save-every", "1", *TINY,
                     "--out", str(out), env={"OMP_NUM_THREADS": "1"})
     assert saved.returncode == 0, saved.stderr[-3000:]
-    ck = checkpoint_dir(out / "checkpoints", 2)
+    ck = checkpoint_dir(out / "checkpoints", 1)
     sizes = {f.name: f.stat().st_size for f in ck.iterdir()}
     assert sorted(n for n in sizes if SHARD.fullmatch(n)) == [f"__{r}_0.distcp" for r in range(WORLD)]
 
     logs = tmp_path / "audit"
     logs.mkdir()
-    ranks = _torchrun_ranks(logs, "train", "--steps", "2", *TINY, "--resume", "--out", str(out))
+    ranks = _torchrun_ranks(logs, "train", "--steps", "1", *TINY, "--resume", "--out", str(out))
     for r, run in enumerate(ranks):
         assert run.returncode == 0, (r, run.stderr[-3000:])
-    assert f"resumed from {ck} (step 2, saved at {WORLD} ranks; now {WORLD})" in ranks[0].stdout
+    assert f"resumed from {ck} (step 1, saved at {WORLD} ranks; now {WORLD})" in ranks[0].stdout
 
     for r in range(WORLD):
         seen = [json.loads(line) for line in (logs / f"rank{r}.jsonl").read_text().splitlines()]
