@@ -25,6 +25,7 @@ from pathlib import Path
 import open_audit
 import pytest
 import torch
+import torch.distributed as dist
 from _cli import run_cli
 from _dist import spawn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -32,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.state.files import checkpoint_dir
+from matrixfsdp.state.integrity import CheckpointError
 from matrixfsdp.train.models import GPT, GPTConfig
 
 if not sys.platform.startswith("linux"):
@@ -149,16 +151,33 @@ def _save_at_2(rank: int, world: int, tmp: str) -> None:
         model.loss(x[:, :-1], x[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
-    mf.save_checkpoint(mf.get_state_dict(model, opt), Path(tmp) / "step_2")
+    path = Path(tmp) / "step_2"
+    mf.save_checkpoint(mf.get_state_dict(model, opt), path)
     full = _full(model, opt)
     if rank == 0:
         torch.save(full, Path(tmp) / "full.pt")
+    # verify_checkpoint: each rank checks the files it wrote; a damaged one of rank 1's is
+    # named on every rank, by rank 1 alone (one all-reduce, then its message)
+    assert mf.verify_checkpoint(path)
+    shard = path / "__1_0.distcp"
+    data = shard.read_bytes()
+    dist.barrier()
+    if rank == 1:
+        shard.write_bytes(data[:100] + bytes(b ^ 0xFF for b in data[100:116]) + data[116:])
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=rf"{shard} does not match its checksum"):
+        mf.verify_checkpoint(path)
+    dist.barrier()
+    if rank == 1:
+        shard.write_bytes(data)
+    dist.barrier()
 
 
 def test_a_load_at_another_world_size_plans_each_rank_from_the_index_rank_0_read(world1, tmp_path):
     """Saved at 2 ranks, loaded at 1 by mf.load_checkpoint: no rank finds its pieces in its
     own file as saved, so rank 0 broadcasts the index and each rank plans its reads from it
-    (DCP's own overlap search): every parameter and optimizer state tensor bit for bit."""
+    (DCP's own overlap search): every parameter and optimizer state tensor bit for bit. At 2
+    ranks, verify_checkpoint names a damaged file of rank 1 on both ranks."""
     spawn(_save_at_2, 2, str(tmp_path))
     want = torch.load(tmp_path / "full.pt")
     model, opt = _model(1, seed=7)
