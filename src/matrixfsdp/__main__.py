@@ -159,7 +159,8 @@ def _lock_out(tr: argparse.ArgumentParser, args, argv: list[str]) -> RunLock | N
 
 
 def _plan_start(tr: argparse.ArgumentParser, args) -> None:
-    """Which checkpoint ``--resume`` loads and what differs from it (before any rank)."""
+    """The checkpoints ``--resume`` may load, from directory listings (before any rank; the
+    ranks choose among them once the process group exists: :mod:`.train.resume`)."""
 
     quiet = os.environ.get("RANK", "0") != "0"
     plan_start(args, checkpoint_root(args), tr.error,
