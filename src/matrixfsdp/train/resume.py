@@ -156,8 +156,10 @@ def start_point(args) -> dict[str, Any]:
     another shape refused, its seed adopted), and refused where the run would overwrite
     newer checkpoints. Sets ``args.resume_from`` / ``args.resume_step``; returns the entry
     (``{}`` when the run starts from step 0). Every rank raises the same :class:`Refused`."""
-    first = args.resume_from is None
-    while getattr(args, "resume_candidates", None):
+    if not getattr(args, "resume_candidates", None):
+        return {}
+    first = getattr(args, "resume_from", None) is None
+    while args.resume_candidates:
         path = args.resume_candidates.pop(0)
         try:
             meta = read_train_meta(Path(path))
