@@ -114,9 +114,10 @@ def model_matmul_shapes(matrices: list[tuple[int, int]], tokens: int
     return gemm, sorted(set(matrices))
 
 
-def matmul_rates(device: torch.device, reps: int, extra: tuple[list, list] = ([], [])
-                 ) -> tuple[dict, dict]:
-    gemm_shapes, ns_shapes = SHAPES["cuda" if device.type == "cuda" else "cpu"]
+def matmul_rates(device: torch.device, reps: int, extra: tuple[list, list] = ([], []),
+                 grid: bool = True) -> tuple[dict, dict]:
+    gemm_shapes, ns_shapes = SHAPES["cuda" if device.type == "cuda" else "cpu"] if grid \
+        else ([], [])
     gemm_shapes = sorted(set(gemm_shapes) | set(extra[0]))
     ns_shapes = sorted(set(ns_shapes) | set(extra[1]))
     gemm: dict[str, list] = {}
@@ -223,7 +224,7 @@ def collective_fits(device: torch.device, reps: int) -> tuple[dict, bool, float]
 
 
 def _rank(rank: int, from_launcher, world: int, init_file: str, out: str, reps: int,
-          extra: tuple[list, list]) -> None:
+          extra: tuple[list, list], grid: bool) -> None:
     from_launcher.adopt()
     torch.set_num_threads(1)
     device = device_for(rank)
@@ -231,20 +232,21 @@ def _rank(rank: int, from_launcher, world: int, init_file: str, out: str, reps: 
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=600))
     try:
-        measure(device, out, reps, extra)
+        measure(device, out, reps, extra, grid)
     finally:
         dist.destroy_process_group()
 
 
-def measure(device: torch.device, out: str, reps: int, extra: tuple[list, list] = ([], [])
-            ) -> Constants:
+def measure(device: torch.device, out: str, reps: int, extra: tuple[list, list] = ([], []),
+            grid: bool = True) -> Constants:
     """Every constant (module docstring), on the initialised world; rank 0 writes ``out``.
-    ``extra``: a model's own matmul and Newton-Schulz shapes (:func:`model_shapes`)."""
+    ``extra``: a model's own matmul and Newton-Schulz shapes (:func:`model_matmul_shapes`);
+    ``grid`` False: those alone."""
     rank = dist.get_rank()
     say = (lambda s: print(f"[calibrate] {s}", flush=True)) if rank == 0 else (lambda s: None)
     t0 = time.perf_counter()
     say("matmul and Newton-Schulz rates ...")
-    gemm, ns = matmul_rates(device, reps, extra)
+    gemm, ns = matmul_rates(device, reps, extra, grid)
     say("element-wise updates ...")
     adamw, muon = elementwise_rates(device, reps)
     say("collectives ...")
@@ -302,6 +304,8 @@ def main(argv: list[str] | None = None, model_matrices=None) -> int:
     p.add_argument("--seq", type=int, default=8192, help="with --model: tokens per sequence")
     p.add_argument("--micro-batch", type=int, default=1,
                    help="with --model: sequences per micro-batch")
+    p.add_argument("--no-grid", action="store_true",
+                   help="with --model: measure its shapes only, not the grid (faster)")
     a = p.parse_args(argv)
     if a.reps < 1 or a.seq < 1 or a.micro_batch < 1:
         p.error("--reps, --seq and --micro-batch must be >= 1")
@@ -310,11 +314,13 @@ def main(argv: list[str] | None = None, model_matrices=None) -> int:
         if model_matrices is None:
             p.error("--model: no model loader here (run it as `matrixfsdp calibrate`)")
         extra = model_matmul_shapes(model_matrices(a.model), a.seq * a.micro_batch)
+    elif a.no_grid:
+        p.error("--no-grid needs --model (there would be no shapes to measure)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun's ranks
         device = device_for(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         try:
-            c = measure(device, a.out, a.reps, extra)
+            c = measure(device, a.out, a.reps, extra, not a.no_grid)
         finally:
             dist.destroy_process_group()
         if int(os.environ["RANK"]) == 0:
@@ -326,8 +332,8 @@ def main(argv: list[str] | None = None, model_matrices=None) -> int:
         p.error("--ranks must be >= 1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="matrixfsdp_calibrate_") as tmp:
-        with ranks_started(_rank, (world, os.path.join(tmp, "init"), a.out, a.reps, extra),
-                           world) as ranks:
+        with ranks_started(_rank, (world, os.path.join(tmp, "init"), a.out, a.reps, extra,
+                                   not a.no_grid), world) as ranks:
             while not ranks.join():
                 pass
     print(summary(Constants.load(a.out)))

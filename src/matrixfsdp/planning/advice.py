@@ -13,6 +13,7 @@ from .steptime import StepTime, Workload
 from .traffic import Dtypes
 
 _DTYPE = {2: "bf16", 4: "fp32"}
+_SHORT = {"1F1B": "1F1B", "interleaved 1F1B": "I1F1B", "interleaved zero bubble": "ZB"}
 
 
 @dataclass
@@ -98,7 +99,8 @@ def _dm(e: Evaluated) -> float | None:
 def _layout_row(e: Evaluated) -> str:
     r = e.record()
     rep = r["replicate_bytes_vs_fsdp2_hsdp"]
-    return (f"| {e.layout.replicate} | {e.layout.shard} | {e.layout.tp} | {e.layout.pp} | "
+    pp = f"{e.layout.pp} ({_SHORT[e.layout.schedule.name]})" if e.layout.pp > 1 else "1"
+    return (f"| {e.layout.replicate} | {e.layout.shard} | {e.layout.tp} | {pp} | "
             f"{'on' if e.layout.checkpointing else 'off'} | {e.micro_batches} | "
             f"{_gib(e.largest_rank_bytes)}{'' if e.fits else ' **no**'} | "
             f"{r['model_state_max_over_mean']:.2f} | {e.bytes_ratio:.3f} | {e.owner_floor:.3f} | "
@@ -180,7 +182,8 @@ def explain(e: Evaluated, system: str, floor: float) -> Explained | None:
 
 
 BOUND_HEAD = ["| system | its best fitting layout | step s | vs compute floor | bound by | "
-              "largest term above the floor |", "|---|---|---:|---:|---|---|"]
+              "largest term above the floor | its optimizer step |",
+              "|---|---|---:|---:|---|---|---|"]
 
 
 def bound_rows(s: Search, dm: float) -> list[str]:
@@ -191,12 +194,14 @@ def bound_rows(s: Search, dm: float) -> list[str]:
         e = peers_best(s, dm)[key]
         x = explain(e, key, s.floor) if e is not None else None
         if x is None:
-            out.append(f"| {label} | no layout it runs fits | | | | |")
+            out.append(f"| {label} | no layout it runs fits | | | | | |")
             continue
         extra = f", {e.distmuon_blocks} block(s) per bucket" if key == "distmuon" else ""
+        st = step_of(e, key)
         out.append(f"| {label} | {e.layout.label()}{extra} | {_s(x.step)} | "
                    f"{x.over_floor:.3f}x ({100 * (x.over_floor - 1):+.1f}%) | {x.bound} | "
-                   f"{x.overhead} {_s(x.overhead_s)} s |")
+                   f"{x.overhead} {_s(x.overhead_s)} s | {_optimizer_term(e, key)} "
+                   f"{_s(st.ns + st.optimizer_other)} s |")
     return out
 
 
@@ -260,7 +265,8 @@ def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
         f"* bytes per step on the critical path {e.bytes_ratio:.3f}x FSDP2's at this layout; "
         f"the owner floor here {e.owner_floor:.3f}x (1-D floor P/(P-1) at {S} shard ranks: "
         f"{S / (S - 1) if S > 1 else 1:.3f})",
-        f"* Newton-Schulz {e.ns_max / e.ns_bound if e.ns_bound else 1:.3f}x its bound", "",
+        f"* Newton-Schulz {e.ns_max / e.ns_bound if e.ns_bound else 1:.3f}x its bound: "
+        f"{_optimizer_term(e, 'matrixfsdp')} {_s(e.step.ns)} s", "",
         *_breakdown(e), "",
         f"Each system at its best (its fastest layout that it runs and that fits its own "
         f"memory); the compute floor {_s(s.floor)} s is the step's model FLOPs over all "
