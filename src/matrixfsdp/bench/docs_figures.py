@@ -79,8 +79,10 @@ def _file(name: str) -> Callable[[Path], str]:
     return lambda out: (out / name).read_text().strip()
 
 
-def _files(*names: str) -> Callable[[Path], str]:
-    return lambda out: "\n\n".join(tables((out / n).read_text()) for n in names)
+def _files(*names: str, labels: tuple[str, ...] = ()) -> Callable[[Path], str]:
+    """The tables of these files of ``out``, each under its label (if given)."""
+    return lambda out: "\n\n".join((f"{label}\n\n" if label else "") + tables((out / n).read_text())
+                                   for n, label in zip(names, labels or ("",) * len(names)))
 
 
 def _stdout(*indices: int) -> Callable[[Path], str]:
@@ -180,7 +182,8 @@ REGISTRY: dict[str, Figure] = {
         (f"matrixfsdp bench --systems fsdp2_adamw,matrixfsdp {BENCH_SMALL} --backend grouped_gloo "
          "--out {out}/grouped",
          f"matrixfsdp bench --systems fsdp2_adamw,matrixfsdp {BENCH_SMALL} --out {{out}}/gloo"),
-        _files("grouped/results.md", "gloo/results.md")),
+        _files("grouped/results.md", "gloo/results.md",
+               labels=("**NCCL's path** (`--backend grouped_gloo`):", "**gloo's path**:"))),
     "ranks8": Figure(("matrixfsdp bench --ranks 8 --systems fsdp2_adamw,matrixfsdp --layers 4 --d-model 128 "
                       "--heads 4 --mlp 512 --seq 64 --batch 2 --steps 3 --warmup 1 --out {out}",),
                      _files("results.md")),
@@ -245,19 +248,28 @@ def run(name: str, env: dict[str, str]) -> float:
             raise SystemExit(f"docs-figures {name}: `{line}` exited {done.returncode}:\n"
                              f"{done.stderr[-3000:]}")
     seconds = time.perf_counter() - t0
-    body = fig.render(out)
     shown = "\n".join(f"    {c.format(out=out)}" for c in fig.commands)
     head = (f"Commands (`make docs-figures` runs them: `python -m matrixfsdp.bench.docs_figures {name}`):\n\n"
             f"{shown}\n\n{datetime.date.today().isoformat()}, {seconds:.0f} s, load average "
             f"{load:.1f} at the start; {machine_line(machine_info())}")
+    write(name, head)
+    return seconds
+
+
+def write(name: str, head: str | None = None) -> None:
+    """Render figure ``name`` from its outputs in ``runs/docs-figures/NAME`` into its file;
+    ``head`` (the commands, date, machine): the file's own when None (a new rendering of
+    the same run)."""
+    fig, out = REGISTRY[name], RUNS / name
+    if head is None:
+        head = "\n\n".join((FIGURES / f"{name}.md").read_text().split("\n\n")[:3])
     FIGURES.mkdir(exist_ok=True)
-    (FIGURES / f"{name}.md").write_text(f"{head}\n\n{body}\n")
+    (FIGURES / f"{name}.md").write_text(f"{head}\n\n{fig.render(out)}\n")
     for src, dst in (fig.keep or {}).items():
         shutil.copyfile(out / src, FIGURES / dst)
     if name == "bench":
         (FIGURES / "bench_summary.md").write_text(
             _bench_summary(json.loads((out / "results.json").read_text())) + "\n")
-    return seconds
 
 
 def splice(pages: list[Path] | None = None) -> list[str]:
@@ -283,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("names", nargs="*", metavar="NAME", help=f"figures (default all: {', '.join(REGISTRY)})")
     ap.add_argument("--list", action="store_true", help="print each figure's commands and stop")
     ap.add_argument("--splice-only", action="store_true", help="only copy docs/figures into the pages")
+    ap.add_argument("--render-only", action="store_true",
+                    help="render the tables again from the outputs already in runs/docs-figures")
     args = ap.parse_args(argv)
     unknown = sorted(set(args.names) - set(REGISTRY))
     if unknown:
@@ -294,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)  # runs/ and docs/ of this checkout
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     took = {}
-    if not args.splice_only:
+    if args.render_only:
+        for name in args.names or REGISTRY:
+            write(name)
+    elif not args.splice_only:
         for name in args.names or REGISTRY:
             took[name] = run(name, env)
     spliced = splice()
