@@ -151,12 +151,19 @@ def check_memory(device: torch.device) -> dict:
     if device.type == "cuda":
         after = torch.cuda.memory_allocated() - base
         peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        full = mf.full_state_dict(model, cpu_offload=True)  # an export: a unit at a time on the GPU
+        export = torch.cuda.max_memory_allocated() - base
         out.update({"allocated after shard_model": f"{after / 2**20:.0f} MiB",
                     "peak during it": f"{peak / 2**20:.0f} MiB",
-                    "ok": held == 0 and after <= 1.05 * shards + (1 << 20) and peak <= shards + 2 * unit})
+                    "peak of full_state_dict(cpu_offload=True)": f"{export / 2**20:.0f} MiB",
+                    "ok": held == 0 and after <= 1.05 * shards + (1 << 20) and peak <= shards + 2 * unit
+                    and export <= shards + 2 * unit and all(t.device.type == "cpu" for t in full.values())})
     else:
-        out.update({"would check": "allocated after shard_model ~ the shards; peak <= shards + a unit",
-                    "ok": held == 0})
+        full = mf.full_state_dict(model, cpu_offload=True)
+        out.update({"would check": "allocated after shard_model ~ the shards; peak <= shards + a "
+                    "unit; full_state_dict(cpu_offload=True) at most a unit on the device",
+                    "ok": held == 0 and all(t.device.type == "cpu" for t in full.values())})
     return out
 
 

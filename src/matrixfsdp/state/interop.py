@@ -155,12 +155,13 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     """Write a Hugging Face checkpoint directory (config, safetensors) of a sharded
     ``transformers`` model, loadable with ``from_pretrained`` in a plain process.
 
-    A collective (the full tensors are gathered with ``full_state_dict`` on every rank);
-    rank 0 writes with ``model.save_pretrained(save_directory, state_dict=full, **kwargs)``,
-    so tied weights, sharding of large files and the config are handled by transformers.
+    A collective (the full tensors are gathered with ``full_state_dict(cpu_offload=True)``
+    on every rank: a unit at a time on the device); rank 0 writes with
+    ``model.save_pretrained(save_directory, state_dict=full, **kwargs)``, so tied weights,
+    sharding of large files and the config are handled by transformers.
     """
     root = get_root(model)
-    full = full_state_dict(model)
+    full = full_state_dict(model, cpu_offload=True)
     if root.groups.world_rank == 0:  # one writer, also under HSDP (one per replica otherwise)
         model.save_pretrained(save_directory, state_dict=full, **kwargs)
     if dist.is_initialized():

@@ -30,13 +30,16 @@ from .optim_state_dict import Optimizers, as_list, load_optim_state, optim_state
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
     """Parameter name -> full tensor (and buffers), on every rank.
 
     A collective: every rank must call it (under HSDP it first broadcasts the matrices
     stepped since the last forward, so every replica returns the same). Names are those of
     the unsharded model, so the result loads into a plain ``nn.Module`` with
-    ``load_state_dict``.
+    ``load_state_dict``. ``cpu_offload`` (torch's ``StateDictOptions`` name): each unit's
+    full tensors move to the CPU as soon as they are gathered, so the device holds one
+    unit's at a time, never the whole model (an export from GPUs); else they stay on the
+    device they were gathered on.
     """
     root = get_root(model)
     root.sync_replicas()  # HSDP: every replica holds the stepped matrices (no-op otherwise)
@@ -44,7 +47,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for unit in root.units:
         for pl, full in zip(unit.layout.placements,
                             unit.storage.full_tensors(unit.domain.comm, unit.tp_params)):
-            out[pl.spec.name] = full
+            out[pl.spec.name] = full.cpu() if cpu_offload else full
     # The module's order and names, tied parameters under each of their names (as
     # ``model.state_dict()`` holds them). Found by the parameter itself, not by name: a
     # ``torch.compile(block)`` wrapper registered after fully_shard adds ``_orig_mod.`` to
@@ -58,7 +61,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         ordered[name] = out[key]
     for e in state_entries(model):
         if not e.is_param:
-            ordered[e.name] = e.tensor.detach().clone()
+            ordered[e.name] = e.tensor.detach().to("cpu", copy=True) if cpu_offload else \
+                e.tensor.detach().clone()
     return ordered
 
 
