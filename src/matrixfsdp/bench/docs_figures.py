@@ -35,7 +35,7 @@ from pathlib import Path
 from .init_memory import PATHS as INIT_PATHS
 from .init_memory import render as render_init_memory
 from .measure import machine_info, machine_line
-from .report import BASELINE, critical_path
+from .report import BASELINE, critical_path, render_markdown
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs"
@@ -83,6 +83,19 @@ def _files(*names: str, labels: tuple[str, ...] = ()) -> Callable[[Path], str]:
     """The tables of these files of ``out``, each under its label (if given)."""
     return lambda out: "\n\n".join((f"{label}\n\n" if label else "") + tables((out / n).read_text())
                                    for n, label in zip(names, labels or ("",) * len(names)))
+
+
+def _bench(*subdirs: str, labels: tuple[str, ...] = ()) -> Callable[[Path], str]:
+    """``matrixfsdp bench`` runs in these subfolders of ``out``, rendered from their
+    ``results.json`` by today's code (``bench/report.py``), each under its label."""
+    def render(out: Path) -> str:
+        parts = []
+        for sub, label in zip(subdirs, labels or ("",) * len(subdirs)):
+            md = render_markdown(json.loads((out / sub / "results.json").read_text()))
+            parts.append((f"{label}\n\n" if label else "") + (md.strip() if not labels and len(subdirs) == 1
+                                                                 else tables(md)))
+        return "\n\n".join(parts)
+    return render
 
 
 def _stdout(*indices: int) -> Callable[[Path], str]:
@@ -177,17 +190,17 @@ HEADS_RUNS = ("matrixfsdp train --ranks 4 --steps 200 --qk-clip inf --out {out}/
 BENCH_SMALL = "--layers 8 --d-model 128 --heads 4 --mlp 512 --seq 64 --batch 4 --steps 8 --warmup 2"
 
 REGISTRY: dict[str, Figure] = {
-    "bench": Figure(("matrixfsdp bench --out {out}",), _file("results.md"), {"results.json": "bench.json"}),
+    "bench": Figure(("matrixfsdp bench --out {out}",), _bench("."), {"results.json": "bench.json"}),
     "bench_grouped": Figure(
         (f"matrixfsdp bench --systems fsdp2_adamw,matrixfsdp {BENCH_SMALL} --backend grouped_gloo "
          "--out {out}/grouped",
          f"matrixfsdp bench --systems fsdp2_adamw,matrixfsdp {BENCH_SMALL} --out {{out}}/gloo"),
-        _files("grouped/results.md", "gloo/results.md",
-               labels=("**NCCL's path** (`--backend grouped_gloo`):", "**gloo's path**:"))),
+        _bench("grouped", "gloo", labels=("**NCCL's path** (`--backend grouped_gloo`):",
+                                          "**gloo's path**:"))),
     "ranks8": Figure(("matrixfsdp bench --ranks 8 --systems fsdp2_adamw,matrixfsdp --layers 4 --d-model 128 "
                       "--heads 4 --mlp 512 --seq 64 --batch 2 --steps 3 --warmup 1 --out {out}",),
-                     _files("results.md")),
-    "hsdp": Figure(("matrixfsdp bench --replicas 2 --ranks 4 --out {out}",), _files("results.md")),
+                     _bench(".")),
+    "hsdp": Figure(("matrixfsdp bench --replicas 2 --ranks 4 --out {out}",), _bench(".")),
     "link": Figure(("matrixfsdp bench --link 0.05,0.2,1 --ranks 4 --layers 4 --d-model 128 --heads 4 "
                     "--seq 64 --batch 2 --steps 4 --warmup 1 --latency-us 100 --out {out}",),
                    _files("link.md")),
@@ -200,7 +213,7 @@ REGISTRY: dict[str, Figure] = {
     "soap": Figure(("matrixfsdp bench --systems fsdp2_soap,matrixfsdp_soap --ranks 2 --layers 4 "
                     "--d-model 256 --heads 4 --mlp 1024 --seq 128 --batch 4 --steps 5 --warmup 2 "
                     "--out {out}",),
-                   _files("results.md")),
+                   _bench(".")),
     "init_memory": Figure(("python -m matrixfsdp.bench.init_memory --ranks 4 --out {out}/4",
                            "python -m matrixfsdp.bench.init_memory --ranks 2 --out {out}/2"), _init_memory),
     "async_save": Figure(("python -m matrixfsdp.bench.async_save --repeats 3 --out {out}",),

@@ -290,6 +290,10 @@ def critical_path(res: dict[str, Any], name: str, P: int) -> dict[str, float] | 
 
 
 def _critical_table(v: _View) -> list[str]:
+    """1-D meshes only: under HSDP the collectives run on sub-groups of other sizes than the
+    world's, which the ring rule here does not know; the replicate-dim table compares them."""
+    if v.replicas > 1:
+        return []
     P = v.cfg["world_size"]
     rows = {n: critical_path(s, n, P) for n, s in v.ok.items()}
     rows = {n: r for n, r in rows.items() if r is not None}
