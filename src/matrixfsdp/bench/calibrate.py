@@ -7,9 +7,10 @@ Every rank measures at once, doing the same work, so a rank's rate is what it ge
 its peers run too (on a shared CPU: its share of the cores), as in training:
 
 * **matmul rates** per dtype (``bfloat16``, ``float32``): ``(m x k) @ (k x n)`` at a grid of
-  shapes, and torch.optim.Muon's Newton-Schulz (5 quintic iterations, ``X X^T`` and two
-  ``addmm``) at matrix shapes, FLOPs as :func:`~matrixfsdp.planning.assign.ns_flops` counts
-  them, over the median time of a few repetitions;
+  shapes, and Newton-Schulz as the owners run it (:func:`matrixfsdp.zeropower_via_newtonschulz`,
+  torch.optim.Muon's 5 quintic iterations) at matrix shapes, FLOPs as
+  :func:`~matrixfsdp.planning.assign.ns_flops` counts them, over the median time of a few
+  repetitions;
 * **element-wise updates**: ``torch.optim.AdamW``'s step and Muon's momentum + update
   (``lerp_``, ``lerp``, ``mul_``, ``add_``) on ``2^22`` fp32 elements (``2^26`` on a GPU),
   in bytes per second as the model counts them (7 and 5 fp32 accesses per element);
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
+from ..optim.muon import zeropower_via_newtonschulz
 from ..planning.assign import ns_flops
 from ..planning.constants import OP_KINDS, Constants, OpFit
 from ..runtime.collectives import all_gather_single, coalescing_supported, reduce_scatter_single
@@ -90,20 +92,6 @@ def _median_time(fn, device: torch.device, reps: int, group=None) -> float:
     return statistics.median(times)
 
 
-def newton_schulz(x: torch.Tensor, steps: int = 5) -> torch.Tensor:
-    """torch.optim.Muon's iteration (``_zeropower_via_newtonschulz``, public ops): the wide
-    orientation, normalised, ``steps`` quintic steps."""
-    a, b, c = NS_COEFFS
-    if x.size(0) > x.size(1):
-        x = x.T
-    x = x / x.norm().clamp(min=1e-7)
-    for _ in range(steps):
-        gram = x @ x.T
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, update, x, beta=a)
-    return x
-
-
 def model_matmul_shapes(matrices: list[tuple[int, int]], tokens: int
                  ) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
     """A model's own matmul shapes (per ``rows x cols`` weight and ``tokens`` per
@@ -133,8 +121,9 @@ def matmul_rates(device: torch.device, reps: int, extra: tuple[list, list] = ([]
         gemm[name] = rows
         rows = []
         for r, c in ns_shapes:
-            x = torch.randn(r, c, device=device, dtype=dtype)
-            secs = _median_time(lambda x=x: newton_schulz(x), device, reps)
+            x = torch.randn(r, c, device=device)
+            secs = _median_time(lambda x=x, d=dtype: zeropower_via_newtonschulz(
+                x, NS_COEFFS, 5, 1e-7, d), device, reps)
             rows.append([r, c, ns_flops((r, c), 5) / secs])
         ns[name] = rows
     return gemm, ns
