@@ -117,7 +117,7 @@ def test_bench_hsdp_mode_runs_and_matches_fsdp2_hsdp_bytes(tmp_path):
     with torch.device("meta"):
         twin = GPT(GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=1,
                              d_mlp=64))
-    plan = mf.plan_costs(twin, (2, 1), uneven_collectives=False).plan
+    plan = mf.plan_costs(twin, (2, 1), coalesced=False).plan
     extra = sum(_replicate_bytes_from_layout(plan, r)["extra"] for r in range(2)) / 2
     assert fsdp2["wire"] > 0 and ours["wire"] == fsdp2["wire"] + extra > fsdp2["wire"], (ours, fsdp2)
     assert ours["c10d::reduce_"] > 0 and ours["c10d::broadcast_"] > 0

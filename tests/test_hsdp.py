@@ -548,6 +548,7 @@ def test_cli_plan_with_shard_size(capsys):
           "--max-rows", "4"])
     text = capsys.readouterr().out
     # --shard-size restricts the search to layouts of that shard group (docs/plan.md)
-    assert re.search(r"Advice: \*\*replicate \d+ x shard 8 x tp \d+ x pp \d+\*\*", text), text[:400]
+    assert re.search(r"Advice: \*\*replicate \d+ x shard 8 x tp \d+ x pp \d+( \([a-z0-9 ]+\))?\*\*",
+                     text), text[:400]
     assert "Newton-Schulz" in text
     assert PRESETS["llama3-405b"].n_layers == 126

@@ -71,8 +71,7 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
                units: Sequence[nn.Module] | None = None, muon_filter: MuonFilter | None = None,
                ns_steps: int = 5, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None, micro_batches: int = 1,
-               coalesced: bool = True, uneven_collectives: bool | None = None
-               ) -> PlanPrediction:
+               coalesced: bool = True) -> PlanPrediction:
     """Plan ``model`` for a mesh of shape ``mesh_shape`` (``(world,)`` or ``world``: 1-D;
     ``(replicate, shard)``: HSDP) and predict, per rank, the collectives of one training
     step and the bytes held.
@@ -83,7 +82,7 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
     parameters' dtype); ``micro_batches``: forward/backward passes per optimizer step, each
     reducing (the runtime's default without ``set_requires_gradient_sync(False)``);
     ``coalesced``: the process groups run a unit's ops of one direction as one launch
-    (NCCL), False for gloo's one launch per op (``uneven_collectives``: its former name).
+    (NCCL), False for gloo's one launch per op.
     Tensor-parallel models are costed by ``matrixfsdp plan``'s layout search only."""
     shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
     if len(shape) not in (1, 2) or any(int(n) < 1 for n in shape):
@@ -98,8 +97,6 @@ def plan_costs(model: nn.Module, mesh_shape: Sequence[int] | int, *,
     dtypes = Dtypes(storage, _itemsize(param_dtype, storage), _itemsize(reduce_dtype, storage))
     layouts = unit_layouts(plan)
     held = [rank_held(layouts, w, 0, dtypes) for w in range(world)]
-    if uneven_collectives is not None:
-        coalesced = uneven_collectives
     return PlanPrediction(plan, predict_comm(plan, dtypes, micro_batches, coalesced), held,
                           plan_summary(plan, dtypes, micro_batches),
                           predict_launches(plan, dtypes, micro_batches, coalesced))
