@@ -295,7 +295,7 @@ def splice(pages: list[Path] | None = None) -> list[str]:
     for page in pages or [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
         text = before = page.read_text()
         for name in re.findall(r"<!-- figure (\w+):", text):
-            body = (FIGURES / f"{name}.md").read_text().strip() if (FIGURES / f"{name}.md").exists() \
+            body = (FIGURES / f"{name}.md").read_text().strip("\n") if (FIGURES / f"{name}.md").exists() \
                 else "(not generated yet: `make docs-figures`)"
             start, end = re.escape(MARK.format(name=name)), re.escape(END.format(name=name))
             block = re.compile(rf"({start}\n).*?(\n{end})", re.S)
