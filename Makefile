@@ -48,7 +48,7 @@ docs-figures: $(BIN)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/python -m matrixfsdp.bench.docs_figures $(FIGURES)
 
 plan: $(BIN)/.installed
-	$(BIN)/matrixfsdp plan --model paper --world-size 8
+	$(BIN)/matrixfsdp plan --model paper --ranks 8
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,6 +1,6 @@
 """The commands the docs show are the commands' own: every flag that README.md and docs/
-give ``matrixfsdp train``, ``matrixfsdp bench`` (and its ``--link``, ``--tp``, ``--ep``
-modes) or a ``python -m matrixfsdp.bench.<tool>`` appears in that command's ``--help``,
+give ``matrixfsdp train``, ``plan``, ``calibrate``, ``bench`` (and its ``--link``, ``--tp``,
+``--ep`` modes) or a ``python -m matrixfsdp.bench.<tool>`` appears in that command's ``--help``,
 each option there with its default; and the messages the pages quote for the rough edges
 are the ones the command prints. No rank is started."""
 
@@ -18,7 +18,7 @@ from matrixfsdp.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(matrixfsdp (?:train|bench)|python -m matrixfsdp\.bench\.\w+)"
+COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)|python -m matrixfsdp\.bench\.\w+)"
                      r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -95,11 +95,12 @@ def test_documented_flags_are_in_help_with_defaults(command):
 
 
 def test_rank_count_is_ranks_everywhere_world_size_an_alias():
-    """One spelling for the rank count of the commands that start ranks (``--ranks``); the
+    """One spelling for the rank count of every command (``--ranks``); the
     other (``--world-size``) still accepted, and said in the help."""
     for command, argv in (("train", ["train", "--world-size", "0"]),
                           ("bench", ["bench", "--world-size", "2", "--replicas", "3"]),
-                          ("bench --link", ["bench", "--link", "1", "--world-size", "1"])):
+                          ("bench --link", ["bench", "--link", "1", "--world-size", "1"]),
+                          ("plan", ["plan", "--world-size", "0"])):
         options = _options(help_text(command))
         assert "--world-size is another name" in options["--ranks"], command
         with pytest.raises(SystemExit):  # refused by the checks of the value: the alias parsed

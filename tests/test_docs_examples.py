@@ -30,9 +30,6 @@ import matrixfsdp as mf
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# plan.md and torchtitan.md are being written by the planner's and torchtitan's issues (42,
-# 41) as this check lands: their snippets get the mark then
-UNMARKED_FOR_NOW = {"plan.md", "torchtitan.md"}
 MARK = re.compile(r"Runnable as is: `torchrun --nproc-per-node (\d+) ([\w./-]+)`")
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 EXIT = 'mf.exit_rank()  # leave without interpreter finalization: design.md, "Leaving a rank"'
@@ -54,7 +51,7 @@ def test_every_python_block_is_runnable_or_marked_a_snippet():
     """A reader can tell which code runs as it stands: each ```python block of the pages
     follows a "Runnable as is" line or says on its first line that it is a snippet."""
     unmarked = []
-    for page in (p for p in PAGES if p.name not in UNMARKED_FOR_NOW):
+    for page in PAGES:
         text = page.read_text()
         runnable = {BLOCK.search(text, m.end()).start() for m in MARK.finditer(text)}
         for b in BLOCK.finditer(text):

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 
 def _measure(world_size: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "matrixfsdp.bench.scale", "--world-size",
+    out = subprocess.run([sys.executable, "-m", "matrixfsdp.bench.scale", "--ranks",
                           str(world_size), "--iterations", "3"], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]

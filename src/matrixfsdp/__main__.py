@@ -31,7 +31,7 @@ from .train.cli import checkpoint_dir_error, writable_dir_error
 from .train.cli import int_at_least as _int_at_least
 from .train.cli import validate_train as _validate_train
 from .train.cluster import DTYPE_BYTES, parse_bytes
-from .train.launch import launch
+from .train.launch import DefaultsHelp, launch
 from .train.launch import positive_float as _positive_float
 from .train.loop import checkpoint_root, train
 from .train.models import GPT, PRESETS, GPTConfig
@@ -95,7 +95,7 @@ def _model_matrices(name: str) -> list[tuple[int, int]]:
 def _plan(args) -> None:
     for n in args.world_size:
         if args.shard_size is not None and n % args.shard_size:
-            raise SystemExit(f"--shard-size {args.shard_size} must divide --world-size {n}")
+            raise SystemExit(f"--shard-size {args.shard_size} must divide --ranks {n}")
     try:
         constants = Constants.load(args.constants) if args.constants else None
     except ValueError as e:
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     pos = _int_at_least(1)
     pl = sub.add_parser("plan", help="advise a layout (replicate x shard x tp x pp) for a model "
                         "on a cluster: the fitting one with the lowest modelled step time, next "
-                        "to FSDP2 + torch.optim.Muon and DistMuon (docs/plan.md)")
+                        "to FSDP2 + torch.optim.Muon and DistMuon (docs/plan.md)",
+                        formatter_class=DefaultsHelp)
 
     def size(text: str) -> int:
         try:
@@ -197,7 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"a preset ({', '.join(PLAN_PRESETS)}) or a transformers config.json "
                          "on disk (or its directory); several models and/or world sizes: one "
                          "summary row each")
-    pl.add_argument("--world-size", nargs="+", type=pos, default=[8])
+    pl.add_argument("--ranks", dest="world_size", nargs="+", type=pos, default=[8], metavar="N",
+                    help="GPUs (ranks) of each layout searched; several: one summary row each "
+                         "(--world-size is another name for it)")
+    pl.add_argument("--world-size", dest="world_size", nargs="+", type=pos,
+                    default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     pl.add_argument("--shard-size", type=pos, default=None,
                     help="search only this HSDP shard size (default: every divisor)")
     pl.add_argument("--tp", nargs="+", type=pos, default=None,

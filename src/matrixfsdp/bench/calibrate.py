@@ -48,7 +48,7 @@ from ..optim.muon import zeropower_via_newtonschulz
 from ..planning.assign import ns_flops
 from ..planning.constants import OP_KINDS, Constants, OpFit
 from ..runtime.collectives import all_gather_single, coalescing_supported, reduce_scatter_single
-from ..train.launch import device_for, sync
+from ..train.launch import DefaultsHelp, device_for, sync
 from ..train.rank_process import ranks_started
 from .measure import barrier, machine_info
 
@@ -281,7 +281,8 @@ def summary(c: Constants) -> str:
 def main(argv: list[str] | None = None, model_matrices=None) -> int:
     """``matrixfsdp calibrate``. ``model_matrices(name)``: the ``(rows, cols)`` of a model's
     2-D weights (the command's ``--model``, resolved as ``plan`` resolves it)."""
-    p = argparse.ArgumentParser(prog="matrixfsdp calibrate", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="matrixfsdp calibrate", description=__doc__.split("\n\n")[0],
+                                formatter_class=DefaultsHelp)
     p.add_argument("--ranks", type=int, default=None,
                    help="local ranks (default: 4 on CPU, the GPU count with CUDA; under "
                         "torchrun, its own)")

@@ -9,7 +9,7 @@ largest input handed to a gather at set-up, and per iteration (forward, backward
 host time (wall and this process's CPU time), NCCL launches and ops, and the longest list
 of tensors handed to one call.
 
-    python -m matrixfsdp.bench.scale --world-size 16384 [--rank R] [--iterations 3]
+    python -m matrixfsdp.bench.scale --ranks 16384 [--rank R] [--iterations 3]
 
 prints one JSON line. ``tests/test_scale_ranks.py`` runs it at P = 64 and P = 16384.
 """
@@ -80,7 +80,11 @@ def measure(world_size: int, rank: int, iterations: int = 3, layers: int = 126) 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m matrixfsdp.bench.scale", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=16384, help="P (default: 16384)")
+    p.add_argument("--ranks", dest="world_size", type=int, default=16384,
+                   help="P, the ranks of the world played (default: 16384; --world-size is "
+                        "another name for it)")
+    p.add_argument("--world-size", dest="world_size", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=None, help="the rank played (default: P - 1)")
     p.add_argument("--iterations", type=int, default=3, help="training iterations (default: 3)")
     p.add_argument("--layers", type=int, default=126, help="decoder layers (default: 126, 405B's)")
