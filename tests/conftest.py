@@ -12,9 +12,10 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler quiet in spa
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def world1():
-    """A one-rank gloo process group in the test process itself."""
+    """A one-rank gloo process group in the test process itself (made once, and again if a
+    test destroyed it: test_plan_peers plays a rank of 8 on torch's fake group)."""
     if not dist.is_initialized():
         path = os.path.join(tempfile.mkdtemp(), "init")
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1,

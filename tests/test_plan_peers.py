@@ -34,6 +34,8 @@ def fake_world():
     """This process as rank 0 of 8 on torch's fake process group (collectives complete at
     once, shapes right)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
+    if dist.is_initialized():  # another file's one-rank group in this worker (conftest's
+        dist.destroy_process_group()  # world1 makes it again when next asked)
     dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=8)
     yield
     dist.destroy_process_group()
