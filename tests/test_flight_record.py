@@ -7,48 +7,37 @@ three ranks, rank 2 never issues the fourth all-reduce."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+
+from _dist import spawn
 
 from matrixfsdp.train.flight import hung_ranks, read_dumps, recorder_env
 
-SCRIPT = r"""
-import os, pickle, sys, torch, torch.distributed as dist
-import torch._C._distributed_c10d as c10d
-from matrixfsdp.train.launch import launch
 
-def work(folder):
-    rank = dist.get_rank()
+def _records(rank, world_size, folder, init_file):
+    """Three ranks with torch's flight recorder on (read when a group is made); rank 2 writes
+    its record before it issues the fourth all-reduce, the others after: what NCCL's
+    watchdog writes when rank 2 never issues it."""
+    import torch
+    import torch._C._distributed_c10d as c10d
+    import torch.distributed as dist
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    side = dist.new_group([0, 1])
+    del os.environ["TORCH_FR_BUFFER_SIZE"]  # this pool's later groups record nothing
     t = torch.ones(4)
     for _ in range(3):
         dist.all_reduce(t)
-    side = dist.new_group([0, 1])
     if rank < 2:
         dist.all_reduce(t, group=side)  # a group where all its ranks agree
-        dist.all_reduce(t, async_op=True)  # rank 2 never issues this one
+    work = dist.all_reduce(t, async_op=True) if rank < 2 else None
     with open(os.path.join(folder, f"rank_{rank}"), "wb") as f:
-        f.write(c10d._dump_fr_trace())  # what NCCL's watchdog writes at its timeout
-    os._exit(0)
-
-class Args:
-    cmd = "test"
-    folder = sys.argv[1]
-
-def main(args):
-    work(args.folder)
-
-if __name__ == "__main__":
-    launch(main, Args(), 3, timeout_s=60)
-"""
+        f.write(c10d._dump_fr_trace())
+    (work or dist.all_reduce(t, async_op=True)).wait()  # every rank ends the same
 
 
 def test_the_rank_that_never_issued_a_collective_is_named_from_real_flight_records(tmp_path):
-    script = tmp_path / "ranks.py"  # a file: the launcher's rank processes import its functions
-    script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
-                         text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_FR_BUFFER_SIZE": "100"})
-    assert out.returncode == 0, out.stderr[-3000:]
+    spawn(_records, 3, str(tmp_path), str(tmp_path / "init"), init=False)
     dumps = read_dumps(tmp_path)
     assert sorted(dumps) == [0, 1, 2] and all(dumps.values())
     found = hung_ranks(dumps)

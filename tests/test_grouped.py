@@ -108,11 +108,12 @@ def test_one_call_per_unit_and_direction_at_4_ranks(tmp_path):
     assert launches == {"gather": 9, "reduce": 5}, launches
 
 
-@pytest.mark.parametrize("world_size", [2, 4, 8])
+@pytest.mark.parametrize("world_size", [2, 4])
 def test_grouped_path_matches_torch(world_size, tmp_path):
     """The NCCL path's calls, different data per rank, fp32 NS: within PARITY_TOL of
     torch.optim.Muon + AdamW on one process (test_parity's cases: tied/fused shapes odd for
-    every world size, micro-batches at 4, one block over 8 ranks)."""
+    every world size, micro-batches at 4). The ops are gloo's path's, launched together:
+    test_parity runs them at 8 ranks, one block over 8."""
     case = {**dict(same_data=False, ns_fp32=True, muon=MUON, adamw=ADAMW), **FP32_CASES[world_size]}
     ours, ref = _run(case, world_size, tmp_path, backend="grouped_gloo")
     assert_params_close(ours["params"], ref, what=f"grouped, {world_size} ranks: ")

@@ -1,11 +1,16 @@
 """Sixteen thousand ranks, proven in one process: the library's own code as rank 16383 of
 16384, against the same at 64 ranks.
 
-``python -m matrixfsdp.bench.scale`` plays one rank of P on a process group that completes
+One subprocess (a fresh default group each time) runs ``matrixfsdp.bench.scale``'s
+measurement at P = 16384, then at P = 64: one rank of P on a process group that completes
 every collective at once and counts what NCCL would be asked (:mod:`matrixfsdp.bench.hollow`:
 NCCL's coalescing, so the runtime takes its NCCL path), for a transformers Llama with Llama 3
 405B's structure (126 layers, GQA, untied head) at width 64, where only what grows with P
-costs anything. Each world size runs in a process of its own (a fresh default group)."""
+costs anything. During the set-up at 16384 it also records, by wrapping torch.distributed's
+collective functions and the set-up checks, what each call was handed and which path each
+"all ranks agree" check took. (The group answers as if every rank held this rank's values,
+so the checks always agree here: their failure paths are tested on 4 gloo ranks in
+tests/test_agree.py.)"""
 
 from __future__ import annotations
 
@@ -18,30 +23,114 @@ import pytest
 
 pytest.importorskip("transformers")
 
+BIG, SMALL = 16384, 64
+GATHER_BOUND = 4096  # bytes one rank may hand to any collective at set-up
+# torch.distributed's collectives: the position of what this rank sends (an all-gather's
+# output is P slots of what every rank sends; only the input is this rank's)
+COLLECTIVES = {"all_gather": 1, "all_gather_into_tensor": 1, "all_gather_single": 1, "all_gather_object": 1,
+               "all_reduce": 0, "broadcast": 0, "broadcast_object_list": 0, "gather": 0, "scatter": 1,
+               "reduce": 0, "reduce_scatter": 1, "reduce_scatter_tensor": 1, "all_to_all": 1,
+               "all_to_all_single": 1}
 
-def _measure(world_size: int) -> dict:
-    out = subprocess.run([sys.executable, "-m", "matrixfsdp.bench.scale", "--ranks",
-                          str(world_size), "--iterations", "3"], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+def _play() -> dict:
+    """In this process: P = 16384 with the set-up recorded, then P = 64."""
+    import torch
+    import torch.distributed as dist
+
+    import matrixfsdp as mf
+    from matrixfsdp.bench import scale
+    from matrixfsdp.optim import policy
+    from matrixfsdp.runtime import agree, checks, lazy_init
+
+    calls: list[tuple[str, int, int]] = []  # (function, bytes sent, longest tensor list handed)
+    ran: list[str] = []  # the set-up checks, and any failure path taken
+    recording = [True]
+
+    def size(x) -> tuple[int, int]:
+        if torch.is_tensor(x):
+            return x.numel() * x.element_size(), 0
+        if isinstance(x, (list, tuple)):
+            sizes = [size(t) for t in x]
+            return sum(s for s, _ in sizes), max([len(x)] + [n for _, n in sizes])
+        return 0, 0
+
+    def wrapped(name, fn, sent_at):
+        def call(*args, **kwargs):
+            if recording[0]:
+                handed = list(args) + list(kwargs.values())
+                sent = size(args[sent_at] if len(args) > sent_at else handed[sent_at])[0]
+                calls.append((name, sent, max(size(a)[1] for a in handed)))
+            return fn(*args, **kwargs)
+        return call
+
+    for name, sent_at in COLLECTIVES.items():
+        if hasattr(dist, name):
+            setattr(dist, name, wrapped(name, getattr(dist, name), sent_at))
+
+    def spy(module, name, label=None):
+        fn = getattr(module, name)
+
+        def call(*args, **kwargs):
+            if recording[0]:
+                ran.append(label or name)
+            return fn(*args, **kwargs)
+        setattr(module, name, call)
+
+    spy(agree, "_first_difference")  # the failure path of every settings comparison
+    spy(agree, "every_rank")  # P values: the failure paths of init, coverage and counts
+    spy(agree, "every_value")
+    spy(lazy_init, "check_same_setup", "model check")
+    spy(lazy_init, "check_same_init")
+    spy(lazy_init, "agree_on_local_checks")
+    spy(policy, "check_same_setup", "optimizer check")
+    spy(checks, "broadcast_object")  # a local check's or an idle owner's failure path
+    muon = mf.Muon
+
+    def built(*args, **kwargs):  # the set-up ends with the optimizer: stop recording there
+        opt = muon(*args, **kwargs)
+        recording[0] = False
+        return opt
+    mf.Muon = built
+    big = scale.measure(BIG, BIG - 1, iterations=3)
+    mf.Muon = muon
+    small = scale.measure(SMALL, SMALL - 1, iterations=3)
+    return {"big": big, "small": small, "calls": calls, "ran": ran}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    out = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def runs() -> tuple[dict, dict]:
-    return _measure(64), _measure(16384)
-
-
 def test_setup_at_16384_ranks_is_fast_small_and_exchanges_o1_bytes(runs):
     """``shard_model`` + ``Muon`` as rank 16383 of 16384: at most 20 s of this process's CPU
-    time and 2.5 GiB peak RSS, and no gather at set-up handed more than 4 KiB by this rank
-    (every "all ranks agree" check compares a fixed-size digest first). CPU time, not wall
+    time and 2.5 GiB peak RSS; no collective handed more than 4 KiB or a list of more than
+    1024 tensors (before: the model check handed 236 KB to an all-gather of 16384 slots,
+    Muon's 48 KB, check_same_init 18 KB: ~140 s and ~16 GB per rank). CPU time, not wall
     time: the bound is on the work, which other load on a shared machine does not add to."""
-    _, big = runs
+    big, calls = runs["big"], runs["calls"]
+    print({k: v for k, v in big.items() if k != "iterations"})
     assert big["parameters"] == 1137 and big["units"] == 127
     assert big["setup_cpu_s"] <= 20, big
     assert big["setup_peak_rss_gib"] <= 2.5, big
-    assert big["setup_gather_input_bytes"] <= 4096, big
+    assert calls, "no collective recorded"
+    biggest = max(calls, key=lambda c: c[1])
+    assert biggest[1] <= GATHER_BOUND, biggest
+    assert max(n for _, _, n in calls) <= 1024, [c for c in calls if c[2] > 1024]
+
+
+def test_every_set_up_check_takes_its_digest_path(runs):
+    """Each check ran, once, and none took a failure path; the checks' collectives are one
+    all-reduce each (the local checks', the model's, the initial values', Muon's)."""
+    ran = runs["ran"]
+    assert ran == ["agree_on_local_checks", "model check", "check_same_init", "optimizer check"], ran
+    reduces = [c for c in runs["calls"] if c[0] == "all_reduce"]
+    assert len(reduces) >= 4, runs["calls"]
+    assert max(b for _, b, _ in reduces) <= 8 * 8, reduces  # the settings' 4 lanes and their ~
 
 
 def test_an_iteration_at_16384_ranks_costs_what_it_costs_at_64(runs):
@@ -50,10 +139,14 @@ def test_an_iteration_at_16384_ranks_costs_what_it_costs_at_64(runs):
     least CPU time of iterations 2 and 3: the work, not the machine's other load); FSDP2's
     launch count at both (one per unit and direction: 127 forward gathers, 126 backward
     re-gathers, 127 reduces); no call handed a list of more than 1024 tensors."""
-    small, big = (r["iterations"][-1] for r in runs)
-    print("P=64:", runs[0]["iterations"], "\nP=16384:", runs[1]["iterations"])
-    cpu = [min(it["cpu_s"] for it in r["iterations"][1:]) for r in runs]
-    assert big["ops"] <= 1.5 * small["ops"], (small, big)
+    small, big = runs["small"]["iterations"], runs["big"]["iterations"]
+    print("P=64:", small, "\nP=16384:", big)
+    cpu = [min(it["cpu_s"] for it in r[1:]) for r in (small, big)]
+    assert big[-1]["ops"] <= 1.5 * small[-1]["ops"], (small[-1], big[-1])
     assert cpu[1] <= 2 * cpu[0], cpu
-    assert small["launches"] == big["launches"] == 127 + 126 + 127, (small, big)
-    assert max(small["longest_list"], big["longest_list"]) <= 1024, (small, big)
+    assert small[-1]["launches"] == big[-1]["launches"] == 127 + 126 + 127, (small[-1], big[-1])
+    assert max(it["longest_list"] for it in small + big) <= 1024
+
+
+if __name__ == "__main__":
+    print(json.dumps(_play()))

@@ -128,7 +128,7 @@ def check_syncs(device: torch.device) -> dict:
 
 
 def check_memory(device: torch.device) -> dict:
-    width = 1024 if device.type == "cuda" else 256  # a dry run checks the logic, quickly
+    width = 1024 if device.type == "cuda" else 128  # a dry run checks the logic, quickly
     cfg = GPTConfig(vocab_size=8192, d_model=width, n_heads=16, n_layers=8, d_mlp=4 * width, seq_len=64)
     torch.manual_seed(0)
     model = GPT(cfg)  # on the CPU

@@ -131,7 +131,7 @@ def _table(args, base: dict, rows: list[dict], machine: dict) -> list[str]:
              "synchronous: compare it with overlap off.",
              "", machine_line(machine), "",
              "| link GB/s | MatrixFSDP, overlap on ms | overlap off ms | gloo's path (a launch "
-             "per matrix), overlap on ms | FSDP2 ms | FSDP2 / MatrixFSDP (off) | communication "
+             "per op), overlap on ms | FSDP2 ms | FSDP2 / MatrixFSDP (off) | communication "
              "hidden by overlap |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -154,7 +154,7 @@ def _plot(out: Path, base: dict, rows: list[dict]) -> None:
     speeds = [r["gbps"] for r in rows]
     for key, style, label in (("matrixfsdp_on_ms", "o-", "MatrixFSDP, overlap on"),
                               ("matrixfsdp_off_ms", "s-", "MatrixFSDP, overlap off"),
-                              ("matrixfsdp_on_gloo_path_ms", "d:", "MatrixFSDP, a launch per matrix"),
+                              ("matrixfsdp_on_gloo_path_ms", "d:", "MatrixFSDP, a launch per op"),
                               ("fsdp2_off_ms", "^--", "FSDP2")):
         ax.plot(speeds, [r[key] for r in rows], style, label=label)
     ax.axhline(base["matrixfsdp_on_free_ms"], color="gray", ls="--",
