@@ -1,7 +1,7 @@
 """The set-up checks' failure paths on 4 real gloo ranks: when the digests differ, each check
 still names the first item, parameter or rank that differs, with every rank's value, as the
 gather of every rank's description did (the success path, one small all-reduce, is what
-tests/test_scale_setup.py measures at 16384 ranks)."""
+tests/test_scale_ranks.py measures at 16384 ranks)."""
 
 from __future__ import annotations
 
