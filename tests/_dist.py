@@ -176,10 +176,10 @@ class _Pool:
         for p in self.procs:
             p.start()
         self.next_id = 0
-        # The last job's rendezvous directory: its ranks reset (and their FileStores, which
-        # touch the file, are collected) after they report, so it goes once the next job
-        # is done, when every rank is past that reset.
-        self.last_tmp: str | None = None
+        # The jobs' rendezvous directories, removed when the pool is: a rank's FileStore
+        # touches its file when collected, which may be after the job reported done (a
+        # FileStore whose directory is gone aborts the process from its destructor).
+        self.tmps: list[str] = []
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -189,42 +189,38 @@ class _Pool:
         self.next_id += 1
         job_id = self.next_id
         tmp = tempfile.mkdtemp()
-        try:
-            init_file = os.path.join(tmp, "init") if init else None
-            for q in self.jobs:
-                q.put((job_id, init_file, backend, fn, args))
-            errors: dict[int, str | None] = {}
-            deadline = time.monotonic() + timeout
-            while len(errors) < self.world_size:
-                if any(e is not None for e in errors.values()):
-                    deadline = min(deadline, time.monotonic() + GRACE_S)
-                try:
-                    got_id, rank, error = self.results.get(timeout=1.0)
-                except queue.Empty:
-                    if not self.alive():
-                        dead = [p.name for p in self.procs if not p.is_alive()]
-                        raise RuntimeError(f"{fn.__name__}: rank process(es) {dead} died") from None
-                    if time.monotonic() > deadline:
-                        missing = sorted(set(range(self.world_size)) - set(errors))
-                        failed = "\n".join(e for e in errors.values() if e)
-                        raise TimeoutError(
-                            f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not "
-                            f"finish in time\n{failed}") from None
-                    continue
-                if got_id == job_id:
-                    errors[rank] = error
-        finally:
-            self._forget_tmp()
-            self.last_tmp = tmp
+        self.tmps.append(tmp)
+        init_file = os.path.join(tmp, "init") if init else None
+        for q in self.jobs:
+            q.put((job_id, init_file, backend, fn, args))
+        errors: dict[int, str | None] = {}
+        deadline = time.monotonic() + timeout
+        while len(errors) < self.world_size:
+            if any(e is not None for e in errors.values()):
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+            try:
+                got_id, rank, error = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if not self.alive():
+                    dead = [p.name for p in self.procs if not p.is_alive()]
+                    raise RuntimeError(f"{fn.__name__}: rank process(es) {dead} died") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(errors))
+                    failed = "\n".join(e for e in errors.values() if e)
+                    raise TimeoutError(
+                        f"{fn.__name__} on {self.world_size} ranks: ranks {missing} did not "
+                        f"finish in time\n{failed}") from None
+                continue
+            if got_id == job_id:
+                errors[rank] = error
         failed = [e for e in errors.values() if e]
         if failed:
             raise RuntimeError(f"{fn.__name__} failed on {len(failed)} of {self.world_size} ranks:\n"
                                + "\n".join(failed))
 
-    def _forget_tmp(self) -> None:
-        if self.last_tmp is not None:
-            shutil.rmtree(self.last_tmp, ignore_errors=True)
-            self.last_tmp = None
+    def _forget_tmps(self) -> None:
+        while self.tmps:
+            shutil.rmtree(self.tmps.pop(), ignore_errors=True)
 
     def close(self, kill: bool = False) -> None:
         for p, q in zip(self.procs, self.jobs):
@@ -235,7 +231,7 @@ class _Pool:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self._forget_tmp()
+        self._forget_tmps()
 
 
 _POOLS: dict[int, _Pool] = {}

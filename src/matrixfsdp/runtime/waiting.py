@@ -60,15 +60,22 @@ class Watchdog:
         with self.cond:
             while True:
                 now = time.monotonic()
-                pending = [w for w in self.waits if not w.posted]
-                for w in (w for w in pending if w.deadline <= now):
-                    try:
-                        w.posted = w.post()
-                    except Exception:  # noqa: BLE001 (a post that fails says less; the thread goes on)
-                        w.posted = True  # not retried
-                later = [w.deadline for w in pending if w.deadline > now]
-                self.wakes_at = min(later) if later else None
-                self.cond.wait(timeout=self.wakes_at - now if later else None)
+                self.wakes_at = self._post_due(now)
+                self.cond.wait(timeout=None if self.wakes_at is None else self.wakes_at - now)
+
+    def _post_due(self, now: float) -> float | None:
+        """Post the waits past their deadline; the next deadline. Apart from :meth:`_run` so
+        that the sleeping thread holds no wait: a wait's ``post`` may hold a process group
+        (and its store), which must go when the caller lets it go, not at the next wake."""
+        pending = [w for w in self.waits if not w.posted]
+        for w in pending:
+            if w.deadline <= now:
+                try:
+                    w.posted = w.post()
+                except Exception:  # noqa: BLE001 (a post that fails says less; the thread goes on)
+                    w.posted = True  # not retried
+        later = [w.deadline for w in pending if w.deadline > now]
+        return min(later) if later else None
 
 
 _watchdog: Watchdog | None = None
