@@ -147,7 +147,7 @@ def _hsdp_worker(rank, world_size, out_path):
     stats = mf.comm_stats(model)
     calls, launches = stats.calls, dict(stats.launches)
     holding = sum(1 for u in root.units if u.layout.has_replica_owned and
-                  any(n for _, n in u.layout.segment(root.groups.shard_rank).replica_runs(2)))
+                  bool(u.layout.segment(root.groups.shard_rank).replica_runs))
     state = mf.full_state_dict(model)
     if rank == 0:
         torch.save({"params": state, "calls": calls, "launches": launches, "holding": holding},

@@ -6,7 +6,8 @@ measurement at P = 16384, then at P = 64: one rank of P on a process group that 
 every collective at once and counts what NCCL would be asked (:mod:`matrixfsdp.bench.hollow`:
 NCCL's coalescing, so the runtime takes its NCCL path), for a transformers Llama with Llama 3
 405B's structure (126 layers, GQA, untied head) at width 64, where only what grows with P
-costs anything. During the set-up at 16384 it also records, by wrapping torch.distributed's
+costs anything; then HSDP (shard groups of 8) at 2048 replicas against 8, at 8 layers.
+During the set-up at 16384 it also records, by wrapping torch.distributed's
 collective functions and the set-up checks, what each call was handed and which path each
 "all ranks agree" check took. (The group answers as if every rank held this rank's values,
 so the checks always agree here: their failure paths are tested on 4 gloo ranks in
@@ -24,6 +25,7 @@ import pytest
 pytest.importorskip("transformers")
 
 BIG, SMALL = 16384, 64
+HSDP_SHARD = 8  # HSDP: 2048 replicas of 8 shard ranks against 8 of 8
 GATHER_BOUND = 4096  # bytes one rank may hand to any collective at set-up
 # torch.distributed's collectives: the position of what this rank sends (an all-gather's
 # output is P slots of what every rank sends; only the input is this rank's)
@@ -95,7 +97,10 @@ def _play() -> dict:
     big = scale.measure(BIG, BIG - 1, iterations=3)
     mf.Muon = muon
     small = scale.measure(SMALL, SMALL - 1, iterations=3)
-    return {"big": big, "small": small, "calls": calls, "ran": ran}
+    hsdp = {P: scale.measure(P, P - 1, iterations=4, layers=8, shard_size=HSDP_SHARD)
+            for P in (BIG, SMALL)}
+    return {"big": big, "small": small, "calls": calls, "ran": ran,
+            "hsdp_big": hsdp[BIG], "hsdp_small": hsdp[SMALL]}
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +151,19 @@ def test_an_iteration_at_16384_ranks_costs_what_it_costs_at_64(runs):
     assert cpu[1] <= 2 * cpu[0], cpu
     assert small[-1]["launches"] == big[-1]["launches"] == 127 + 126 + 127, (small[-1], big[-1])
     assert max(it["longest_list"] for it in small + big) <= 1024
+
+
+def test_hsdp_with_2048_replicas_costs_what_it_costs_with_8(runs):
+    """HSDP, shard groups of 8: 2048 replicas (P = 16384) against 8 (P = 64), 8 layers. The
+    replicate dim's ops follow the replicas that step a matrix of a rank's segment, never
+    the number of replicas: the same ops and launches, at most 2x the host time (before:
+    a view per replica per unit and direction, 3.3x at 8 layers)."""
+    small, big = runs["hsdp_small"]["iterations"], runs["hsdp_big"]["iterations"]
+    print("HSDP 8x8:", small, "\nHSDP 2048x8:", big)
+    assert big[-1]["ops_by_kind"] == small[-1]["ops_by_kind"], (small[-1], big[-1])
+    assert big[-1]["launches"] == small[-1]["launches"]
+    cpu = [min(it["cpu_s"] for it in r[1:]) for r in (small, big)]
+    assert cpu[1] <= 2 * cpu[0], cpu
 
 
 if __name__ == "__main__":

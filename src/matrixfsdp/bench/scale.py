@@ -40,14 +40,18 @@ def _peak_rss_gib() -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
-def measure(world_size: int, rank: int, iterations: int = 3, layers: int = 126) -> dict:
-    """Set-up and ``iterations`` training iterations as ``rank`` of ``world_size``."""
+def measure(world_size: int, rank: int, iterations: int = 3, layers: int = 126,
+            shard_size: int | None = None) -> dict:
+    """Set-up and ``iterations`` training iterations as ``rank`` of ``world_size``; with
+    ``shard_size``, on an HSDP mesh of ``world_size // shard_size`` replicas."""
     import transformers  # optional: the test extras'
 
     hollow.register()
     dist.init_process_group(hollow.NAME, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
-        mesh = init_device_mesh("cpu", (world_size,))
+        mesh = (init_device_mesh("cpu", (world_size // shard_size, shard_size),
+                                 mesh_dim_names=("replicate", "shard"))
+                if shard_size else init_device_mesh("cpu", (world_size,)))
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
             **{**LLAMA_405B_SHAPE, "num_hidden_layers": layers}))
@@ -88,9 +92,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rank", type=int, default=None, help="the rank played (default: P - 1)")
     p.add_argument("--iterations", type=int, default=3, help="training iterations (default: 3)")
     p.add_argument("--layers", type=int, default=126, help="decoder layers (default: 126, 405B's)")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="HSDP: shard groups of this size, P / shard-size replicas (default: "
+                        "none, a 1-D mesh)")
     a = p.parse_args(argv)
     rank = a.world_size - 1 if a.rank is None else a.rank
-    print(json.dumps(measure(a.world_size, rank, a.iterations, a.layers)))
+    print(json.dumps(measure(a.world_size, rank, a.iterations, a.layers, a.shard_size)))
 
 
 if __name__ == "__main__":

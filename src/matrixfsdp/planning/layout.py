@@ -98,10 +98,12 @@ class Segment:
         """Elements of the replicated run (kind 0)."""
         return self.runs[0][1]
 
-    def replica_runs(self, R: int) -> list[tuple[int, int]]:
-        """``(start, elements)`` of each replica's run of matrices, all ``R`` of them (an
-        empty run where a replica steps none here)."""
-        return [self.runs.get(1 + i, (self.size, 0)) for i in range(R)]
+    @functools.cached_property
+    def replica_runs(self) -> tuple[tuple[int, int, int], ...]:
+        """``(replica, start, elements)`` of each non-empty run of matrices, by replica: one
+        per replica that steps a matrix stored here, so never more than the segment's
+        pieces, whatever the number of replicas."""
+        return tuple((kind - 1, a, n) for kind, (a, n) in sorted(self.runs.items()) if kind and n)
 
 
 @dataclass

@@ -128,7 +128,7 @@ def replicate_ops(seg: Segment, R: int, itemsize: int, reduce: bool) -> list[Op]
     if reduce and seg.shared:
         ops.append(("all_reduce", 2 * (R - 1) / R * seg.shared * itemsize))
     kind = "reduce" if reduce else "broadcast"
-    return ops + [(kind, float(n * itemsize)) for _, n in seg.replica_runs(R) if n]
+    return ops + [(kind, float(n * itemsize)) for _, _, n in seg.replica_runs]
 
 
 def _rep_load(seg: Segment, grad_seg: Segment, R: int, owned: bool, g: GroupCost,
@@ -180,8 +180,8 @@ def unit_comm(u: UnitLayout, red: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtype
 
         def load(k: tuple[int, int]) -> RepLoad:
             seg, gseg = u.segment(*k), red.segment(*k)
-            shape = (seg.shared, gseg.shared, tuple(n for _, n in seg.replica_runs(R)),
-                     tuple(n for _, n in gseg.replica_runs(R)))
+            shape = (seg.shared, gseg.shared, tuple((i, n) for i, _, n in seg.replica_runs),
+                     tuple((i, n) for i, _, n in gseg.replica_runs))
             if shape not in seen:
                 seen[shape] = _rep_load(seg, gseg, R, owned, g, d)
             return seen[shape]

@@ -99,12 +99,11 @@ def _replicate(c: _Counts, seg: Segment, R: int, replica: int, itemsize: int, re
         n = seg.shared * itemsize
         c.add("replicate_allreduce", n, ring_load(n, R, 2), times)
         ops += 1
-    for i, (_, n) in enumerate(seg.replica_runs(R)):
-        if n:
-            n *= itemsize
-            c.add("replicate_reduce" if reduce else "replicate_broadcast", n,
-                  pipeline_load(n, R, replica, i, reduce), times)
-            ops += 1
+    for i, _, n in seg.replica_runs:
+        n *= itemsize
+        c.add("replicate_reduce" if reduce else "replicate_broadcast", n,
+              pipeline_load(n, R, replica, i, reduce), times)
+        ops += 1
     c.launch("replicate", ops, coalesced, times)
 
 

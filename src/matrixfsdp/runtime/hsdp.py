@@ -117,13 +117,11 @@ class Replication:
         what the sum is divided by (default: the number of replicas, the mean; 1 after a
         shard-group reduce that divided by a custom factor already)."""
         start, n = seg.runs[0]
-        mats = [out[a:a + m] for a, m in seg.replica_runs(self.groups.replicas)]
-
         comm = self.comm  # one launch where the group coalesces
         return comm.batch("replicate", ([lambda: comm.all_reduce(out[start:start + n], divisor)]
                                         if n else []) +
-                          [(lambda i=i, t=t: comm.reduce(t, i, divisor))
-                           for i, t in enumerate(mats) if t.numel()])
+                          [(lambda i=i, t=out[a:a + m]: comm.reduce(t, i, divisor))
+                           for i, a, m in seg.replica_runs])
 
     def is_stale(self, unit_index: int) -> bool:
         return unit_index in self._stale
@@ -139,12 +137,11 @@ class Replication:
         until :meth:`finish_broadcast`."""
         if unit_index in self._stale:
             self._stale.discard(unit_index)
-            mats = [local[start:start + n] for start, n in seg.replica_runs(self.groups.replicas)]
-            if not any(t.numel() for t in mats):  # this shard rank holds none of them
+            if not seg.replica_runs:  # this shard rank holds none of them
                 return
             self._inflight[unit_index] = self.comm.batch(
-                "replicate", [(lambda i=i, t=t: self.comm.broadcast(t, i))
-                              for i, t in enumerate(mats) if t.numel()])
+                "replicate", [(lambda i=i, t=local[a:a + n]: self.comm.broadcast(t, i))
+                              for i, a, n in seg.replica_runs])
             self.max_inflight = max(self.max_inflight, len(self._inflight))
 
     def finish_broadcast(self, unit_index: int) -> None:
