@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -104,11 +105,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _job_loop(rank: int, world_size: int, jobs, results, session: int) -> None:
+def _job_loop(rank: int, world_size: int, jobs, results, session: int, crash_log: str) -> None:
     """A pool rank: run jobs until told to stop, or until the test session (``session``,
     a pid) is gone. Not its parent's death: the parent is the fork server, which itself
-    lives as long as any rank it forked holds its liveness pipe."""
-    faulthandler.enable(all_threads=True)  # a native abort in a rank prints every thread's stack
+    lives as long as any rank it forked holds its liveness pipe. A native crash writes every
+    thread's stack to ``crash_log``, which the test that finds the rank dead reports (the
+    rank's stderr is the fork server's, often a finished test's captured output)."""
+    crash = open(crash_log, "w")  # noqa: SIM115 (open for the process's life)
+    faulthandler.enable(file=crash, all_threads=True)
     # What the server imported (torch, transformers, the library: some 400,000 objects)
     # lives as long as the rank: kept out of every garbage collection, so that a full one
     # (each job's reset, and the interpreter's own) scans only what jobs made (0.16 s -> ms).
@@ -170,8 +174,10 @@ class _Pool:
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(world_size)]
         session = os.getpid()
+        self.logs = tempfile.mkdtemp(prefix=f"pool{world_size}-")
         self.procs = [ctx.Process(target=_job_loop, name=f"rank{r}-of-{world_size}",
-                                  args=(r, world_size, self.jobs[r], self.results, session))
+                                  args=(r, world_size, self.jobs[r], self.results, session,
+                                        os.path.join(self.logs, f"crash{r}")))
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -202,8 +208,7 @@ class _Pool:
                 got_id, rank, error = self.results.get(timeout=1.0)
             except queue.Empty:
                 if not self.alive():
-                    dead = [p.name for p in self.procs if not p.is_alive()]
-                    raise RuntimeError(f"{fn.__name__}: rank process(es) {dead} died") from None
+                    raise RuntimeError(f"{fn.__name__}: {self.deaths()}") from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(errors))
                     failed = "\n".join(e for e in errors.values() if e)
@@ -217,6 +222,23 @@ class _Pool:
         if failed:
             raise RuntimeError(f"{fn.__name__} failed on {len(failed)} of {self.world_size} ranks:\n"
                                + "\n".join(failed))
+
+    def deaths(self) -> str:
+        """The dead ranks: how each ended (its exit code or signal) and its crash log."""
+        lines = []
+        for r, p in enumerate(self.procs):
+            if p.is_alive():
+                continue
+            code = p.exitcode
+            how = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                   else f"exit code {code}")
+            try:
+                with open(os.path.join(self.logs, f"crash{r}")) as f:
+                    log = f.read()[-4000:]
+            except OSError:
+                log = ""
+            lines.append(f"rank process {p.name} died ({how})" + (f":\n{log}" if log else ""))
+        return "\n".join(lines)
 
     def _forget_tmps(self) -> None:
         while self.tmps:
@@ -232,6 +254,7 @@ class _Pool:
                 p.kill()
                 p.join()
         self._forget_tmps()
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 _POOLS: dict[int, _Pool] = {}
