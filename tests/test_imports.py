@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import matrixfsdp
 
 PACKAGE = Path(matrixfsdp.__file__).parent
@@ -162,68 +164,77 @@ def test_one_name_one_meaning():
         f"{name}: {', '.join(ms)}" for name, ms in sorted(twins.items()))
 
 
-def test_every_module_imports_alone_in_a_fresh_interpreter():
+FRESH = """
+import os, sys, importlib, traceback
+import torch
+from torch import nn
+from torch.optim import optimizer as opt_mod
+from torch.nn.modules import module as mod_mod
+import matrixfsdp as mf
+print(sorted(n for n in sys.modules
+             if n.split('.')[:2] in (['matrixfsdp', 'train'], ['matrixfsdp', 'bench'])))
+hooks = lambda: (len(opt_mod._global_optimizer_pre_hooks), len(opt_mod._global_optimizer_post_hooks),
+                 len(mod_mod._global_forward_pre_hooks), len(mod_mod._global_forward_hooks),
+                 len(mod_mod._global_backward_hooks))
+print(hooks())
+names = [n for n in NAMES if n not in sys.modules]
+print(len(names))
+pids = {}
+for n in names:  # all children at once: they run side by side on the cores
+    pid = os.fork()
+    if pid == 0:
+        try:
+            importlib.import_module(n)
+            assert n == "matrixfsdp.__main__" or "matrixfsdp.__main__" not in sys.modules, \
+                f"{n} imports the command line"
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    pids[pid] = n
+bad = sorted(pids[pid] for pid in list(pids) if os.waitpid(pid, 0)[1] != 0)
+print(bad)
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 2000))
+torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+for _ in range(2):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    mf.fully_shard(model[0]); mf.fully_shard(model)
+print(hooks())
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh() -> list[str]:
+    """One fresh interpreter: what ``import matrixfsdp`` loads and registers, then a forked
+    child per module it did not load, then ``fully_shard`` twice: its output lines."""
+    names = sorted(_modules())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", f"NAMES = {names!r}\n{FRESH}"], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert len(names) > 40, names
+    return out.stdout.splitlines()[-5:]
+
+
+def test_every_module_imports_alone_in_a_fresh_interpreter(fresh):
     """A fresh interpreter imports the package (what any import of one of its modules runs
     first: ``__init__`` and every module it imports, in its order), then forks a child per
     module that this did not load (the command line, the bench, ...): each child imports only
-    that one. (Re-importing the package in every child, as before, ran the same ``__init__``
-    in every child: 0.15 s of CPU each, the same check each time.)"""
-    names = sorted(_modules())
-    code = (
-        "import os, sys, importlib, traceback\n"
-        "import matrixfsdp\n"
-        f"names = [n for n in {names!r} if n not in sys.modules]\n"
-        "print(len(names))\n"
-        "pids = {}\n"
-        "for n in names:  # all children at once: they run side by side on the cores\n"
-        "    pid = os.fork()\n"
-        "    if pid == 0:\n"
-        "        try:\n"
-        "            importlib.import_module(n)\n"
-        "        except BaseException:\n"
-        "            traceback.print_exc()\n"
-        "            os._exit(1)\n"
-        "        os._exit(0)\n"
-        "    pids[pid] = n\n"
-        "bad = sorted(pids[pid] for pid in list(pids) if os.waitpid(pid, 0)[1] != 0)\n"
-        "assert not bad, bad\n"
-    )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert len(names) > 40 and int(out.stdout.split()[0]) > 10, (names, out.stdout)
+    that one, and none but ``matrixfsdp.__main__`` loads the command line (the bench reaches
+    the shared rank helpers through matrixfsdp.train.launch). (Re-importing the package in
+    every child, as before, ran the same ``__init__`` in every child: 0.15 s of CPU each.)"""
+    children, bad = fresh[2], fresh[3]
+    assert int(children) > 10, fresh
+    assert bad == "[]", bad
 
 
-def test_import_loads_the_library_only_and_registers_no_hook():
+def test_import_loads_the_library_only_and_registers_no_hook(fresh):
     """``import matrixfsdp`` loads neither the trainer nor the bench and registers no
     process-wide hook; ``fully_shard`` registers torch's one process-wide optimizer step
     pre-hook that finds the optimizers over a sharded model (optim/watch.py), once however
     many models it shards."""
-    code = (
-        "import os, sys, torch\n"
-        "from torch import nn\n"
-        "from torch.optim import optimizer as opt_mod\n"
-        "from torch.nn.modules import module as mod_mod\n"
-        "import matrixfsdp as mf\n"
-        "print(sorted(n for n in sys.modules if n.split('.')[:2] in "
-        "(['matrixfsdp', 'train'], ['matrixfsdp', 'bench'])))\n"
-        "hooks = lambda: (len(opt_mod._global_optimizer_pre_hooks), "
-        "len(opt_mod._global_optimizer_post_hooks), len(mod_mod._global_forward_pre_hooks), "
-        "len(mod_mod._global_forward_hooks), len(mod_mod._global_backward_hooks))\n"
-        "print(hooks())\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(29500 + os.getpid() % 2000))\n"
-        "torch.distributed.init_process_group('gloo', rank=0, world_size=1)\n"
-        "for _ in range(2):\n"
-        "    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))\n"
-        "    mf.fully_shard(model[0]); mf.fully_shard(model)\n"
-        "print(hooks())\n"
-        "torch.distributed.destroy_process_group()\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr[-4000:]
-    loaded, at_import, after_shard = out.stdout.splitlines()[-3:]
+    loaded, at_import, after_shard = fresh[0], fresh[1], fresh[4]
     assert loaded == "[]", loaded
     assert at_import == "(0, 0, 0, 0, 0)", at_import
     assert after_shard == "(1, 0, 0, 0, 0)", after_shard
