@@ -6,7 +6,11 @@ functional collectives and DTensor). The profiler runs only around what is count
 optimizer steps, and a stretch where the model does communicate (a forward), which shows
 the count sees this setting's collectives. Profiling a whole run instead was most of the
 suite's CPU: turning each recorded op into a Python event costs about 45 us, more than the
-small models' training itself (a run of 10 steps records tens of thousands of ops).
+small models' training itself (a run of 10 steps records tens of thousands of ops). For the
+same reason the names are read from the profiler's own records (``kineto_results``), never
+through ``prof.events()``, which builds a ``FunctionEvent`` and its tree for every op: 21x
+less CPU for the same names (4504 events: 0.50 s against 0.024 s), and what had been 8% of
+the suite's samples.
 
     counted = Collectives()
     with counted.during("forward", step == 0):  # one forward shows the count works
@@ -27,9 +31,12 @@ from torch.profiler import ProfilerActivity, profile
 PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
 
 
-def count(events) -> int:
-    """The collectives among profiler ``events``."""
-    return sum(e.name.startswith(PREFIXES) for e in events)
+def count(prof) -> int:
+    """The collectives a finished ``torch.profiler.profile`` recorded."""
+    results = getattr(prof.profiler, "kineto_results", None)
+    if results is None:  # a torch without it: the same names, slower
+        return sum(e.name.startswith(PREFIXES) for e in prof.events())
+    return sum(e.name().startswith(PREFIXES) for e in results.events())
 
 
 class Collectives(Counter):
@@ -43,4 +50,4 @@ class Collectives(Counter):
             return
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             yield
-        self[name] += count(prof.events())
+        self[name] += count(prof)

@@ -50,7 +50,13 @@ def _step(model, opt, x, counted: Collectives, counting: bool, first: bool = Fal
 
 
 def _worker(rank, world_size, case, out_path):
+    import torch._inductor.config
     from torch._dynamo.utils import counters
+
+    # Inductor compiles its C++ kernels in this process: by default each rank would start a
+    # pool of compile workers (fresh interpreters importing torch, 6 per rank here), some 4
+    # CPU s per run on a machine whose 2 cores the ranks already fill.
+    torch._inductor.config.compile_threads = 1
 
     mesh = init_device_mesh("cpu", (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
