@@ -162,8 +162,11 @@ def _context():
     importing torch anew. The server is single-threaded, so forking it is safe."""
     ctx = multiprocessing.get_context("forkserver")
     # what most ranks import anyway (a module missing here is skipped by the server)
+    # (transformers' model code too: importing its first model, 0.7 s, was paid by every
+    # rank that built one, of every pool)
     ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp", "_dist", "transformers",
-                                "pytorch_optimizer", "heavyball", "torch._dynamo"])
+                                "transformers.models.llama.modeling_llama", "pytorch_optimizer",
+                                "heavyball", "torch._dynamo"])
     return ctx
 
 
