@@ -265,3 +265,71 @@ def test_clip_scales_with_torchs_foreach_kernels(run):
     _, ranks, _ = run
     for res in ranks:
         assert res["foreach_mul"] == 1 and res["lone_mul"] == 0, (res["foreach_mul"], res["lone_mul"])
+
+
+# ---- lists of p.grad: one length on every rank, whatever each rank owns ------------------------
+CLIPS = ("torch", "torchtitan", "mf")  # whose clip_grad_norm_ each run calls
+
+
+def _clip(which: str, params, max_norm: float) -> torch.Tensor:
+    """One clip by the caller's usual function: torch's with foreach (norms of a list, as
+    FSDP2's DTensor gradients give them), torchtitan's (its list ``[p.grad for p in params if
+    p.grad is not None]``), or this library's."""
+    if which == "torch":
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).full_tensor()
+    if which == "torchtitan":
+        import titan_cpu
+        titan_cpu.import_torchtitan()
+        from torchtitan.distributed.utils import clip_grad_norm_
+        return clip_grad_norm_(params, max_norm, foreach=True)
+    return mf.clip_grad_norm_(params, max_norm)
+
+
+def _unequal_owners(rank, world_size, out_dir, shape):
+    """One block's 6 matrices over 4 ranks (2, 2, 1, 1 each; under HSDP 2 x 2 each copy of a
+    matrix stepped by one replica): trained with each clip, clipping active at every step."""
+    mesh = init_device_mesh("cpu", shape, **({"mesh_dim_names": ("replicate", "shard")}
+                                              if len(shape) == 2 else {}))
+    cfg = GPTConfig(**CFG)
+    res = {}
+    for which in CLIPS:
+        model = _shard(build_model("gpt", cfg), mesh)
+        opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=torch.float32, adamw_lr=ADAMW["lr"],
+                                           **{f"adamw_{k}": v for k, v in ADAMW.items() if k != "lr"}))
+        stepped = sum(pl.owner == rank for pl in mf.plan_of(model).placements.values())
+        res[which] = dict(stepped=stepped, lengths=[], norms=[])
+        for x in batches(STEPS, world_size, PER_RANK, SEQ):
+            x = rank_slice(x, rank, PER_RANK, same_data=False)
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            res[which]["lengths"].append(sum(p.grad is not None for p in model.parameters()))
+            res[which]["norms"].append(_clip(which, model.parameters(), CLIP).item())
+            opt.step()
+            opt.zero_grad()
+        state = mf.full_state_dict(model)
+        if rank == 0:
+            res[which]["params"] = state
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2)], ids=["1d", "hsdp2x2"])
+def test_clip_over_unequal_owners(tmp_path, shape):
+    """Ranks that own different numbers of matrices (and, under HSDP, copies of matrices
+    another replica steps) hand torch's clip, torchtitan's and this library's lists of
+    ``p.grad`` of one length on every rank (each rank holds a gradient of every parameter:
+    empty where it holds nothing of it, zeros on a copy another replica steps), and each
+    clip trains as torch's clip_grad_norm_ on one process: the same norm on every rank, the
+    parameters within the parity bound. (Before: gloo's "8 vs 4" collective mismatch in
+    torchtitan's clip, a hang or a wrong norm on NCCL.)"""
+    world_size = 4
+    spawn(_unequal_owners, world_size, str(tmp_path), shape)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    ref = train_reference(GPTConfig(**CFG), batches(STEPS, world_size, PER_RANK, SEQ),
+                          muon_kw=MUON, adamw_kw=ADAMW, ns_fp32=True, clip=CLIP)
+    assert len({res["torch"]["stepped"] for res in ranks}) > 1  # unequal numbers of matrices
+    for which in CLIPS:
+        lengths = {tuple(res[which]["lengths"]) for res in ranks}
+        assert len(lengths) == 1, (which, lengths)
+        norms = [res[which]["norms"] for res in ranks]
+        assert all(n == norms[0] for n in norms), (which, norms)
+        assert min(norms[0]) > 2 * CLIP, norms[0]  # clipping active
+        assert_params_close(ranks[0][which]["params"], ref, what=f"{which}: ")

@@ -101,10 +101,14 @@ def _train(rank, job):
                 model.loss(x[:, :-1], x[:, 1:])
         if job.get("clip"):  # the global norm: each element once over the 2-D mesh
             mf.clip_grad_norm_(model.parameters(), job["clip"])
-        for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank
-            pl = placement_of(p)
+        for p in model.parameters():  # a 2-D matrix's gradient only on its owner rank:
+            pl = placement_of(p)  # elsewhere empty, or zeros on another replica's copy
             if pl.owner is not None:
-                assert (p.grad is not None) == (pl.owner == world_rank), pl.spec.name
+                assert p.grad is not None, pl.spec.name
+                if pl.owner == world_rank:
+                    assert p.grad.numel() == pl.spec.numel, pl.spec.name
+                else:
+                    assert not p.grad.any(), pl.spec.name
         with counted.during("step"):
             opt.step()
         opt.zero_grad(set_to_none=True)

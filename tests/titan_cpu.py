@@ -327,8 +327,10 @@ def _components():
         def close(self) -> None:
             super().close()
             if self.config.path and dist.get_rank() == 0:
-                with open(self.config.path, "w") as f:
+                # written whole, then renamed: the other ranks read it once it exists
+                with open(self.config.path + ".tmp", "w") as f:
                     json.dump(self.steps, f)
+                os.replace(self.config.path + ".tmp", self.config.path)
 
     return TinyTokenizer, TinyData, RecordingMetrics
 

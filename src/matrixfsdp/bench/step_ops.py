@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import matrixfsdp as mf
 
-from ..optim.muon import _newton_schulz_, adjusted_lr
+from ..optim.muon import _newton_schulz_, adjusted_lr, stepped
 from ..train.launch import launch
 from ..train.models import GPT
 from .harness import parse_args as bench_config
@@ -37,9 +37,7 @@ ELEMENTWISE = ("lerp_", "lerp_ns_dtype", "mul_", "add_tall", "add_wide")
 def _timed_muon_step(opt: mf.Muon, group: dict, acc: dict[str, float]) -> None:
     """``Muon._muon_step`` (``nesterov=True``), adding each operation's thread CPU ms."""
     lr, clock = group["lr"], time.thread_time
-    for p in group["params"]:
-        if p.grad is None:
-            continue
+    for p in stepped(group):
         grad, state = p.grad, opt.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
@@ -63,7 +61,7 @@ def _timed_muon_step(opt: mf.Muon, group: dict, acc: dict[str, float]) -> None:
 
 
 def _check_same_as_real_step(opt: mf.Muon, group: dict) -> None:
-    params = [p for p in group["params"] if p.grad is not None]
+    params = list(stepped(group))
     saved = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
     _timed_muon_step(opt, group, collections.defaultdict(float))
     timed = [(p.detach().clone(), opt.state[p]["momentum_buffer"].clone()) for p in params]

@@ -1,7 +1,7 @@
 """Gradient clipping by the global norm, and the names of non-finite gradients.
 
 On a MatrixFSDP model each rank holds disjoint pieces of the global gradient: whole Muon
-matrices on their owner (an empty placeholder without ``.grad`` elsewhere) and a row slice
+matrices on their owner (an empty placeholder, its ``.grad`` empty, elsewhere) and a row slice
 of every other parameter. ``torch.nn.utils.clip_grad_norm_`` sees only this rank's pieces,
 so it returns a different norm on every rank and the ranks clip by different factors.
 Here every element is counted once: a local ``sum |g|^p`` (``max |g|`` for inf) over this
@@ -12,9 +12,10 @@ added once, after the all-reduce.
 Tensor parallelism: a second all-reduce over the tp group; pieces that every tp rank holds
 alike (plain and ``Replicate`` parameters) count ``1/tp`` on each.
 
-HSDP: the all-reduce spans the whole mesh. A 2-D Muon matrix has a gradient on its owner
-world rank only; the other pieces (row shards, experts) are averaged over the replicas and
-identical on each, so only replica 0 counts them.
+HSDP: the all-reduce spans the whole mesh. A 2-D Muon matrix counts on its owner world
+rank only (the copy another replica steps holds zeros); the other pieces (row shards,
+experts) are averaged over the replicas and identical on each, so only replica 0 counts
+them.
 """
 
 from __future__ import annotations
@@ -91,9 +92,8 @@ def _root_stat(sharded, root, p: float, acc: torch.dtype, foreach: bool | None) 
     """``sum |g|^p`` (p = inf: ``[max |g|, any NaN]``) over one root's pieces, all-reduced
     over its ranks: the same on every rank of the root."""
     device = sharded[0].device
-    counted = [q for q in sharded if q.grad is not None
-               and (sharded_param(q).unit.domain.groups.replica == 0
-                    or placement_of(q).owner is not None)]
+    counted = [q for q in sharded if q.grad is not None and (info := sharded_param(q)).steps_here()
+               and (info.unit.domain.groups.replica == 0 or info.placement.owner is not None)]
     # TP: a piece every tp rank holds alike (a plain or Replicate parameter) counts 1/tp
     # times on each, so that the sum over the tp group counts it once
     same = [sharded_param(q).tp_replicated for q in counted]

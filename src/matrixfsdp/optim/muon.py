@@ -2,7 +2,7 @@
 
 Every Muon matrix lives whole on its owner, whose gradient is already the full average
 over ranks, so ``step()`` is local: no collective of any kind. On other ranks the matrix
-is an empty placeholder without a gradient, which the step skips; momentum therefore
+is an empty placeholder (its gradient empty), which the step skips; momentum therefore
 lives only on the owner. An expert stack ``(experts, m, n)`` is held as a ``(k, m, n)``
 tensor of k whole experts per rank; its NS runs batched over those k experts, each
 normalised and orthogonalised on its own, exactly as k separate matrices. AdamW is
@@ -23,7 +23,7 @@ optimizers under MatrixFSDP (``matrix_params``, the element-wise guard) in ``mat
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.optim.adam import adam as _adam
@@ -275,9 +275,7 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         lr = _scalar(group["lr"])
         batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for p in group["params"]:
-            if p.grad is None or not p.numel():  # a non-owner's placeholder, or empty
-                continue
+        for p in stepped(group):
             grad = p.grad
             if grad.is_sparse or torch.is_complex(p):
                 raise RuntimeError(f"Muon does not support sparse or complex parameter {_name(p)}")
@@ -329,9 +327,7 @@ class Muon(torch.optim.Optimizer):
             group["betas"] = (group["momentum"], *group["betas"][1:])
         amsgrad = group["amsgrad"]
         params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None or not p.numel():  # nothing to update, so no state either
-                continue
+        for p in stepped(group):  # the others: nothing to update here, so no state either
             if p.grad.is_sparse:
                 raise RuntimeError(f"AdamW does not support sparse gradients ({_name(p)})")
             state = self.state[p]
@@ -396,6 +392,13 @@ def _init_state(state: dict, p: torch.Tensor, group: dict) -> None:
         state["exp_avg"], state["exp_avg_sq"] = zeros(), zeros()
     if group.get("amsgrad"):
         state.setdefault("max_exp_avg_sq", zeros())
+
+
+def stepped(group: dict) -> Iterator[torch.Tensor]:
+    """The parameters of ``group`` a step updates on this rank: those with elements here and
+    a gradient, but for a matrix another HSDP replica steps (its copy here holds zeros); a
+    non-owner's placeholder holds an empty gradient."""
+    return (p for p in group["params"] if p.grad is not None and p.numel() and _steps_here(p))
 
 
 def _steps_here(p: torch.Tensor) -> bool:

@@ -11,13 +11,14 @@ something about a sharded parameter (the optimizer, clipping, checkpoints, init)
 
 Between backward and the optimizer step a shard's ``.grad`` is a :class:`ShardedGrad`: a
 plain tensor in every respect but its norms. A norm of one gradient raises: it would be this
-rank's piece only, which is how ``torch.nn.utils.clip_grad_norm_`` goes silently wrong, and
-a rank that does not own a matrix holds no gradient of it to join a reduction with. The
+rank's piece only, which is how ``torch.nn.utils.clip_grad_norm_`` goes silently wrong. The
 norms of a list of gradients (``torch._foreach_norm``, what ``get_total_norm(foreach=True)``
 and torchtitan's ``clip_grad_norm_`` call) are FSDP2's: each a DTensor holding this rank's
 piece's norm, placed ``_NormPartial`` over the model's ranks, so that ``full_tensor()`` (or
-any arithmetic) gives the global norm, every element counted once. The step pre-hook hands
-the optimizer plain tensors again.
+any arithmetic) gives the global norm, every element counted once. Every rank holds a
+gradient of each parameter some rank has one for (empty where it holds nothing of it), so
+such lists have one length on every rank. The step pre-hook hands the optimizer plain
+tensors again.
 
 Sharding keeps the ``nn.Parameter`` objects: each original becomes its shard (its data
 rebound to a view of the unit's storage), so a parameter list read at any time is right.
@@ -205,26 +206,16 @@ _NORM_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root ->
 def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
     """A 1-D mesh over every rank of the model (its world group, HSDP's replicas included):
     where the partial norms reduce. Made once per model, from the group, no collective.
-    Refused where some rank holds no element of any parameter (more ranks than rows of
-    every non-matrix parameter, and no matrix of its own): it has no gradient, so torch's
-    norm on it is a plain zero that would not join the reduction the others wait in."""
+    Every rank joins the reduction, one that holds no element of any parameter included:
+    each parameter some rank has a gradient for has one on every rank (an empty one where
+    the rank holds nothing of it, :meth:`~matrixfsdp.runtime.unit.Unit.attach_grads`), so
+    every rank's list has the same length and its norms are partial DTensors too."""
     mesh = _NORM_MESHES.get(root)
     if mesh is None:
         if len({id(u.domain) for u in root.units}) > 1:
             raise RuntimeError("matrixfsdp: the norms of gradients of units on several meshes "
                                f"(expert parallelism) do not reduce over one. {_USE_OURS}")
-        groups = root.groups
-        holding = {owner for pl in root.plan.placements.values() if (owner := pl.owner) is not None}
-        rows = {r for pl in root.plan.placements.values() if pl.owner is None
-                for r, (a, b) in enumerate(pl.row_ranges) if b > a}
-        holding |= {rep * groups.shard_size + r for rep in range(groups.replicas) for r in rows}
-        idle = sorted(set(range(groups.replicas * groups.shard_size)) - holding)
-        if idle:
-            raise RuntimeError(
-                f"matrixfsdp: rank(s) {idle[:8]} of the model hold no element of any parameter, "
-                "so torch's norm of their gradients is a plain zero that would not join the "
-                f"others' reduction. {_USE_OURS}")
-        mesh = _NORM_MESHES[root] = DeviceMesh.from_group(groups.world, device_type)
+        mesh = _NORM_MESHES[root] = DeviceMesh.from_group(root.groups.world, device_type)
     return mesh
 
 
@@ -232,8 +223,8 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     """``torch._foreach_norm`` over sharded gradients, as over FSDP2's: each norm a DTensor of
     this rank's piece's norm, placed ``_NormPartial(ord)`` over the model's ranks. A piece
     the model holds alike on several ranks (HSDP's replicas of a row shard) counts on
-    replica 0 only; a matrix counts on the rank that owns it, the only one with its
-    gradient."""
+    replica 0 only; a matrix counts on the rank that steps it (elsewhere its gradient is
+    empty, or under HSDP a copy of zeros)."""
     grads = list(tensors)
     plain = next((g for g in grads if not isinstance(g, ShardedGrad)), None)
     if plain is not None:
@@ -251,10 +242,11 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     if not p > 0:
         raise ValueError(f"matrixfsdp: norm_type must be > 0 or inf, got {ord}")
     mesh = _norm_mesh(root, grads[0].device.type)  # decided from the plan: alike everywhere
-    counted = [i for i, g in enumerate(grads) if g.numel() and (
+    counted = [i for i, g in enumerate(grads) if g.numel() and g.info.steps_here() and (
         g.info.unit.domain.groups.replica == 0 or g.info.placement.owner is not None)]
     with plain_torch_function():
-        some = FOREACH_NORM([grads[i].as_subclass(torch.Tensor) for i in counted], ord, dtype=dtype)
+        some = FOREACH_NORM([grads[i].as_subclass(torch.Tensor) for i in counted], ord,
+                            dtype=dtype) if counted else []  # a rank holding nothing: zeros
         norms = [torch.zeros((), dtype=dtype or g.dtype, device=g.device) for g in grads]
     for i, n in zip(counted, some):
         norms[i] = n

@@ -352,14 +352,26 @@ class Unit:
     def attach_grads(self, grad: torch.Tensor, lay: UnitLayout, index: list[int],
                      which: list[int]) -> None:
         """This rank's pieces of the reduced ``grad`` (laid out as ``lay``) as the ``.grad``
-        of the parameters ``index[j]`` for ``j`` in ``which`` (added to one already there)."""
+        of the parameters ``index[j]`` for ``j`` in ``which`` (added to one already there).
+
+        Every rank gives each of these parameters a ``.grad``, as FSDP2 gives each DTensor
+        shard one, so that any list built from ``p.grad`` over ``model.parameters()`` has
+        the same length on every rank (torch's and torchtitan's clipping stack one norm per
+        gradient and reduce the stack): an empty placeholder (a matrix another rank owns, no
+        rows of a parameter) gets an empty gradient, and under HSDP the copy of a matrix
+        that another replica steps gets zeros (its gradient lives on that replica; nothing
+        steps the copy here:
+        :meth:`~matrixfsdp.runtime.param.ShardedParam.steps_here`)."""
         for j in which:
             i = index[j]
             p = self.sharded[i]
-            if not p.numel() or not self.domain.groups.steps_here(lay.placements[j]):
-                continue  # nothing here, or HSDP: another replica steps it
+            if not p.numel():  # one kept by zero_grad(set_to_none=False) is plain since the step
+                set_sharded_grad(p, grad.narrow(0, 0, 0).view(p.shape) if p.grad is None else p.grad)
+                continue
             start = lay.shard_offset(j, self.domain.shard_rank, self.storage.tp_rank)
             view = grad[start:start + p.numel()].view(p.shape)
+            if not self.domain.groups.steps_here(lay.placements[j]):
+                view.zero_()  # HSDP: another replica reduced and steps it
             set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
 
     @torch.no_grad()
