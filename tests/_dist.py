@@ -43,8 +43,8 @@ GRACE_S = 30.0  # after one rank failed, how long the others may take to report
 
 def _init(rank: int, world_size: int, init_file: str, backend: str) -> None:
     if backend != "gloo":  # grouped_gloo: gloo with NCCL's uneven collectives (the NCCL path)
-        from matrixfsdp.bench import grouped_gloo
-        grouped_gloo.register()
+        from matrixfsdp import testing
+        testing.register("grouped_gloo")
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=GROUP_TIMEOUT)
 
@@ -65,7 +65,7 @@ def _reset() -> None:
     switches, compiled graphs and caches, the job's garbage collected. Runs after the job
     is reported done, while the test goes on: most of its time is waiting for the process
     groups' threads to end (measured up to 0.45 s a job, of which 0.08 s CPU)."""
-    from matrixfsdp.runtime import fully_shard as _fs
+    from matrixfsdp.runtime import module as _fs
     if dist.is_initialized():
         dist.destroy_process_group()
     _fs._UNSHARDED_UNITS.clear()
@@ -276,7 +276,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 240.0, init: bool = True,
     whole run exceeds ``timeout`` seconds (never hang the suite). ``init=False``: no process
     group is made for ``fn`` (it makes its own, as a script under torchrun does; the pool
     destroys it after). ``backend="grouped_gloo"``: gloo with NCCL's uneven all-gather and
-    reduce-scatter (:mod:`matrixfsdp.bench.grouped_gloo`), so the runtime takes NCCL's path."""
+    reduce-scatter (:mod:`matrixfsdp.testing.grouped_gloo`), so the runtime takes NCCL's path."""
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:

@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler quiet in spawned ranks
 sys.path.insert(0, os.path.dirname(__file__))
+# the repository root: benchmarks/ (outside the package) for the tests of the benchmarks
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

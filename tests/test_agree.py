@@ -16,7 +16,7 @@ from _dist import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from matrixfsdp.runtime.agree import check_same_setup
+from matrixfsdp.diagnosis.agree import check_same_setup
 from matrixfsdp.runtime.checks import agree_on_local_checks, agree_on_matrix_coverage, check_same_init
 from matrixfsdp.train.nonfinite import clip_and_check
 

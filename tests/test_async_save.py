@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import placement_of
-from matrixfsdp.shards.row_shard import RowShard
 from matrixfsdp.state import files
 from matrixfsdp.state.files import AsyncCheckpoint, is_complete
 from matrixfsdp.state.staging import stage_state
+from matrixfsdp.tensors.row_shard import RowShard
 
 HOLD_S = 60.0  # how long a held commit waits for its release: a hang guard only
 

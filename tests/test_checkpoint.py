@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
-from matrixfsdp.planning.types import ParamSpec, Placement
+from matrixfsdp.layout.types import ParamSpec, Placement
 from matrixfsdp.runtime.param import placement_of
-from matrixfsdp.shards.row_shard import RowShard
+from matrixfsdp.tensors.row_shard import RowShard
 from matrixfsdp.train.models import GPTConfig
 
 SEQ = 16

@@ -12,8 +12,8 @@ import torch
 from _cli import run_cli
 
 import matrixfsdp.train.launch as ranks
+from benchmarks.harness import parse_args as bench_args
 from matrixfsdp.__main__ import main
-from matrixfsdp.bench.harness import parse_args as bench_args
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32",
         "--batch", "2"]

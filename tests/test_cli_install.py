@@ -104,3 +104,10 @@ def test_installed_with_declared_dependencies_only_it_trains_and_writes_the_summ
     plan = subprocess.run([str(venv / "bin" / "matrixfsdp"), "plan", "--model", "llama3-8b"],
                           capture_output=True, text=True, timeout=120, env=_clean_env(), cwd=tmp_path)
     assert plan.returncode == 0 and "Muon matrices" in plan.stdout, plan.stderr[-3000:]
+    # the installed package is the library: no benchmark or report code; `bench` says where it runs
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    installed = {p.relative_to(site).as_posix() for p in (site / "matrixfsdp").rglob("*.py")}
+    assert not [f for f in installed if "bench" in f or "docs_figures" in f or "gpu_check" in f], installed
+    bench = subprocess.run([str(venv / "bin" / "matrixfsdp"), "bench"], capture_output=True, text=True,
+                           timeout=120, env=_clean_env(), cwd=tmp_path)
+    assert bench.returncode == 1 and "from a checkout of the repository" in bench.stderr, bench.stderr

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from _dist import spawn
 
-from matrixfsdp.planning.layout import pipeline_load, ring_load
-from matrixfsdp.runtime.collectives import Comm, CommStats, coalescing_supported, op_load
+from matrixfsdp.layout.loads import op_load
+from matrixfsdp.runtime.collectives import Comm, CommStats, coalescing_supported
 
 
 def _worker(rank, world_size):
@@ -57,16 +57,16 @@ def test_collectives_and_their_loads_four_ranks():
 
 
 def _batch_worker(rank, world_size):
-    from matrixfsdp.bench import grouped_gloo
+    from matrixfsdp import testing
     group = dist.group.WORLD
     coalesce = coalescing_supported(group, torch.device("cpu"))
-    assert coalesce == (dist.get_backend() == grouped_gloo.NAME)
+    assert coalesce == (dist.get_backend() == "grouped_gloo")
     stats = CommStats()
     comm = Comm(group, stats, coalesce=coalesce, device=torch.device("cpu"))
     sizes = [3, 0, 5, 2]  # a rank may hold nothing
     rows = torch.empty(world_size * 2)
     held = [torch.full((n,), float(r if r == rank else -1)) for r, n in enumerate(sizes)]
-    grouped_gloo.reset_launches()
+    testing.COUNTS.reset()
     pending = comm.batch("gather", [lambda: comm.all_gather(rows, torch.full((2,), float(rank)))] +
                          [(lambda r=r, t=t: comm.broadcast(t, r)) for r, t in enumerate(held) if t.numel()])
     pending.wait()
@@ -76,8 +76,8 @@ def _batch_worker(rank, world_size):
     assert stats.launches == {"gather": 1 if coalesce else 4}, stats.launches
     assert stats.calls == {"all_gather": 1, "broadcast": 3}, stats.calls
     if coalesce:
-        assert dict(grouped_gloo.LAUNCHES) == {"coalesced": 1}, grouped_gloo.LAUNCHES
-        assert dict(grouped_gloo.OPS) == {"all_gather": 1, "broadcast": 3}, grouped_gloo.OPS
+        assert dict(testing.COUNTS.launches) == {"coalesced": 1}, testing.COUNTS.launches
+        assert dict(testing.COUNTS.ops) == {"all_gather": 1, "broadcast": 3}, testing.COUNTS.ops
 
 
 def test_a_batch_is_one_launch_where_the_group_coalesces():
@@ -93,19 +93,15 @@ def test_load_model_sums_to_what_the_ring_moves():
     total (each of P-1 links carries it once); a ring all-gather moves (P-1) n per rank."""
     for P in (2, 3, 8, 1000):
         n = 4096
-        for toward in (False, True):
-            loads = [pipeline_load(n, P, r, root=P // 2, toward_root=toward) for r in range(P)]
+        for kind in ("broadcast", "reduce"):
+            loads = [op_load(kind, n, P, r, root=P // 2) for r in range(P)]
             assert sum(ld.sent for ld in loads) == sum(ld.received for ld in loads) == (P - 1) * n
             assert max(max(ld.sent, ld.received) for ld in loads) == n
-        assert ring_load(P * n, P).critical == (P - 1) * n
-        assert ring_load(n, P, 2).critical == 2 * n * (P - 1) // P
-        # the runtime's own load (collectives.op_load), written independently of the
-        # planner's load functions, moves the same bytes
-        for kind, toward in (("broadcast", False), ("reduce", True)):
-            loads = [op_load(kind, n, P, r, root=P // 2) for r in range(P)]
-            assert loads == [pipeline_load(n, P, r, P // 2, toward) for r in range(P)]
-        assert op_load("all_gather", P * n, P, 0) == ring_load(P * n, P)
-        assert op_load("all_reduce", n, P, 0) == ring_load(n, P, 2)
+            ends = [r for r, ld in enumerate(loads) if not ld.sent or not ld.received]
+            assert sorted(ends) == sorted({P // 2, (P // 2 + (1 if kind == "reduce" else -1)) % P})
+        for kind in ("all_gather", "reduce_scatter"):
+            assert {op_load(kind, P * n, P, r).critical for r in range(P)} == {(P - 1) * n}
+        assert op_load("all_reduce", n, P, 0).critical == 2 * n * (P - 1) // P
 
 
 def _empty_root_worker(rank, world_size):
@@ -138,7 +134,7 @@ TWIN_SCRIPT = """
 import sys
 from datetime import timedelta
 import torch, torch.distributed as dist
-from matrixfsdp.runtime.process_groups import group_timeout, twin_group
+from matrixfsdp.diagnosis.timeouts import group_timeout, twin_group
 
 made = []
 for i in range(2):  # the second time after destroy_process_group, as a worker reused by tests
@@ -175,9 +171,9 @@ def test_twin_group_is_made_once_per_group_and_again_after_a_destroyed_process_g
 def _failed_probe_worker(rank, world_size):
     import logging
 
-    from matrixfsdp.bench import hollow
+    from matrixfsdp import testing
 
-    class Failing(hollow.Hollow):  # a backend that should coalesce and fails
+    class Failing(testing.Hollow):  # a backend that should coalesce and fails
         def _start_coalescing(self, device):
             raise RuntimeError("NCCL error in: ProcessGroupNCCL.cpp: unhandled system error")
 

@@ -3,7 +3,7 @@ forward, judged by allocated bytes (the unit buffers' own storages and the bytes
 holds), never by RSS, which does not see pages allocated and never touched (on CPU a
 freshly allocated buffer costs no RSS; a GPU commits it at once).
 
-One process plays rank 7 of 8 (:mod:`matrixfsdp.bench.hollow`: collectives complete at
+One process plays rank 7 of 8 (:mod:`matrixfsdp.testing.hollow`: collectives complete at
 once), so only this rank's own allocations count."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import ctypes, ctypes.util, gc, json
 import torch, torch.distributed as dist, transformers
 from torch.distributed.device_mesh import init_device_mesh
 import matrixfsdp as mf
-from matrixfsdp.bench import hollow
+from matrixfsdp import testing
 
 class _Info(ctypes.Structure):  # glibc's struct mallinfo2
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
@@ -41,8 +41,8 @@ def buffers(model):  # bytes the units' unsharded buffers hold
     return sum(b.untyped_storage().nbytes() for u in mf.get_root(model).units
                for b in (u.storage.gathered, u.storage.copied))
 
-hollow.register()
-dist.init_process_group(hollow.NAME, store=dist.HashStore(), rank=7, world_size=8)
+testing.register("hollow")
+dist.init_process_group("hollow", store=dist.HashStore(), rank=7, world_size=8)
 mesh = init_device_mesh("cpu", (8,))
 torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(transformers.LlamaConfig(

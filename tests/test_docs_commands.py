@@ -1,6 +1,6 @@
 """The commands the docs show are the commands' own: every flag that README.md and docs/
 give ``matrixfsdp train``, ``plan``, ``calibrate``, ``bench`` (and its ``--link``, ``--tp``,
-``--ep`` modes) or a ``python -m matrixfsdp.bench.<tool>`` appears in that command's ``--help``,
+``--ep`` modes) or a ``python -m benchmarks.<tool>`` appears in that command's ``--help``,
 each option there with its default; and the messages the pages quote for the rough edges
 are the ones the command prints. No rank is started."""
 
@@ -18,7 +18,7 @@ from matrixfsdp.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)|python -m matrixfsdp\.bench\.\w+)"
+COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)|python -m (?:benchmarks|matrixfsdp)\.[\w.]+)"
                      r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -56,7 +56,7 @@ def documented() -> dict[str, dict[str, str]]:
 def help_text(command: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        if command.startswith("matrixfsdp.bench."):
+        if command.startswith(("benchmarks.", "matrixfsdp.")):
             importlib.import_module(command).main(["--help"])
         elif command.startswith("bench --link"):
             main(["bench", "--link", "1", "--help"])
@@ -89,7 +89,7 @@ def test_documented_flags_are_in_help_with_defaults(command):
     options = _options(help_text(command))
     missing = {f: page for f, page in documented()[command].items() if f not in options}
     assert not missing, f"{command} --help lacks flags the docs use: {missing}"
-    if not command.startswith("matrixfsdp.bench."):  # the tools' own help is theirs
+    if not command.startswith("benchmarks."):  # the tools' own help is theirs
         bare = [o for o, h in options.items() if o != "--help" and "default" not in h]
         assert not bare, f"{command} --help shows no default for {bare}"
 

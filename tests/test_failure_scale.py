@@ -28,7 +28,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from matrixfsdp.runtime import arrival
+from matrixfsdp.diagnosis import arrival
 
 
 class Counting:
@@ -114,8 +114,8 @@ def _fake_world(world: int) -> dict:
     """In a fresh interpreter: rank P-1 of P on torch's fake backend, over a counting store."""
     import torch
 
-    import matrixfsdp.runtime.debug as debug
-    from matrixfsdp.runtime.process_groups import twin_group
+    import matrixfsdp.diagnosis.debug as debug
+    from matrixfsdp.diagnosis.timeouts import twin_group
 
     class Store(dist.Store):
         def __init__(self):

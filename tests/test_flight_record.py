@@ -10,7 +10,7 @@ import os
 
 from _dist import spawn
 
-from matrixfsdp.train.flight import hung_ranks, read_dumps, recorder_env
+from matrixfsdp.diagnosis.flight import hung_ranks, read_dumps, recorder_env
 
 
 def _records(rank, world_size, folder, init_file):

@@ -1,5 +1,5 @@
 """The exact gather of torch's ``full_state_dict`` (``RowShard.redistribute``,
-``matrixfsdp.shards.gather.gather_rows``) on each of its paths: a tensor whole on one rank
+``matrixfsdp.tensors.gather.gather_rows``) on each of its paths: a tensor whole on one rank
 (a broadcast), torch's even split (one all-gather landing in place), pieces anywhere
 (replicas' copies, uneven stacks: one all-gather of headed pieces), a 0-d and an empty
 tensor; a missing row and ranks at different tensors raise the same error on every rank
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from _dist import spawn
 
-from matrixfsdp.shards.gather import gather_rows
+from matrixfsdp.tensors.gather import gather_rows
 
 FULL = torch.arange(7 * 3, dtype=torch.float32).reshape(7, 3) / 7
 
@@ -63,10 +63,10 @@ def test_every_path_gathers_exactly_and_refuses_alike():
 
 
 def _as_rank_of_16384(rank: int, world: int) -> None:
-    from matrixfsdp.bench import hollow
+    from matrixfsdp import testing
     P = 16384
-    hollow.register()
-    dist.init_process_group(hollow.NAME, store=dist.HashStore(), rank=P - 1, world_size=P)
+    testing.register("hollow")
+    dist.init_process_group("hollow", store=dist.HashStore(), rank=P - 1, world_size=P)
     try:
         group = dist.group.WORLD
         cases = {  # this rank's piece of: a matrix it owns, its even share, a 0-d step
@@ -74,9 +74,9 @@ def _as_rank_of_16384(rank: int, world: int) -> None:
             "even rows": (torch.randn(2, 64), (2 * P, 64), (2 * (P - 1), 0)),
             "step": (torch.tensor(1.0), (), ())}
         for name, (local, shape, offsets) in cases.items():
-            hollow.STATS.reset()
+            testing.COUNTS.reset()
             gather_rows(local, shape, offsets, name, group)
-            stats = hollow.STATS
+            stats = testing.COUNTS
             assert stats.longest_list == 1, (name, stats)  # before: P descriptors
             assert stats.ops["all_reduce"] == 1 and stats.total_ops == 2, (name, stats)
             assert stats.gather_input_bytes <= local.numel() * local.element_size(), (name, stats)

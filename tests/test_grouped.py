@@ -1,6 +1,6 @@
 """The NCCL path on CPU: one launch per unit and direction, exact against one process.
 
-``grouped_gloo`` (:mod:`matrixfsdp.bench.grouped_gloo`) is gloo with NCCL's coalescing (the
+``grouped_gloo`` (:mod:`matrixfsdp.testing.grouped_gloo`) is gloo with NCCL's coalescing (the
 ops issued between ``_start_coalescing`` and ``_end_coalescing`` go out as one launch) and a
 count of every launch and op. On it the runtime finds the coalescing (asking the group, not
 its name) and takes the path it takes on NCCL: a unit's gather is one launch of an even
@@ -18,7 +18,7 @@ from test_parity import ADAMW, FP32_CASES, MUON, ODD, _groups, _run
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.bench import grouped_gloo
+from matrixfsdp import testing
 from matrixfsdp.train.models import GPTConfig
 
 transformers = pytest.importorskip("transformers")
@@ -37,16 +37,16 @@ def _llama():
 def _launches_in(model, x, opt):
     """Process-group launches and ops of one forward, one backward and one optimizer step."""
     out = {}
-    grouped_gloo.reset_launches()
+    testing.COUNTS.reset()
     loss = model(input_ids=x, labels=x).loss
-    out["forward"] = dict(grouped_gloo.LAUNCHES), dict(grouped_gloo.OPS)
-    grouped_gloo.reset_launches()
+    out["forward"] = dict(testing.COUNTS.launches), dict(testing.COUNTS.ops)
+    testing.COUNTS.reset()
     loss.backward()
-    out["backward"] = dict(grouped_gloo.LAUNCHES), dict(grouped_gloo.OPS)
-    grouped_gloo.reset_launches()
+    out["backward"] = dict(testing.COUNTS.launches), dict(testing.COUNTS.ops)
+    testing.COUNTS.reset()
     opt.step()
     opt.zero_grad()
-    out["step"] = dict(grouped_gloo.LAUNCHES), dict(grouped_gloo.OPS)
+    out["step"] = dict(testing.COUNTS.launches), dict(testing.COUNTS.ops)
     return out
 
 
@@ -223,7 +223,7 @@ def _probe_worker(rank, world_size):
 
     from matrixfsdp.runtime.collectives import coalescing_supported
     assert coalescing_supported(dist.group.WORLD, torch.device("cpu")) == \
-        (dist.get_backend() == grouped_gloo.NAME)
+        (dist.get_backend() == "grouped_gloo")
     t = torch.ones(1)
     dist.all_reduce(t)  # the group is still usable after a refused probe
     assert t.item() == world_size

@@ -31,9 +31,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
-from matrixfsdp.bench.measure import RANGE_PREFIX, analyse_profile
-from matrixfsdp.planning.planner import plan_module
-from matrixfsdp.planning.report import format_report
+from benchmarks.measure import RANGE_PREFIX, analyse_profile
+from matrixfsdp.layout.planner import plan_module
+from matrixfsdp.layout.report import format_report
 from matrixfsdp.runtime.param import placement_of
 from matrixfsdp.train.models import PRESETS, GPTConfig
 
@@ -200,13 +200,13 @@ def _bytes_across_replicas(rank, world):
 
 def _replicate_bytes_from_layout(plan, rank: int) -> dict[str, int]:
     """What one step of ours should move across the replicate dim on world rank ``rank``,
-    read off the plan's layouts (matrixfsdp.planning.layout): per unit, the all-reduce of
+    read off the plan's layouts (matrixfsdp.layout.units): per unit, the all-reduce of
     this shard rank's rows of every even parameter and of one gradient flag per parameter
     (fp32: which ranks had a gradient), the reduce of each Muon matrix stored on this shard
     rank to its owner replica and its broadcast back (in the next forward), each run 16-element
     aligned; ``extra``: what those runs hold beyond the rows and matrices (flags, alignment)."""
-    from matrixfsdp.planning.layout import unit_layouts
-    from matrixfsdp.planning.traffic import reduce_layouts
+    from matrixfsdp.layout.traffic import reduce_layouts
+    from matrixfsdp.layout.units import unit_layouts
     s = rank % plan.shard_size
     out = {"c10d::allreduce_": 0, "c10d::reduce_": 0, "c10d::broadcast_": 0}
     for lay, red in zip(unit_layouts(plan), reduce_layouts(unit_layouts(plan))):
@@ -418,7 +418,7 @@ def test_replicate_dim_bytes_follow_the_layout_and_equal_fsdp2_hsdp(four_ranks):
     matrices stored on the rank's shard; FSDP2: all-reduce of every gradient shard), our
     counters agree with the profiler, and the bytes each rank sends (the bench's ring rule,
     bench.report.replicate_dim_bytes) equal FSDP2 HSDP's."""
-    from matrixfsdp.bench.report import _REPLICATE_OPS
+    from benchmarks.report import _REPLICATE_OPS
     R = 2  # _bytes_across_replicas's mesh: (2, world // 2)
     sent = {"ours": 0.0, "fsdp2": 0.0}
     for r, res in enumerate(four_ranks):

@@ -21,12 +21,13 @@ PACKAGE = Path(matrixfsdp.__file__).parent
 MAX_LINES = 450
 # The layers, lowest first: a module may import its own layer and those below it.
 # ``_compat`` is one module (torch's private API, test_compat.py), below everything;
-# ``sharding`` is one module (the public fully_shard: the runtime's units, then torch's
+# ``fully_shard`` is one module (the public fully_shard: the runtime's units, then torch's
 # state-dict hooks and the optimizers' step hooks, calls down into three layers).
-# bench and train sit side by side at the top (bench launches ranks with train's launcher).
-LAYERS = [("_compat",), ("planning",), ("runtime",), ("shards",), ("optim",), ("sharding",),
-          ("state",), ("integrations",), ("train", "bench")]
-SINGLE_MODULE_LAYERS = {"matrixfsdp._compat", "matrixfsdp.sharding"}
+# train is the training command; the advisor (plan, calibrate: calibrate launches ranks with
+# train's launcher) and the test process groups sit on top, and nothing below imports them.
+LAYERS = [("_compat",), ("layout",), ("diagnosis",), ("runtime",), ("tensors",), ("optim",),
+          ("fully_shard",), ("state",), ("integrations",), ("train",), ("advisor", "testing")]
+SINGLE_MODULE_LAYERS = {"matrixfsdp._compat", "matrixfsdp.fully_shard"}
 
 
 def _modules() -> dict[str, Path]:
@@ -134,10 +135,11 @@ def test_planning_never_imports_torch_distributed():
 
 
 def _library(name: str) -> bool:
-    """The library: every module but the command line, the bench and the training script's
-    (their repeats among themselves, ``main``, ``parse_args``, ``render``, are theirs)."""
+    """The library: every module but the commands' (the command line, the training command,
+    the advisor; their repeats among themselves, ``main``, ``parse_args``, are theirs)."""
     parts = name.split(".")
-    return not (len(parts) > 1 and parts[1] in ("bench", "train", "__main__"))
+    return not (len(parts) > 1 and parts[1] in ("train", "advisor", "__main__")
+                or name == "matrixfsdp.diagnosis.flight")
 
 
 def _defined(path: Path) -> set[str]:
@@ -172,7 +174,9 @@ from torch.optim import optimizer as opt_mod
 from torch.nn.modules import module as mod_mod
 import matrixfsdp as mf
 print(sorted(n for n in sys.modules
-             if n.split('.')[:2] in (['matrixfsdp', 'train'], ['matrixfsdp', 'bench'])))
+             if n.split('.')[:2] in (['matrixfsdp', 'train'], ['matrixfsdp', 'testing'])
+             or n in ('matrixfsdp.advisor.calibrate', 'matrixfsdp.advisor.cli',
+                      'matrixfsdp.advisor.search', 'matrixfsdp.__main__')))
 hooks = lambda: (len(opt_mod._global_optimizer_pre_hooks), len(opt_mod._global_optimizer_post_hooks),
                  len(mod_mod._global_forward_pre_hooks), len(mod_mod._global_forward_hooks),
                  len(mod_mod._global_backward_hooks))
@@ -230,8 +234,9 @@ def test_every_module_imports_alone_in_a_fresh_interpreter(fresh):
 
 
 def test_import_loads_the_library_only_and_registers_no_hook(fresh):
-    """``import matrixfsdp`` loads neither the trainer nor the bench and registers no
-    process-wide hook; ``fully_shard`` registers torch's one process-wide optimizer step
+    """``import matrixfsdp`` loads neither the training command, the advisor's search and
+    commands nor the test process groups (only the cost model ``mf.plan_costs`` needs) and
+    registers no process-wide hook; ``fully_shard`` registers torch's one process-wide optimizer step
     pre-hook that finds the optimizers over a sharded model (optim/watch.py), once however
     many models it shards."""
     loaded, at_import, after_shard = fresh[0], fresh[1], fresh[4]

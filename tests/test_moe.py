@@ -16,10 +16,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
+from matrixfsdp.layout.planner import make_plan, ns_flops, plan_module
+from matrixfsdp.layout.report import format_report
+from matrixfsdp.layout.types import ParamSpec
 from matrixfsdp.optim.muon import adjusted_lr
-from matrixfsdp.planning.planner import make_plan, ns_flops, plan_module
-from matrixfsdp.planning.report import format_report
-from matrixfsdp.planning.types import ParamSpec
 from matrixfsdp.runtime.param import placement_of
 
 STEPS, PER_RANK, SEQ, VOCAB = 3, 2, 8, 256

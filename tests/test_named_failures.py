@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import DeviceMesh
 
 import matrixfsdp as mf
-from matrixfsdp.runtime import arrival
-from matrixfsdp.runtime.arrival import CollectiveTimeout
+from matrixfsdp.diagnosis import arrival
+from matrixfsdp.diagnosis.arrival import CollectiveTimeout
 from matrixfsdp.runtime.collectives import Comm, CommStats
 from matrixfsdp.state import dcp_io
 from matrixfsdp.state.files import is_complete

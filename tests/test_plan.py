@@ -10,10 +10,10 @@ import torch
 from _dist import spawn
 
 import matrixfsdp as mf
-from matrixfsdp.planning.layout import calls, unit_layout
-from matrixfsdp.planning.planner import make_plan, ns_flops, plan_module
-from matrixfsdp.planning.report import format_report
-from matrixfsdp.planning.types import ParamSpec
+from matrixfsdp.layout.planner import make_plan, ns_flops, plan_module
+from matrixfsdp.layout.report import format_report
+from matrixfsdp.layout.types import ParamSpec
+from matrixfsdp.layout.units import calls, unit_layout
 from matrixfsdp.train.models import GPT, PRESETS, GPTConfig
 
 

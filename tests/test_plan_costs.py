@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.planning.costs import plan_summary
-from matrixfsdp.planning.layout import unit_layouts
-from matrixfsdp.planning.planner import make_plan, plan_module
-from matrixfsdp.planning.traffic import Dtypes, predict_comm, rank_held
-from matrixfsdp.planning.types import ParamSpec, Placement, Plan
+from matrixfsdp.advisor.costs import plan_summary
+from matrixfsdp.layout.planner import make_plan, plan_module
+from matrixfsdp.layout.traffic import Dtypes, predict_comm, rank_held
+from matrixfsdp.layout.types import ParamSpec, Placement, Plan
+from matrixfsdp.layout.units import unit_layouts
 from matrixfsdp.train.cluster import parse_bytes
 from matrixfsdp.train.models import GPT, PRESETS
 

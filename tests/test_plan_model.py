@@ -22,13 +22,13 @@ from _dist import spawn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
-from matrixfsdp.planning.layout_costs import rank_counts
-from matrixfsdp.planning.links import Links
-from matrixfsdp.planning.model_shapes import shapes_of
-from matrixfsdp.planning.predict import default_units
-from matrixfsdp.planning.search import cost_path
-from matrixfsdp.planning.traffic import Dtypes
-from matrixfsdp.runtime.fully_shard import get_root
+from matrixfsdp.advisor.layout_costs import rank_counts
+from matrixfsdp.advisor.links import Links
+from matrixfsdp.advisor.model_shapes import shapes_of
+from matrixfsdp.advisor.predict import default_units
+from matrixfsdp.advisor.search import cost_path
+from matrixfsdp.layout.traffic import Dtypes
+from matrixfsdp.runtime.module import get_root
 from matrixfsdp.train.models import GPT, GPTConfig
 
 # odd sizes on purpose: the vocabulary (50 rows) and the MLP (40) pad over 4 and 8 ranks,

@@ -15,14 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.planning.advice import explain, peers_best
-from matrixfsdp.planning.constants import OP_KINDS, Constants
-from matrixfsdp.planning.links import Group, GroupCost, Links
-from matrixfsdp.planning.model_shapes import shapes_of
-from matrixfsdp.planning.peers import bucket_sizes, dtensor_ns_ops
-from matrixfsdp.planning.search import default_global_batch, search
-from matrixfsdp.planning.steptime import SCHEDULES, Workload
-from matrixfsdp.planning.traffic import Dtypes
+from matrixfsdp.advisor.advice import explain, peers_best
+from matrixfsdp.advisor.constants import OP_KINDS, Constants
+from matrixfsdp.advisor.links import Group, GroupCost, Links
+from matrixfsdp.advisor.model_shapes import shapes_of
+from matrixfsdp.advisor.peers import bucket_sizes, dtensor_ns_ops
+from matrixfsdp.advisor.search import default_global_batch, search
+from matrixfsdp.advisor.steptime import SCHEDULES, Workload
+from matrixfsdp.layout.traffic import Dtypes
 from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=8, d_mlp=48,

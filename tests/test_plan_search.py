@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.planning.layout import unit_layouts
-from matrixfsdp.planning.layout_costs import UnitComm
-from matrixfsdp.planning.links import Group, GroupCost, Links, Mesh
-from matrixfsdp.planning.model_shapes import shapes_of, stage_blocks, stages, tp_specs
-from matrixfsdp.planning.planner import make_plan, with_even_params
-from matrixfsdp.planning.search import KEYS, search
-from matrixfsdp.planning.state_costs import state_spread
-from matrixfsdp.planning.steptime import simulate_pass
-from matrixfsdp.planning.traffic import Dtypes, rank_held
+from matrixfsdp.advisor.layout_costs import UnitComm
+from matrixfsdp.advisor.links import Group, GroupCost, Links, Mesh
+from matrixfsdp.advisor.model_shapes import shapes_of, stage_blocks, stages, tp_specs
+from matrixfsdp.advisor.search import KEYS, search
+from matrixfsdp.advisor.state_costs import state_spread
+from matrixfsdp.advisor.steptime import simulate_pass
+from matrixfsdp.layout.planner import make_plan, with_even_params
+from matrixfsdp.layout.traffic import Dtypes, rank_held
+from matrixfsdp.layout.units import unit_layouts
 from matrixfsdp.train.models import GPT, GPTConfig
 
 GiB = 2**30

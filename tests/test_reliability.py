@@ -18,10 +18,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp.planning.planner import make_plan
-from matrixfsdp.planning.types import ParamSpec
+from matrixfsdp.layout.planner import make_plan
+from matrixfsdp.layout.types import ParamSpec
 from matrixfsdp.runtime.param import placement_of
-from matrixfsdp.shards.row_shard import RowShard
+from matrixfsdp.tensors.row_shard import RowShard
 from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = dict(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=24, seq_len=8)
@@ -372,8 +372,8 @@ def test_plan_digest_names_the_replica_that_steps_a_matrix():
     is another plan: optimizer state saved there would miss or carry that momentum."""
     from types import SimpleNamespace
 
+    from matrixfsdp.layout.types import ParamSpec, Placement
     from matrixfsdp.optim.plan_stamp import plan_digest as _plan_digest
-    from matrixfsdp.planning.types import ParamSpec, Placement
 
     spec = ParamSpec("w", (4, 4), 4, 1, True)
     ranges = [(0, 4), (0, 0)]

@@ -1,9 +1,9 @@
 """Sixteen thousand ranks, proven in one process: the library's own code as rank 16383 of
 16384, against the same at 64 ranks.
 
-One subprocess (a fresh default group each time) runs ``matrixfsdp.bench.scale``'s
+One subprocess (a fresh default group each time) runs ``benchmarks.scale``'s
 measurement at P = 16384, then at P = 64: one rank of P on a process group that completes
-every collective at once and counts what NCCL would be asked (:mod:`matrixfsdp.bench.hollow`:
+every collective at once and counts what NCCL would be asked (:mod:`matrixfsdp.testing.hollow`:
 NCCL's coalescing, so the runtime takes its NCCL path), for a transformers Llama with Llama 3
 405B's structure (126 layers, GQA, untied head) at width 64, where only what grows with P
 costs anything; then HSDP (shard groups of 8) at 2048 replicas against 8, at 8 layers.
@@ -41,9 +41,10 @@ def _play() -> dict:
     import torch.distributed as dist
 
     import matrixfsdp as mf
-    from matrixfsdp.bench import scale
+    from benchmarks import scale
+    from matrixfsdp.diagnosis import agree
     from matrixfsdp.optim import policy
-    from matrixfsdp.runtime import agree, checks, lazy_init
+    from matrixfsdp.runtime import checks, lazy_init
 
     calls: list[tuple[str, int, int]] = []  # (function, bytes sent, longest tensor list handed)
     ran: list[str] = []  # the set-up checks, and any failure path taken
@@ -167,4 +168,5 @@ def test_hsdp_with_2048_replicas_costs_what_it_costs_with_8(runs):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
     print(json.dumps(_play()))

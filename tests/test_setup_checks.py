@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
+from matrixfsdp.diagnosis.debug import FORWARD_GATHER, CollectiveCheck
 from matrixfsdp.optim.policy import check_optimizer_params
 from matrixfsdp.runtime.checks import check_same_init, check_unsharded_trainable
-from matrixfsdp.runtime.debug import FORWARD_GATHER, CollectiveCheck
 from matrixfsdp.runtime.hsdp import MeshGroups
 from matrixfsdp.train.models import GPT, GPTConfig
 

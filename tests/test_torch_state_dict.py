@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import placement_of
-from matrixfsdp.shards.row_shard import RowShard
+from matrixfsdp.tensors.row_shard import RowShard
 from matrixfsdp.train.models import GPTConfig
 
 SAVE_AT, STEPS = 3, 5  # save after 3 steps at 2 ranks; 2 more at 3 ranks

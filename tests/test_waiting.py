@@ -1,4 +1,4 @@
-"""The waiting thread (:mod:`matrixfsdp.runtime.waiting`) lets go of a wait once it is over.
+"""The waiting thread (:mod:`matrixfsdp.diagnosis.waiting`) lets go of a wait once it is over.
 
 A wait's ``post`` holds what it reports on (a process group and its store). A thread that
 kept the last waits it looked at while asleep kept a destroyed group's store alive until its
@@ -11,7 +11,7 @@ import gc
 import time
 import weakref
 
-from matrixfsdp.runtime.waiting import Watchdog
+from matrixfsdp.diagnosis.waiting import Watchdog
 
 
 class _Held:

@@ -3,20 +3,21 @@ owner rank, so the optimizer step runs exact Muon with no communication."""
 
 from __future__ import annotations
 
+from .advisor.predict import PlanPrediction, plan_costs
+from .fully_shard import fully_shard
 from .integrations import pipelining
 from .integrations.huggingface import shard_model
+from .layout.planner import make_plan
+from .layout.report import format_report
+from .layout.types import Plan
 from .optim.clip import clip_grad_norm_, nonfinite_grad_names, total_grad_norm
 from .optim.matrix import matrix_optimizer, matrix_params, shard_params
 from .optim.muon import Muon, muon_param_groups, zeropower_via_newtonschulz
 from .optim.policy import check_same_optimizer as check_optimizer
 from .optim.policy import register_elementwise
 from .optim.qk_clip import QKClip, max_logits
-from .planning.planner import make_plan
-from .planning.predict import PlanPrediction, plan_costs
-from .planning.report import format_report
-from .planning.types import Plan
 from .runtime.exit import exit_rank
-from .runtime.fully_shard import (
+from .runtime.module import (
     FSDPModule,
     UnshardHandle,
     comm_stats,
@@ -27,13 +28,12 @@ from .runtime.fully_shard import (
     set_modules_to_backward_prefetch,
     set_modules_to_forward_prefetch,
 )
-from .sharding import fully_shard
-from .shards.row_shard import RowShard
 from .state.files import latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from .state.init import init_weights
 from .state.integrity import CheckpointError, verify_checkpoint
 from .state.interop import load_full_checkpoint, save_pretrained
 from .state.state_dict import full_state_dict, get_state_dict, load_full_state_dict, set_state_dict
+from .tensors.row_shard import RowShard
 
 __all__ = ["check_optimizer", "CheckpointError", "clip_grad_norm_", "comm_stats", "exit_rank",
            "format_report", "FSDPModule",

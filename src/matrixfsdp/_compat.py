@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as functional_collectives  # noqa: F401 (bench/ep_model.py)
+import torch.distributed._functional_collectives as functional_collectives  # noqa: F401 (benchmarks/ep_model.py)
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,6 +33,15 @@ TORCH_CHECKED = ("2.13.0",)
 
 
 # ---- autograd ----------------------------------------------------------------------------------
+def all_gather_single(*args, **kwargs):
+    """torch >= 2.13's name, or the older one (looked up at each call, as FSDP2 does)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
+
 def in_backward() -> bool:
     """Whether this thread runs inside a backward pass (an optimizer stepped from a gradient
     hook; a hook that must not count recomputation). No public query exists;

@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..planning.types import MuonFilter
-from ..runtime.fully_shard import default_mesh
+from ..fully_shard import fully_shard
+from ..layout.types import MuonFilter
 from ..runtime.mixed_precision import MixedPrecisionPolicy
-from ..sharding import fully_shard
+from ..runtime.module import default_mesh
 
 
 def _blocks(model: nn.Module, block_types: Iterable[type | str] | None) -> list[nn.Module]:

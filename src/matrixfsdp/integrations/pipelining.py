@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 
-from ..runtime.fully_shard import FSDPModule, get_root
+from ..runtime.module import FSDPModule, get_root
 
 __all__ = ["PipelineStage"]
 

@@ -6,7 +6,7 @@ Two forms::
     torchrun ... -m torchtitan.train --module matrixfsdp.integrations.torchtitan --config llama3_8b
 
     # a config function of your own (torchtitan's ``Trainer.Config``)
-    from matrixfsdp.integrations.torchtitan import convert
+    from .torchtitan import convert
     def my_config():
         return convert(my_torchtitan_config())
 
@@ -37,14 +37,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fully_shard import fully_shard
 from ..optim.groups import ADAMW_DEFAULTS, MUON_DEFAULTS
 from ..optim.muon import Muon
 from ..optim.plan_stamp import PLAN_KEYS
 from ..optim.state_dict_hooks import check_decoupled
 from ..optim.watch import watch
-from ..runtime.fully_shard import FSDPModule
+from ..runtime.module import FSDPModule
 from ..runtime.param import placement_of
-from ..sharding import fully_shard
 from ..state.init import init_weights
 
 try:  # torchtitan is optional: this module is only for its users

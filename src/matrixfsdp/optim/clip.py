@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._compat import foreach_mul_, foreach_norm
-from ..runtime import arrival
-from ..runtime.collectives import all_gather_single
+from .._compat import all_gather_single, foreach_mul_, foreach_norm
+from ..diagnosis import arrival
 from ..runtime.param import placement_of, root_of, sharded_param
 
 __all__ = ["clip_grad_norm_", "nonfinite_grad_names", "nonfinite_grad_ranks"]
@@ -83,7 +82,7 @@ def _local_stat(grads: list[torch.Tensor], p: float, acc: torch.dtype, device: t
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup) -> None:
-    """The norm's all-reduce; a timeout names the rank that did not arrive (runtime/arrival.py)."""
+    """The norm's all-reduce; a timeout names the rank that did not arrive (diagnosis/arrival.py)."""
     work = dist.all_reduce(t, op=op, group=group, async_op=True)
     arrival.wait(work, arrival.issued(group, "gradient norm all_reduce"))
 

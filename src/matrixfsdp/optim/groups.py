@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.fully_shard import get_root
+from ..runtime.module import get_root
 from ..runtime.param import placement_of, sharded_param, waiting_for
 
 # The one home of the defaults: torch.optim.Muon's (plus ns_dtype) and torch.optim.AdamW's

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.fully_shard import get_root
+from ..runtime.module import get_root
 from ..runtime.param import placement_of, sharded_param
 from .policy import check_same_optimizer
 

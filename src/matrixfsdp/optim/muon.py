@@ -28,7 +28,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.optim.adam import adam as _adam
 
-from ..runtime.fully_shard import plan_params
+from ..runtime.module import plan_params
 from ..runtime.param import sharded_param
 from .groups import (
     ADAMW_DEFAULTS,

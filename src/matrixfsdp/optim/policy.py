@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..runtime.agree import OPTIONAL, check_same_setup
+from ..diagnosis.agree import OPTIONAL, check_same_setup
 from ..runtime.checks import coverage_flags
 from ..runtime.param import replaced_by, root_of, sharded_param
 from ..runtime.root import Root

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._compat import in_backward
-from ..runtime.fully_shard import get_root
+from ..runtime.module import get_root
 from ..runtime.param import placement_of, sharded_param
 
 __all__ = ["QKClip", "max_logits"]

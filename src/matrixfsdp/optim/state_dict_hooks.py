@@ -5,7 +5,7 @@ torch's ``optimizer.state_dict()`` holds them and DCP reshards them. Here the ho
 :func:`install_optimizer_hooks` registers on an optimizer give the same:
 
 * ``state_dict()``: torch's, with each tensor of a sharded parameter's state a
-  :class:`~matrixfsdp.shards.row_shard.RowShard` (element-wise state placed like the
+  :class:`~matrixfsdp.tensors.row_shard.RowShard` (element-wise state placed like the
   parameter, a whole matrix's state of any shape at offset 0 on its owner, a 0-d ``step`` on
   every rank holding rows). A rank holding none of a parameter still lists its state, as
   empty ``RowShard`` s of the keys the optimizer keeps (``matrixfsdp.Muon``: its own; any
@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from ..runtime.param import placement_of, sharded_param
-from ..shards.pieces import local_piece, saved_value
-from ..shards.row_shard import RowShard, where
+from ..tensors.pieces import local_piece, saved_value
+from ..tensors.row_shard import RowShard, where
 from .matrix import is_placeholder
 from .plan_stamp import PLAN_KEYS
 

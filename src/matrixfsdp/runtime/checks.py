@@ -11,7 +11,7 @@
   outside every unit (a module added after ``fully_shard``) gets no gradient reduce, so each
   rank would train its own copy.
 * :func:`model_setup`: the model's shapes, dtypes, buffers and mixed-precision policies,
-  compared across ranks by :func:`~matrixfsdp.runtime.agree.check_same_setup` (a digest
+  compared across ranks by :func:`~matrixfsdp.diagnosis.agree.check_same_setup` (a digest
   first, details only on a mismatch), as an optimizer's settings are
   (``check_same_optimizer``); a checkpoint's names are checked by ``state/entries.py``.
 * :func:`judge_matrix_coverage`: a rank that owns Muon matrices but steps none of them
@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .agree import any_rank, every_rank, min_max
-from .arrival import ranks_text
-from .collectives import _object_device, broadcast_object
+from ..diagnosis.agree import any_rank, broadcast_object, every_rank, min_max, object_device
+from ..diagnosis.arrival import ranks_text
 from .param import sharded_param
 from .unit import Unit
 
@@ -107,7 +106,7 @@ def check_same_init(named_params: Iterable[tuple[str, torch.Tensor]], group: Any
         raise ValueError("matrixfsdp: ranks hold different numbers of parameters at set-up ("
                          + ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
                          + "); every rank must build the same model")
-    device = _object_device(group)
+    device = object_device(group)
     table = table.to(device)
     reference = table.clone()
     dist.broadcast(reference, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)

@@ -21,15 +21,15 @@ holds pieces of it: its NCCL ops grow with the unit's owners, never with the gro
 A collective ends when its most loaded rank is done, so the counters keep, per kind, that
 rank's bytes (``critical_bytes``: the larger of what it sends and receives, summed over
 calls) next to the mean over ranks and this rank's own sent and received bytes. They are
-charged here from the tensors handed to each call, by NCCL's algorithms as this module
-states them (:func:`op_load`), independently of the planner, whose predictions a test holds
-against these counts. Every rank knows every size, so this needs no communication.
+charged here from the tensors handed to each call, by NCCL's algorithms
+(:func:`~matrixfsdp.layout.loads.op_load`, the one arithmetic the planner predicts with);
+a test holds the planner's predictions, made from the layout alone, against these counts.
+Every rank knows every size, so this needs no communication.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,87 +38,19 @@ import torch
 import torch.distributed as dist
 
 from .. import _compat
-from ..planning.layout import Load
-from ..planning.traffic import COUNTERS
-from . import arrival
-from .arrival import error_text
+from .._compat import all_gather_single, reduce_scatter_single
+from ..diagnosis import arrival
+from ..diagnosis.arrival import error_text
+from ..layout.loads import Load, op_load
+from ..layout.traffic import COUNTERS
 
 _log = logging.getLogger(__name__)
-
-
-def all_gather_single(*args, **kwargs):
-    """torch >= 2.13's name, or the older one (looked up at each call, as FSDP2 does)."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
-
-
-def reduce_scatter_single(*args, **kwargs):
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
-
-
-def _object_device(group: dist.ProcessGroup | None) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def all_gather_object(obj: object, group: dist.ProcessGroup | None = None) -> list:
-    """Every rank's ``obj``, in rank order (a set-up or failure-path collective: two small
-    all-gathers), as ``dist.all_gather_object`` but on the group's own device and without
-    numpy (torch's needs it; only checkpoints do here, through DCP)."""
-    device = _object_device(group)
-    data = torch.tensor(list(pickle.dumps(obj)), dtype=torch.uint8, device=device)
-    world = dist.get_world_size(group)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[:data.numel()] = data
-    every = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(every, padded, group=group)
-    return [pickle.loads(bytes(t[:int(s)].tolist())) for t, s in zip(every, sizes)]
-
-
-def broadcast_object(obj: object, src: int, group: dist.ProcessGroup | None = None) -> object:
-    """Global rank ``src``'s ``obj`` on every rank of ``group`` (two small broadcasts),
-    numpy-free like :func:`all_gather_object`."""
-    device = _object_device(group)
-    mine = dist.get_rank() == src
-    data = torch.tensor(list(pickle.dumps(obj)) if mine else [], dtype=torch.uint8, device=device)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
-    if not mine:
-        data = torch.empty(int(size), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src, group=group)
-    return obj if mine else pickle.loads(bytes(data.tolist()))
 
 
 PHASE_OF = {"all_gather": "gather", "broadcast": "gather", "reduce_scatter": "reduce",
             "reduce": "reduce", "all_reduce": "reduce", "replicate_allreduce": "replicate",
             "replicate_reduce": "replicate", "replicate_broadcast": "replicate",
             "tp_all_to_all": "gather", "tp_grad_all_to_all": "reduce"}
-
-
-def op_load(kind: str, nbytes: int, P: int, rank: int, root: int | None = None) -> Load:
-    """What one collective over ``P`` ranks moves for group rank ``rank``, by NCCL's
-    algorithms, from the ``nbytes`` of the buffer handed to it (an all-gather's output, a
-    reduce-scatter's input, a broadcast's / reduce's / all-reduce's tensor):
-
-    * ``all_gather`` / ``reduce_scatter``: a ring; every rank sends and receives
-      ``(P-1)/P`` of the buffer. ``all_reduce``: twice that.
-    * ``broadcast`` / ``reduce`` (from / to ``root``): pipelined along the ring that starts
-      (ends) at the root: the root only sends (receives), the far end only receives (sends),
-      everyone else moves the buffer once each way.
-    """
-    if P == 1:
-        return Load(0, 0, 0, 0)
-    if kind in ("broadcast", "reduce"):
-        toward = kind == "reduce"
-        far = (root + 1) % P if toward else (root - 1) % P
-        sends = rank != (root if toward else far)
-        receives = rank != (far if toward else root)
-        return Load(nbytes * sends, nbytes * receives, nbytes, nbytes * (P - 1) // P)
-    b = (2 if kind == "all_reduce" else 1) * nbytes * (P - 1) // P
-    return Load(b, b, b, b)
 
 
 @dataclass
@@ -183,7 +115,7 @@ class Pending:
     ``work`` is anything with ``wait()`` and ``is_completed()`` (a ``torch.distributed``
     work). ``watch`` (set by :class:`Comm` on a
     gloo group): a collective that times out names the ranks that did not arrive
-    (:mod:`matrixfsdp.runtime.arrival`).
+    (:mod:`matrixfsdp.diagnosis.arrival`).
     """
 
     def __init__(self, work=None, epilogue=None, keep: tuple = (), watch=None):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..planning.types import Plan
+from ..layout.types import Plan
 from .collectives import Comm, CommStats, coalescing_supported
 from .hsdp import MeshGroups, Replication
 

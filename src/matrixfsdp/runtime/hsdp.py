@@ -32,10 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..planning.layout import Segment
-from ..planning.types import Placement
+from ..diagnosis.timeouts import bound_timeout, group_timeout
+from ..layout.types import Placement
+from ..layout.units import Segment
 from .collectives import Comm, Pending
-from .process_groups import bound_timeout, group_timeout
 
 
 @dataclass
@@ -62,7 +62,7 @@ class MeshGroups:
     def from_mesh(cls, mesh: DeviceMesh) -> MeshGroups:
         """The mesh's groups. Every group waits at most the world group's timeout (the one
         the user gave ``init_process_group``), set on the mesh's own groups
-        (:func:`~matrixfsdp.runtime.process_groups.bound_timeout`): a hang fails in the
+        (:func:`~matrixfsdp.diagnosis.timeouts.bound_timeout`): a hang fails in the
         user's time, with no group made."""
         device = mesh.device_type
         limit = group_timeout(dist.group.WORLD, device)

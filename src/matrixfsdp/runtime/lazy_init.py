@@ -20,10 +20,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from .._compat import root_mesh
-from ..planning.layout import unit_layout
-from ..planning.planner import Collected, collect_params, make_plan
-from ..planning.types import MuonFilter, Plan
-from .agree import check_same_setup
+from ..diagnosis.agree import check_same_setup
+from ..layout.planner import Collected, collect_params, make_plan
+from ..layout.types import MuonFilter, Plan
+from ..layout.units import unit_layout
 from .checks import (
     agree_on_local_checks,
     check_same_init,

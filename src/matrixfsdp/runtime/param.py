@@ -5,7 +5,7 @@ something about a sharded parameter (the optimizer, clipping, checkpoints, init)
 :func:`sharded_param` and reads the answer; nothing else reads attributes off tensors.
 
 * a **sharded** parameter (what ``model.parameters()`` holds after ``fully_shard``) maps
-  to its :class:`ShardedParam`: the plan's :class:`~matrixfsdp.planning.types.Placement`, its index
+  to its :class:`ShardedParam`: the plan's :class:`~matrixfsdp.layout.types.Placement`, its index
   in its unit, and the unit (whose ``root`` holds the groups, plan and counters);
 * a parameter of a unit not sharded yet maps to that unit (:func:`waiting_for`).
 
@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .._compat import FOREACH_NORM, norm_partial, plain_torch_function
-from ..planning.types import Placement
+from ..layout.types import Placement
 
 if TYPE_CHECKING:
     from .tp import TPParam

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from .._compat import in_backward, queue_backward_callback
-from ..planning.layout import UnitLayout
-from ..planning.types import Plan
+from ..diagnosis.debug import CollectiveCheck
+from ..layout.types import Plan
+from ..layout.units import UnitLayout
 from .checks import (
     agree_on_matrix_coverage,
     check_unsharded_trainable,
@@ -22,7 +23,6 @@ from .checks import (
     matrix_coverage,
 )
 from .collectives import CommStats
-from .debug import CollectiveCheck
 from .domain import Domain, mesh_device
 from .overlap import Schedule
 from .param import release_grads, sharded_param

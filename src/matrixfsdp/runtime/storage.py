@@ -1,13 +1,13 @@
 """A unit's storage and the data movement around it: copy-in, unshard, reshard, reduce.
 
-FSDP2's ``FSDPParamGroup`` storage half, over the layout :mod:`matrixfsdp.planning.layout`
+FSDP2's ``FSDPParamGroup`` storage half, over the layout :mod:`matrixfsdp.layout.units`
 computes (the same the planner counts). Per unit and rank:
 
 * ``local``: this rank's segment, 1-D, in the parameters' dtype. The sharded parameters
   (what ``model.parameters()`` and the optimizer see) are views into it: row chunks of the
   even parameters, whole matrices on their owner.
 * ``gathered`` / ``copied``: the unsharded buffers, in the compute dtype (the policy's
-  ``param_dtype``). A gather is the ops :func:`~matrixfsdp.planning.layout.calls` lists,
+  ``param_dtype``). A gather is the ops :func:`~matrixfsdp.layout.units.calls` lists,
   one launch where the group coalesces: an even all-gather of the even parts and one
   broadcast of each holder's region into ``gathered`` (or, chunks of one size, one
   all-gather of them); each 2-D matrix is a view of ``gathered``. The even parameters
@@ -30,8 +30,8 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..planning.layout import UnitLayout, calls, is_whole
-from ..planning.types import Placement
+from ..layout.types import Placement
+from ..layout.units import UnitLayout, calls, is_whole
 from .collectives import Comm, Pending
 from .mixed_precision import Precision
 from .tp import TPGroups, slice_shape, tp_slice
@@ -156,7 +156,7 @@ class UnitStorage:
         return full
 
     def _gather(self, comm: Comm, gathered: torch.Tensor, copied: torch.Tensor) -> Pending:
-        """The ops :func:`~matrixfsdp.planning.layout.calls` lists (this rank's part written
+        """The ops :func:`~matrixfsdp.layout.units.calls` lists (this rank's part written
         first, in ``gathered``'s dtype), one launch where the group coalesces; then the even
         parameters and expert stacks copied out into ``copied``."""
         lay, me, H = self.layout, self.rank, self.layout.head
@@ -293,7 +293,7 @@ class UnitStorage:
         to where each parameter lives, summed and divided by ``divisor`` (default: the shard
         group's size, the mean; FSDP2's ``set_gradient_divide_factor``). Frozen parameters
         do not travel: the reduce has the layout of the ``trainable`` ones
-        (:meth:`~matrixfsdp.planning.layout.UnitLayout.reduce_layout`), whose flags count the
+        (:meth:`~matrixfsdp.layout.units.UnitLayout.reduce_layout`), whose flags count the
         ranks that had a gradient for each. Returns the collectives in flight, the output
         segment (final once they are waited for), its layout, its parameters' indices here,
         and (TP) a function that starts the gradients' hop to the tp ranks holding split

@@ -8,7 +8,7 @@ mesh; the runtime treats it as FSDP2 does, with one difference for Muon matrices
 * a **tp-split Muon matrix** (``Shard(0)``: ColwiseParallel, ``Shard(1)``: RowwiseParallel)
   lives whole on one rank of the data-parallel x tp grid: the plan picks its data-parallel
   owner ``d`` as for any matrix, then the tp rank ``t`` of row ``d`` that holds it
-  (:func:`~matrixfsdp.planning.planner.make_plan`). Forward: the holder sends each tp rank
+  (:func:`~matrixfsdp.layout.planner.make_plan`). Forward: the holder sends each tp rank
   of its row that rank's slice (one all-to-all over the tp group per unit), then each slice
   travels over its data-parallel group exactly like a 1-D matrix (a broadcast from row
   ``d``). Backward, the reverse: each slice's gradient is averaged to row ``d`` over the
@@ -37,9 +37,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..planning.types import ParamSpec, Placement
+from ..diagnosis.timeouts import bound_timeout, group_timeout
+from ..layout.types import ParamSpec, Placement
 from .collectives import Comm, CommStats
-from .process_groups import bound_timeout, group_timeout
 
 
 @dataclass(frozen=True)

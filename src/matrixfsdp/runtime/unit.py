@@ -22,6 +22,7 @@ several backward passes before a step accumulate exactly as in torch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,10 +30,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import calling_pipeline_stage, compiled_in_place
-from ..planning.layout import UnitLayout
-from ..planning.types import MuonFilter
+from ..diagnosis.debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, REPLICATE_BROADCAST, REPLICATE_REDUCE
+from ..layout.types import MuonFilter
+from ..layout.units import UnitLayout
 from .collectives import Pending
-from .debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, REPLICATE_BROADCAST, REPLICATE_REDUCE
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .param import set_sharded_grad
 from .storage import UnitStorage
@@ -83,23 +84,38 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+@dataclass(frozen=True)
+class ShardOptions:
+    """The keywords of one ``matrixfsdp.fully_shard`` call (documented there). The root's
+    call's ``muon_filter``, ``debug``, ``overlap`` and ``sync_module_states`` apply to the
+    whole model; ``offload_policy`` and ``independent_replicas`` are checked at the call."""
+
+    mesh: DeviceMesh | None = None
+    reshard_after_forward: bool | None = None
+    muon_filter: MuonFilter | None = None
+    mp_policy: MixedPrecisionPolicy | None = None
+    debug: bool = False
+    overlap: bool = True
+    sync_module_states: bool = False
+    offload_policy: object = None
+    independent_replicas: bool = False
+
+
 class Unit:
     """One communication unit: the parameters of one ``fully_shard`` call that no inner
     call holds. Created by ``fully_shard``; planned and sharded with all the other units
     of its model when the root's ``fully_shard`` returns (:mod:`matrixfsdp.runtime.lazy_init`)."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 muon_filter: MuonFilter | None, mp_policy: MixedPrecisionPolicy | None,
-                 debug: bool = False, overlap: bool = True, sync_module_states: bool = False):
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, options: ShardOptions):
         self.module = module
-        self.sync_module_states = sync_module_states
+        self.sync_module_states = options.sync_module_states
         self.mesh = mesh
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = options.reshard_after_forward
         # None (the default) resolves at every planning: True for a block, False for the
         # root; a unit planned as a root of its own first is a block of the outer root
-        self.reshard_default = reshard_after_forward is None
-        self.muon_filter, self.mp_policy = muon_filter, mp_policy
-        self.debug, self.overlap = debug, overlap
+        self.reshard_default = options.reshard_after_forward is None
+        self.muon_filter, self.mp_policy = options.muon_filter, options.mp_policy
+        self.debug, self.overlap = options.debug, options.overlap
         self.root: Any = None  # the model's Root (root.py imports this file: no type here)
         self.domain: Domain | None = None  # of its mesh: groups, Comm, plan
         self.name, self.index = "", 0  # in root.units
@@ -115,7 +131,7 @@ class Unit:
         self.sharded: list[nn.Parameter] = []
         self.unsharded: list[nn.Parameter] = []
         self.needs_init = False  # built on meta: shards allocated, not yet initialised
-        # FSDP2's module methods (matrixfsdp.runtime.fully_shard.FSDPModule)
+        # FSDP2's module methods (matrixfsdp.runtime.module.FSDPModule)
         self.requires_gradient_sync = True  # False: keep the gradients unsharded, no reduce
         self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor
         self.reshard_after_backward = True

@@ -1,5 +1,5 @@
 """DCP's saves and loads as this library runs them: each rank's parts posted as local work
-(:mod:`~matrixfsdp.runtime.arrival`), so that a hang names its rank; a load in which one
+(:mod:`~matrixfsdp.diagnosis.arrival`), so that a hang names its rank; a load in which one
 rank reads the index and each rank checks and opens only the files it reads; a file that
 cannot be read named.
 
@@ -7,12 +7,12 @@ cannot be read named.
 coordinator and a scatter back, then a gather of the results), and when one of them times
 out, the backend's error names no rank. The writer, reader and planners here are DCP's
 own classes with each rank's local part of a save or load wrapped in an
-:class:`~matrixfsdp.runtime.arrival.LocalWork` on the call's group (:class:`Watched`): the
+:class:`~matrixfsdp.diagnosis.arrival.LocalWork` on the call's group (:class:`Watched`): the
 planning (from the planner's set-up, or the metadata read, to the storage's local plan),
 the coordinator's global planning, the write and the coordinator's metadata write, the
 read. A rank whose DCP collective then fails at the timeout names the ranks still inside
 their local work, or behind, and where each was last seen (:meth:`Watched.failure`). Only gloo
-groups are watched (:mod:`matrixfsdp.runtime.arrival`).
+groups are watched (:mod:`matrixfsdp.diagnosis.arrival`).
 
 A load (:func:`load`) runs DCP's load protocol with DCP's own planner and file reader, but
 no rank other than rank 0 reads DCP's index (:mod:`.load_plan`): resuming as saved each rank
@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, WriteItemType
 
-from ..runtime import arrival
-from ..runtime.arrival import CollectiveTimeout
+from ..diagnosis import arrival
+from ..diagnosis.arrival import CollectiveTimeout
 from . import exchange
 from .entries import check_names
 from .integrity import (
@@ -65,7 +65,7 @@ from .load_plan import (
 
 class Watched:
     """The local work of one DCP call about ``what`` (a checkpoint's path) on ``group`` (None:
-    the world). Where this thread was when it was made (:func:`~matrixfsdp.runtime.arrival.at`)
+    the world). Where this thread was when it was made (:func:`~matrixfsdp.diagnosis.arrival.at`)
     goes with every part, also those that DCP runs in its background thread."""
 
     def __init__(self, group, what: str):
@@ -101,7 +101,7 @@ class Watched:
             self.work.done()
 
     def failure(self, exc: BaseException) -> CollectiveTimeout | None:
-        """The :class:`~matrixfsdp.runtime.arrival.CollectiveTimeout` of a DCP collective
+        """The :class:`~matrixfsdp.diagnosis.arrival.CollectiveTimeout` of a DCP collective
         that failed with ``exc`` after this rank's last local work, or None (no timeout)."""
         return self.work.failure(exc) if self.work is not None else None
 

@@ -17,7 +17,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from ..runtime.collectives import _object_device, broadcast_object
+from ..diagnosis.agree import broadcast_object, object_device
 
 _HEAD = 8  # each pickled object is sent as its length (int64, little-endian), then its bytes
 
@@ -50,7 +50,7 @@ def gather_to_coordinator(obj: object, group=None) -> list | None:
     all-reduce of the longest length, then one gather, each rank sending its own bytes."""
     if not _on(group):
         return [obj]
-    device, rank, world = _object_device(group), dist.get_rank(group), dist.get_world_size(group)
+    device, rank, world = object_device(group), dist.get_rank(group), dist.get_world_size(group)
     mine = _encode(obj)
     longest = torch.tensor([len(mine)], dtype=torch.int64, device=device)
     dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
@@ -66,7 +66,7 @@ def scatter_from_coordinator(objs: list | None, group=None) -> object:
     broadcast of the longest length, then one scatter."""
     if not _on(group):
         return objs[0]
-    device, rank = _object_device(group), dist.get_rank(group)
+    device, rank = object_device(group), dist.get_rank(group)
     longest = torch.zeros(1, dtype=torch.int64, device=device)
     parts = None
     if rank == 0:
@@ -85,7 +85,7 @@ def broadcast_from_coordinator(obj: object, group=None) -> object:
     """Rank 0's ``obj`` on every rank of ``group`` (two broadcasts: the length, the bytes)."""
     if not _on(group):
         return obj
-    device, rank = _object_device(group), dist.get_rank(group)
+    device, rank = object_device(group), dist.get_rank(group)
     src = dist.get_global_rank(group, 0)
     data = _encode(obj) if rank == 0 else bytearray()
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
@@ -100,7 +100,7 @@ def maxima(values: list[int], group=None) -> list[int]:
     few integers; the smallest of ``x`` is minus the largest of ``-x``)."""
     if not _on(group):
         return list(values)
-    t = torch.tensor(values, dtype=torch.int64, device=_object_device(group))
+    t = torch.tensor(values, dtype=torch.int64, device=object_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 

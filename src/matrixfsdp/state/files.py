@@ -8,7 +8,7 @@
 * :func:`load_checkpoint`: a damaged checkpoint refused naming the file, before anything
   is loaded; each rank checks and opens the files it reads, one rank reads the index.
 
-Every collective of a save and a load is an arrival point (:mod:`matrixfsdp.runtime.arrival`,
+Every collective of a save and a load is an arrival point (:mod:`matrixfsdp.diagnosis.arrival`,
 DCP's own through :mod:`.dcp_io`): a rank that hangs in one is named by the others, with
 where it was last seen.
 """
@@ -31,9 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from ..runtime import arrival
-from ..runtime.collectives import broadcast_object
-from ..runtime.process_groups import twin_group
+from ..diagnosis import arrival
+from ..diagnosis.agree import broadcast_object
+from ..diagnosis.timeouts import twin_group
 from . import dcp_io
 from .dcp_io import SavePlanner, SaveWriter, Watched
 from .integrity import (
@@ -205,7 +205,7 @@ def wait_for_checkpoint() -> SavedCheckpoint | None:
 
 
 def _arrive(process_group) -> None:
-    """Every rank at the save, or a :class:`~matrixfsdp.runtime.arrival.CollectiveTimeout`
+    """Every rank at the save, or a :class:`~matrixfsdp.diagnosis.arrival.CollectiveTimeout`
     naming the ranks that did not come (and the time waited): a watched barrier, before
     DCP's own collectives, whose timeouts name no rank."""
     if dist.is_initialized():
@@ -217,7 +217,7 @@ def _arrive(process_group) -> None:
 def _save_group(process_group):
     """The gloo twin of ``process_group`` (default: the world): a group of the same ranks,
     created on the first asynchronous save (a collective of those ranks) and kept
-    (:func:`~matrixfsdp.runtime.process_groups.twin_group`). The background thread of an
+    (:func:`~matrixfsdp.diagnosis.timeouts.twin_group`). The background thread of an
     asynchronous save runs its collectives there, never on a group that training uses at
     the same time (two threads issuing collectives on one group can pair them up differently
     on different ranks), and on CPU, as ``dcp.async_save`` requires (NCCL has no CPU

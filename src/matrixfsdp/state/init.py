@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .._compat import tensor_version
-from ..runtime.fully_shard import get_root
+from ..runtime.module import get_root
 from ..runtime.param import placement_of, sharded_param
 from ..runtime.root import Root
 from ..runtime.storage import local_rows

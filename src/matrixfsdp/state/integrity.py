@@ -37,8 +37,8 @@ try:
 except ImportError:  # not on Windows: no file-size limit to report
     resource = None  # type: ignore[assignment]
 
-from ..runtime import arrival
-from ..runtime.arrival import CollectiveTimeout
+from ..diagnosis import arrival
+from ..diagnosis.arrival import CollectiveTimeout
 from . import exchange
 
 CHECKSUMS = "CHECKSUMS.json"  # {"files": {name: sha256 hex}, "sizes": {name: bytes}}, before the marker
@@ -63,7 +63,7 @@ class CheckpointError(RuntimeError):
 class CheckpointTimeout(CheckpointError, CollectiveTimeout):
     """A save or load that timed out waiting for a rank: one line for the user (a
     :class:`CheckpointError`) that names the ranks that did not arrive and where each was
-    last seen (a :class:`~matrixfsdp.runtime.arrival.CollectiveTimeout`, ``missing``)."""
+    last seen (a :class:`~matrixfsdp.diagnosis.arrival.CollectiveTimeout`, ``missing``)."""
 
     def __init__(self, message: str = "", missing: list[int] | tuple = (), rank: int | None = None,
                  lost: bool = False):

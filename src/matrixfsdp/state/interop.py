@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.fully_shard import get_root
+from ..runtime.module import get_root
 from ..runtime.param import placement_of, sharded_param
 from .entries import check_names, state_entries
 from .state_dict import full_state_dict

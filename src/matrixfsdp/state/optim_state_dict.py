@@ -9,7 +9,7 @@ Each state value is placed by what its parameter is on this rank:
 
 * a **whole matrix** this rank steps: every tensor, of any shape (momentum, Shampoo's
   preconditioners, SOAP's eigenbases, in lists or dicts), is saved whole by this rank, the
-  owner, as a :class:`~matrixfsdp.shards.row_shard.RowShard` at offset 0 that no other rank proposes; a
+  owner, as a :class:`~matrixfsdp.tensors.row_shard.RowShard` at offset 0 that no other rank proposes; a
   load at another world size reads it whole on the matrix's new owner, whatever its shape.
   Other values (ints, floats, sets) are written by the owner too;
 * a **row shard** (element-wise state): a tensor shaped like the shard is placed like its
@@ -29,15 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..layout.types import Placement
 from ..optim.matrix import is_placeholder
 from ..optim.muon import Muon, _dtype, _step_tensor
 from ..optim.plan_stamp import PLAN_KEYS
 from ..optim.state_dict_hooks import check_decoupled, torch_keyed
-from ..planning.types import Placement
 from ..runtime.param import placement_of, sharded_param
 from ..runtime.storage import local_rows
-from ..shards.pieces import local_piece, saved_value, whole_here
-from ..shards.row_shard import RowShard, check_global
+from ..tensors.pieces import local_piece, saved_value, whole_here
+from ..tensors.row_shard import RowShard, check_global
 
 Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer] | tuple[torch.optim.Optimizer, ...]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from ..shards.row_shard import RowShard
+from ..tensors.row_shard import RowShard
 
 
 def _cpu_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:

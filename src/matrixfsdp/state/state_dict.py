@@ -3,7 +3,7 @@
 * :func:`full_state_dict` / :func:`load_full_state_dict`: full tensors on every rank, for
   plain files and Hugging Face (``matrixfsdp.save_pretrained``).
 * :func:`get_state_dict` / :func:`set_state_dict`: for ``torch.distributed.checkpoint``
-  (DCP). Values are :class:`~matrixfsdp.shards.row_shard.RowShard` s, each carrying its place in the full
+  (DCP). Values are :class:`~matrixfsdp.tensors.row_shard.RowShard` s, each carrying its place in the full
   tensor: every element is written once (a matrix and its momentum by the owner, row shards
   and their AdamW moments by the rank holding them), and a load at another world size reads
   the pieces this rank's new placement needs. The optimizer state is keyed by parameter
@@ -19,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..planning.types import Placement
-from ..runtime.fully_shard import get_root
+from ..layout.types import Placement
+from ..runtime.module import get_root
 from ..runtime.param import placement_of, sharded_param
 from ..runtime.root import Root
-from ..shards.pieces import local_piece
-from ..shards.row_shard import RowShard, check_global
+from ..tensors.pieces import local_piece
+from ..tensors.row_shard import RowShard, check_global
 from .entries import check_names, state_entries
 from .optim_state_dict import Optimizers, as_list, load_optim_state, optim_state_dict
 
@@ -90,7 +90,7 @@ def get_state_dict(model: nn.Module, optimizers: Optimizers | None = None) -> di
     """``{"model": ..., "optim": ...}`` for ``torch.distributed.checkpoint``, keyed by name.
 
     * ``model``: every name of ``model.state_dict()`` (tied parameters under each name);
-      parameters as :class:`~matrixfsdp.shards.row_shard.RowShard` views of this rank's shards (the
+      parameters as :class:`~matrixfsdp.tensors.row_shard.RowShard` views of this rank's shards (the
       fp32 masters under a mixed-precision policy), persistent buffers as the full tensors
       every rank holds (replicated: DCP writes one copy).
     * ``optim`` (if ``optimizers`` are given: one optimizer or a list), shaped like torch's
@@ -149,7 +149,7 @@ def set_state_dict(model: nn.Module, optimizers: Optimizers | None, state: dict[
     """Load ``state`` (``{"model": ..., "optim": ...}``) into the model and the optimizers
     (one or a list, as given to :func:`get_state_dict`).
 
-    Values may be the :class:`~matrixfsdp.shards.row_shard.RowShard` s of :func:`get_state_dict` on this
+    Values may be the :class:`~matrixfsdp.tensors.row_shard.RowShard` s of :func:`get_state_dict` on this
     model (typically after ``dcp.load`` filled them; where they view the live tensors nothing
     is copied) or full tensors (as in ``torch.load`` of a file written by
     ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``): each rank keeps its

@@ -1,6 +1,6 @@
 """``matrixfsdp train``'s command line: its options with their defaults (``--help``) and the
-checks of their values before any rank starts, one line each. The command itself
-(``matrixfsdp/__main__.py``) parses, takes the ``--out`` lock and launches."""
+checks of their values before any rank starts, one line each. And the
+command itself (:func:`run_train`): the ``--out`` lock taken, the ranks launched."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .launch import DEFAULT_TIMEOUT_S, DefaultsHelp, positive_float
+from .launch import DEFAULT_TIMEOUT_S, DefaultsHelp, launch, positive_float
+from .loop import checkpoint_root, train
+from .outlock import OutInUse, RunLock, lock_out
+from .resume import plan_start
 
 DEFAULT_RANKS = 4
 
@@ -104,7 +107,7 @@ def _tau(text: str) -> float:
 
 
 def add_train_args(sub) -> argparse.ArgumentParser:
-    tr = sub.add_parser("train", help="train a byte-level model on the stdlib sources",
+    tr = sub.add_parser("train", allow_abbrev=False, help="train a byte-level model on the stdlib sources",
                         description="Train a byte-level model on the Python standard library's "
                         "sources, on local ranks it starts (gloo on CPU, NCCL with one GPU per "
                         "rank), or in place under torchrun. Every default is shown.",
@@ -180,3 +183,52 @@ def add_train_args(sub) -> argparse.ArgumentParser:
                     help="record each rank's resident memory (VmRSS) every N steps, into "
                          "summary.json's rss_mib (min, mean, max over the ranks); 0: never")
     return tr
+
+
+def _lock_out(tr: argparse.ArgumentParser, args, argv: list[str]) -> RunLock | None:
+    """One run per ``--out``: the lock of :mod:`.outlock`, taken by the
+    process that writes ``--out`` (this launcher; under torchrun, rank 0, which lives as
+    long as the run) before anything is written there. Another run holding it: one line,
+    exit 2. Then the checks that write into ``--out``."""
+    if os.environ.get("RANK", "0") != "0":  # only rank 0 writes (under torchrun too)
+        return None
+    try:
+        lock = lock_out(args.out, ["matrixfsdp", *argv])
+    except OutInUse as e:
+        print(f"{tr.prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except OSError as e:
+        tr.error(f"--out {args.out}: cannot write there ({e.strerror or e})")
+    if lock.unsupported:
+        print(f"{tr.prog}: note: --out {args.out}: no file lock there ({lock.unsupported}); "
+              "another run on this directory would not be refused", file=sys.stderr)
+    try:
+        problem = writable_dir_error(args.out) or (checkpoint_dir_error(args) if args.save_every else None)
+        if problem:
+            tr.error(problem)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _plan_start(tr: argparse.ArgumentParser, args) -> None:
+    """The checkpoints ``--resume`` may load, from directory listings (before any rank; the
+    ranks choose among them once the process group exists: :mod:`.resume`)."""
+
+    quiet = os.environ.get("RANK", "0") != "0"
+    plan_start(args, checkpoint_root(args), tr.error,
+               lambda line: None if quiet else print(line, flush=True))
+
+
+def run_train(tr: argparse.ArgumentParser, args, argv: list[str]) -> None:
+    """``matrixfsdp train``, parsed: the values checked, the ``--out`` lock taken, the
+    checkpoints to resume from listed, the ranks launched (or, under torchrun, this one)."""
+    validate_train(tr, args)
+    lock = _lock_out(tr, args, argv)
+    try:
+        _plan_start(tr, args)
+        launch(train, args, args.ranks, args.timeout, held=lock)
+    finally:  # ended here (a run in this process: tests); a killed launcher's ends with it
+        if lock is not None:
+            lock.release()

@@ -1,6 +1,6 @@
 """Sizes on ``matrixfsdp plan``'s command line: device memory (``80GiB``) and dtypes.
 
-The planning itself (every layout searched and timed) is :mod:`matrixfsdp.planning.search`.
+The planning itself (every layout searched and timed) is :mod:`matrixfsdp.advisor.search`.
 """
 
 from __future__ import annotations

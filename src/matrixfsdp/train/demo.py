@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fully_shard import fully_shard
 from ..integrations.huggingface import shard_model
-from ..sharding import fully_shard
 from .models import GPT, GPTConfig
 
 

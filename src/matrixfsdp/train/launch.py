@@ -27,10 +27,10 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ..runtime.arrival import CollectiveTimeout, lost_peer, ranks_text, timed_out
+from ..diagnosis.arrival import CollectiveTimeout, lost_peer, ranks_text, timed_out
+from ..diagnosis.flight import hung_ranks, read_dumps, recorder_env
 from ..runtime.exit import exit_rank
 from ..state.integrity import CheckpointError
-from .flight import hung_ranks, read_dumps, recorder_env
 from .nonfinite import NonFiniteError
 from .rank_process import FromLauncher, ranks_started
 from .report import SummaryError

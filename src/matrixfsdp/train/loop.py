@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..diagnosis import arrival
 from ..optim.groups import muon_param_groups
 from ..optim.muon import Muon
 from ..optim.qk_clip import QKClip
-from ..runtime import arrival
-from ..runtime.fully_shard import comm_stats, plan_of, plan_report
+from ..runtime.module import comm_stats, plan_of, plan_report
 from ..state.files import (
     AsyncCheckpoint,
     checkpoint_dir,

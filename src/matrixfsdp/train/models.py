@@ -117,6 +117,10 @@ PRESETS: dict[str, GPTConfig] = {
                             n_kv_heads=8, n_layers=80, d_mlp=28672, gated_mlp=True, norm_bias=False),
     "llama3-405b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=16384, n_heads=128,
                              n_kv_heads=8, n_layers=126, d_mlp=53248, gated_mlp=True, norm_bias=False),
+    # ``matrixfsdp bench --preset cpu | gpu``'s models (benchmarks/config.py reads them here)
+    "bench-cpu": GPTConfig(vocab_size=256, seq_len=256, d_model=384, n_heads=6, n_layers=8, d_mlp=1536),
+    "bench-gpu": GPTConfig(vocab_size=256, seq_len=2048, d_model=2048, n_heads=16, n_layers=16,
+                           d_mlp=8192),
     # The MatrixFSDP paper's benchmark: 32 layers, hidden 4096, MLP 16384, 32 heads.
     "paper": GPTConfig(vocab_size=32000, seq_len=1024, d_model=4096, n_heads=32, n_layers=32,
                        d_mlp=16384, norm_bias=False),

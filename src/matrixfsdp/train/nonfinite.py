@@ -25,12 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._compat import foreach_norm
+from .._compat import all_gather_single, foreach_norm
+from ..diagnosis import arrival
+from ..diagnosis.agree import all_gather_object, any_rank
+from ..diagnosis.arrival import ranks_text
 from ..optim.clip import clip_grad_norm_, nonfinite_grad_ranks, total_grad_norm
-from ..runtime import arrival
-from ..runtime.agree import any_rank
-from ..runtime.arrival import ranks_text
-from ..runtime.collectives import all_gather_object, all_gather_single
 
 SHOWN = 8  # parameters named in a message; the rest are counted
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime import arrival
+from ..diagnosis import arrival
 
 
 class SummaryError(RuntimeError):
