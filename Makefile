@@ -27,7 +27,7 @@ test: $(BIN)/.installed lint
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check src tests benchmarks tools examples
 
 bench: $(BIN)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp bench --out runs/bench
@@ -39,13 +39,13 @@ GPU_PY  ?= $(BIN)/python
 NGPU    ?= 1
 gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(BIN)/.installed)
 	PYTHONPATH=src:. OMP_NUM_THREADS=1 $(GPU_PY) -m torch.distributed.run --standalone \
-		--nproc-per-node $(NGPU) -m benchmarks.gpu_check --out runs/gpu-check
+		--nproc-per-node $(NGPU) -m tools.gpu_check --out runs/gpu-check
 
 # Every measured figure of README.md and docs/ from the command that produces it: outputs in
 # runs/docs-figures, tables in docs/figures (spliced into the pages' marked blocks); about half
 # an hour on 2 cores. One or a few: `make docs-figures FIGURES="ep tp"`.
 docs-figures: $(BIN)/.installed
-	OMP_NUM_THREADS=1 $(BIN)/python -m benchmarks.docs_figures $(FIGURES)
+	OMP_NUM_THREADS=1 $(BIN)/python -m tools.docs_figures $(FIGURES)
 
 plan: $(BIN)/.installed
 	$(BIN)/matrixfsdp plan --model paper --ranks 8

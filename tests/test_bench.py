@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _dist import spawn
 
 import matrixfsdp as mf
-from benchmarks.harness import main
+from benchmarks.harness.main import main
 from matrixfsdp import testing
 from matrixfsdp.testing import Link
 
@@ -88,7 +88,7 @@ def test_bench_hsdp_mode_runs_and_matches_fsdp2_hsdp_bytes(tmp_path):
     """`matrixfsdp bench --replicas 2`: FSDP2 HSDP beside MatrixFSDP's on a (2, 1) mesh; the
     replicate-dim bytes sent are FSDP2 HSDP's, the step issues no collective, and each
     matrix's NS runs on one rank of the world."""
-    from benchmarks.report import replicate_dim_bytes
+    from benchmarks.harness.report import replicate_dim_bytes
 
     rc = main(["--world-size", "2", "--replicas", "2", "--layers", "1", "--d-model", "32",
                "--heads", "2", "--mlp", "64", "--seq", "16", "--batch", "2", "--steps", "1",
@@ -128,7 +128,7 @@ def test_bench_hsdp_refuses_systems_without_hsdp(capsys):
 def test_bench_soap_systems_are_optional_and_exact(tmp_path):
     """The SOAP row (fsdp2_soap gathers, matrixfsdp_soap steps on owners) runs when asked
     for, compares the two with each other, and stays out of the default system list."""
-    from benchmarks.config import OPTIONAL_SYSTEMS, SYSTEMS
+    from benchmarks.harness.config import OPTIONAL_SYSTEMS, SYSTEMS
     assert not set(OPTIONAL_SYSTEMS) & set(SYSTEMS)
     rc = main(["--world-size", "2", "--layers", "1", "--d-model", "32", "--heads", "2",
                "--mlp", "64", "--seq", "16", "--batch", "2", "--steps", "1", "--warmup", "1",
@@ -149,8 +149,8 @@ def test_exactness_bound_flags_a_skipped_muon_step_and_allows_bf16_rounding():
     away (7.8e-3) passes, as does no difference; a missing parameter fails."""
     import torch
 
-    from benchmarks.config import EXACT_BOUND
-    from benchmarks.measure import compare
+    from benchmarks.harness.config import EXACT_BOUND
+    from benchmarks.harness.measure import compare
 
     w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 0.05
     ln = torch.ones(8, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""`matrixfsdp bench --ep` (benchmarks/ep.py) at dp_shard_mod_ep 2 x ep 2 on a tiny MoE: the
+"""`matrixfsdp bench --ep` (benchmarks/parallel/ep.py) at dp_shard_mod_ep 2 x ep 2 on a tiny MoE: the
 report's bytes are the recorded calls' bytes, and the owner layout's against FSDP2 + EP's
 (docs/nd-parallel.md, "Expert parallelism").
 
@@ -26,9 +26,9 @@ import torch.distributed as dist
 from _dist import spawn
 from ep_models import TINY
 
-from benchmarks.ep import measure_rank, parse_args
-from benchmarks.ep_model import SYSTEMS, EPBenchConfig
-from benchmarks.ep_report import render, summarise
+from benchmarks.parallel.ep import measure_rank, parse_args
+from benchmarks.parallel.ep_model import SYSTEMS, EPBenchConfig
+from benchmarks.parallel.ep_report import render, summarise
 from matrixfsdp.diagnosis.agree import all_gather_object
 
 CFG = EPBenchConfig(grids=[(2, 2)], model=TINY, seq=8, batch=1)

@@ -1,4 +1,4 @@
-"""`matrixfsdp bench --tp` (benchmarks/tp.py) at dp 2 x tp 2 on a tiny Llama: the report's
+"""`matrixfsdp bench --tp` (benchmarks/parallel/tp.py) at dp 2 x tp 2 on a tiny Llama: the report's
 structure, and the owner layout's bytes against FSDP2 + TP's (docs/nd-parallel.md).
 
 What is asserted about the bytes, and why each bound:
@@ -24,9 +24,9 @@ import json
 import torch.distributed as dist
 from _dist import spawn
 
-from benchmarks.tp import measure, parse_args
-from benchmarks.tp_model import SYSTEMS, LlamaConfig, TPBenchConfig
-from benchmarks.tp_report import best_hop, render, row_hop
+from benchmarks.parallel.tp import measure, parse_args
+from benchmarks.parallel.tp_model import SYSTEMS, LlamaConfig, TPBenchConfig
+from benchmarks.parallel.tp_report import best_hop, render, row_hop
 
 TINY = TPBenchConfig(grids=[(2, 2)], model=LlamaConfig(d_model=32, heads=4, ffn=64, layers=2,
                                                        vocab=64), seq=16, batch=2)

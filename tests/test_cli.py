@@ -12,7 +12,7 @@ import torch
 from _cli import run_cli
 
 import matrixfsdp.train.launch as ranks
-from benchmarks.harness import parse_args as bench_args
+from benchmarks.harness.main import parse_args as bench_args
 from matrixfsdp.__main__ import main
 
 TINY = ["--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64", "--seq", "32",

@@ -18,7 +18,8 @@ from matrixfsdp.__main__ import main
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)|python -m (?:benchmarks|matrixfsdp)\.[\w.]+)"
+COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)"
+                     r"|python -m (?:benchmarks|matrixfsdp)\.[\w.]+)"
                      r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 

@@ -1,5 +1,5 @@
 """Figures come from their commands: every measured table of README.md and docs/ sits in a
-block ``<!-- figure NAME -->`` that ``make docs-figures`` (``benchmarks.docs_figures``)
+block ``<!-- figure NAME -->`` that ``make docs-figures`` (``tools.docs_figures``)
 fills from ``docs/figures/NAME.md``, which names the commands that produced it. Checked
 here without running them: each block is its file; each figure is shown; its commands are
 ones the commands accept; and where the raw results are kept beside a figure
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_docs_commands import FLAG, PAGES, _options, _which, help_text
 
-from benchmarks import docs_figures as df
+from tools import docs_figures as df
 
 FIGURES = Path(df.FIGURES)
 
@@ -68,9 +68,9 @@ def _kept(name: str):
 
 
 @pytest.mark.parametrize("name, render", [
-    ("bench", "benchmarks.report:render_markdown"),
-    ("ep", "benchmarks.ep_report:render"),
-    ("tp", "benchmarks.tp_report:render")])
+    ("bench", "benchmarks.harness.report:render_markdown"),
+    ("ep", "benchmarks.parallel.ep_report:render"),
+    ("tp", "benchmarks.parallel.tp_report:render")])
 def test_figure_tables_are_the_code_s_own(name, render):
     """The stored run rendered by today's code gives the figure's tables: the columns, their
     definitions and the floors are the code's, not a hand-kept copy."""

@@ -10,7 +10,7 @@ import sys
 
 
 def test_gpu_check_dry_run_names_every_check(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]

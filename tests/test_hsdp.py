@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import matrixfsdp as mf
-from benchmarks.measure import RANGE_PREFIX, analyse_profile
+from benchmarks.harness.measure import RANGE_PREFIX, analyse_profile
 from matrixfsdp.layout.planner import plan_module
 from matrixfsdp.layout.report import format_report
 from matrixfsdp.runtime.param import placement_of
@@ -418,7 +418,7 @@ def test_replicate_dim_bytes_follow_the_layout_and_equal_fsdp2_hsdp(four_ranks):
     matrices stored on the rank's shard; FSDP2: all-reduce of every gradient shard), our
     counters agree with the profiler, and the bytes each rank sends (the bench's ring rule,
     bench.report.replicate_dim_bytes) equal FSDP2 HSDP's."""
-    from benchmarks.report import _REPLICATE_OPS
+    from benchmarks.harness.report import _REPLICATE_OPS
     R = 2  # _bytes_across_replicas's mesh: (2, world // 2)
     sent = {"ours": 0.0, "fsdp2": 0.0}
     for r, res in enumerate(four_ranks):

@@ -16,7 +16,7 @@ torchtitan 0.3.0 lacks, on CPU (each named where it is patched or replaced below
 * flex attention's backward (no CPU kernel): layers take ``ScaledDotProductAttention``
   (:func:`on_cpu`), which torchtitan still ships;
 * DistMuon's CUDA-only construction (the benchmark's shim,
-  :func:`benchmarks.peers._dist_muon_cpu_shim`);
+  :func:`benchmarks.harness.peers._dist_muon_cpu_shim`);
 * a tokenizer and a dataset without downloads: :class:`TinyTokenizer` and
   :class:`TinyData`, through torchtitan's own tokenizer and dataloader configs;
 * a model small enough for a test: the config that ``--module`` / ``--config`` load goes
@@ -179,7 +179,7 @@ def titan_on_cpu() -> Iterator[None]:
     import torchtitan.distributed.utils as dutils
     import torchtitan.trainer as trainer
 
-    from benchmarks.peers import _dist_muon_cpu_shim
+    from benchmarks.harness.peers import _dist_muon_cpu_shim
     mods = [m for n, m in list(sys.modules.items()) if n.startswith("torchtitan") and m is not None]
     with contextlib.ExitStack() as stack:
         for m in mods:  # each module that imported the device type or module by name

@@ -1,5 +1,5 @@
 """The tests' Llama-shaped model and torchtitan's tensor-parallel plan for it: the bench's
-(:mod:`benchmarks.tp_model`: heads inferred with ``view(..., -1, hd)`` so a tp rank
+(:mod:`benchmarks.parallel.tp_model`: heads inferred with ``view(..., -1, hd)`` so a tp rank
 computes its own; ColwiseParallel q/k/v/w1/w3, RowwiseParallel wo/w2 and embedding,
 ColwiseParallel head, optional sequence parallelism), at a tiny size."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.tp_model import Llama as _Llama
-from benchmarks.tp_model import LlamaConfig, apply_tp
+from benchmarks.parallel.tp_model import Llama as _Llama
+from benchmarks.parallel.tp_model import LlamaConfig, apply_tp
 
 TINY = LlamaConfig(d_model=32, heads=4, ffn=64, layers=2, vocab=64)
 VOCAB = TINY.vocab

@@ -17,15 +17,16 @@ from .train.cli import add_train_args, run_train, writable_dir_error
 
 
 def _benchmarks_main():
-    """``benchmarks.harness.main`` of the checkout this package runs from: the benchmarks
-    are not installed with the package (as torch's and torchtitan's are not)."""
+    """The bench command (``benchmarks.harness.main``) of the checkout this package runs
+    from: the benchmarks are not installed with the package (as torch's and torchtitan's
+    are not)."""
     root = Path(__file__).resolve().parents[2]
-    if not (root / "benchmarks" / "harness.py").is_file():
+    if not (root / "benchmarks" / "harness" / "main.py").is_file():
         raise SystemExit("matrixfsdp bench: the benchmarks are not part of the installed package; "
                          "run it from a checkout of the repository (make bench)")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from benchmarks.harness import main
+    from benchmarks.harness.main import main
     return main
 
 
@@ -34,7 +35,7 @@ def _bench_out_error(rest: list[str]) -> str | None:
     if "-h" in rest or "--help" in rest:
         return None
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--out", default="runs/bench")  # benchmarks.harness.parse_args's default
+    pre.add_argument("--out", default="runs/bench")  # the bench's own default
     known, _ = pre.parse_known_args(rest)
     return writable_dir_error(known.out)
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as functional_collectives  # noqa: F401 (benchmarks/ep_model.py)
+import torch.distributed._functional_collectives as functional_collectives  # noqa: F401 (benchmarks/parallel/ep_model.py)
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.distributed.device_mesh import DeviceMesh

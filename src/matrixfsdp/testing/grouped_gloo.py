@@ -18,7 +18,7 @@ counts launches by kind (a coalesced group is one, ``coalesced``) and every op i
 (gloo's path, counted alike); ``link=Link(...)``: every launch of the groups made after completes no
 earlier than its launch latency plus its most loaded rank's bytes (NCCL's algorithms,
 :func:`~matrixfsdp.layout.loads.op_load`) over the link, one transfer after the other
-on each rank (``benchmarks/link.py``).
+on each rank (``benchmarks/parallel/link.py``).
 """
 
 from __future__ import annotations

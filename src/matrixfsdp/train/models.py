@@ -117,7 +117,7 @@ PRESETS: dict[str, GPTConfig] = {
                             n_kv_heads=8, n_layers=80, d_mlp=28672, gated_mlp=True, norm_bias=False),
     "llama3-405b": GPTConfig(vocab_size=128256, seq_len=8192, d_model=16384, n_heads=128,
                              n_kv_heads=8, n_layers=126, d_mlp=53248, gated_mlp=True, norm_bias=False),
-    # ``matrixfsdp bench --preset cpu | gpu``'s models (benchmarks/config.py reads them here)
+    # ``matrixfsdp bench --preset cpu | gpu``'s models (benchmarks/harness/config.py reads them here)
     "bench-cpu": GPTConfig(vocab_size=256, seq_len=256, d_model=384, n_heads=6, n_layers=8, d_mlp=1536),
     "bench-gpu": GPTConfig(vocab_size=256, seq_len=2048, d_model=2048, n_heads=16, n_layers=16,
                            d_mlp=8192),

@@ -17,7 +17,7 @@ Checks (one GPU, world size 1 over NCCL; ``torchrun --nproc-per-node N`` for mor
 * more than one GPU: the coalesced path (one launch per unit and direction), overlap on and
   off bit-identical.
 
-    python -m benchmarks.gpu_check [--dry-run] [--out runs/gpu-check] [--record]
+    python -m tools.gpu_check [--dry-run] [--out runs/gpu-check] [--record]
 
 It writes ``OUT/gpu_check.md``; ``--record`` also puts it in docs/benchmarks.md (the section
 between the ``gpu-check`` markers).
@@ -240,7 +240,7 @@ def _report(results: dict[str, dict], device: torch.device, dry: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m benchmarks.gpu_check",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m tools.gpu_check",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--dry-run", action="store_true", help="say what a GPU run would measure; run "
                    "the CPU-capable checks (default without CUDA)")

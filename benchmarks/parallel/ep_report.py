@@ -9,7 +9,7 @@ from typing import Any
 
 from matrixfsdp.train.machine import machine_line
 
-from .config import PHASES
+from ..harness.config import PHASES
 from .ep_model import SYSTEMS
 from .tp_model import KINDS
 from .tp_report import mib, stats_by_kind, unit_passes

@@ -1,6 +1,6 @@
 """Step time against link speed and launch latency, with and without overlap.
 
-``matrixfsdp bench --link 0.25,0.5,1,2,4`` (or ``python -m benchmarks.link``) trains
+``matrixfsdp bench --link 0.25,0.5,1,2,4`` (or ``python -m benchmarks.parallel.link``) trains
 the benchmark model on local CPU ranks over process groups that model a slower network
 (:mod:`matrixfsdp.testing.grouped_gloo`'s ``Link``, wrapped around the process group from
 outside the runtime, so MatrixFSDP and FSDP2 pass through the same one): every call

@@ -16,7 +16,7 @@ hyperparameters:
 ``matrixfsdp_soap``    (only with ``--systems``) MatrixFSDP + SOAP on the owners' matrices
 =====================  ================================================================
 
-The two SOAP systems (``benchmarks/matrix_systems.py``) compare with each other for exactness.
+The two SOAP systems (``benchmarks/harness/matrix_systems.py``) compare with each other for exactness.
 
 Muon matrices for the peers are the ones MatrixFSDP's default rule selects (2-D weights
 inside the blocks, from ``plan_module``); everything else gets AdamW. Each system gets its
@@ -121,19 +121,19 @@ HSDP (``--replicas R``)
     the world, broadcast back in the next forward). Only the systems of
     :data:`.config.HSDP_SYSTEMS` run: DistMuon and muon-fsdp2 take 1-D meshes.
 
-``matrixfsdp bench --link ...`` runs the link-speed sweep of ``benchmarks/link.py`` instead, and
-``matrixfsdp bench --tp ...`` the tensor-parallel byte count of ``benchmarks/tp.py`` (MatrixFSDP
+``matrixfsdp bench --link ...`` runs the link-speed sweep of ``benchmarks/parallel/link.py`` instead, and
+``matrixfsdp bench --tp ...`` the tensor-parallel byte count of ``benchmarks/parallel/tp.py`` (MatrixFSDP
 dp x tp against FSDP2 + TP, docs/nd-parallel.md), and ``matrixfsdp bench --ep ...`` the
-expert-parallel one of ``benchmarks/ep.py`` (against FSDP2 + EP).
+expert-parallel one of ``benchmarks/parallel/ep.py`` (against FSDP2 + EP).
 
 Outputs in ``--out``: ``results.json`` (everything), ``results.md`` (the tables, also
 printed), ``phases.png`` (stacked forward/backward/step medians; skipped with a warning
 when matplotlib is missing).
 
-Code: ``benchmarks/config.py`` (settings, presets, system names), ``benchmarks/systems.py`` (building
-each system; ``benchmarks/peers.py`` the peer optimizers), ``benchmarks/run.py`` (what each rank does,
-in order), ``benchmarks/measure.py`` (clocks, barriers, memory, profiler analysis and payload rule,
-NS limit, exactness), ``benchmarks/report.py`` (results entries, tables, plot, files). This file
+Code, in ``benchmarks/harness/``: ``config.py`` (settings, presets, system names),
+``systems.py`` (building each system; ``peers.py`` the peer optimizers), ``run.py`` (what
+each rank does, in order), ``measure.py`` (clocks, barriers, memory, profiler analysis and
+payload rule, NS limit, exactness), ``report.py`` (results entries, tables, plot, files). This file
 is the entry point: arguments, rank launch, outputs.
 """
 
@@ -152,6 +152,9 @@ import torch
 from matrixfsdp.train.launch import DefaultsHelp, positive_float
 from matrixfsdp.train.rank_process import ranks_started
 
+from ..parallel.ep import main as ep_main
+from ..parallel.link import main as link_main
+from ..parallel.tp import main as tp_main
 from .config import (
     EXACT_BOUND,
     HSDP_SYSTEMS,
@@ -161,11 +164,8 @@ from .config import (
     SYSTEMS,
     BenchConfig,
 )
-from .ep import main as ep_main
-from .link import main as link_main
 from .report import write_results
 from .run import rank_main
-from .tp import main as tp_main
 
 
 def _rank(rank: int, from_launcher, cfg: BenchConfig, init_file: str, result_file: str) -> None:
@@ -202,13 +202,13 @@ def parse_args(argv: list[str] | None) -> BenchConfig:
                                  "matrixfsdp bench --link 1 --help, --tp --help, --ep --help)")
     modes.add_argument("--link", metavar="GB/S,...", default=None,
                        help="step time against modelled link speeds, overlap on and off, FSDP2 "
-                            "under the same link (benchmarks/link.py; its default --out runs/link)")
+                            "under the same link (benchmarks/parallel/link.py; its default --out runs/link)")
     modes.add_argument("--tp", action="store_true",
-                       help="dp x tp bytes against FSDP2 + TP, same run (benchmarks/tp.py; its default "
-                            "--out runs/bench_tp)")
+                       help="dp x tp bytes against FSDP2 + TP, same run (benchmarks/parallel/tp.py; "
+                            "its default --out runs/bench_tp)")
     modes.add_argument("--ep", action="store_true",
-                       help="expert-parallel bytes against FSDP2 + EP, same run (benchmarks/ep.py; its "
-                            "default --out runs/bench_ep)")
+                       help="expert-parallel bytes against FSDP2 + EP, same run "
+                            "(benchmarks/parallel/ep.py; its default --out runs/bench_ep)")
     p.add_argument("--timeout", type=positive_float, default=PG_TIMEOUT_S, metavar="SECONDS",
                    help=f"process-group timeout (default {PG_TIMEOUT_S})")
     p.add_argument("--backend", choices=["gloo", "grouped_gloo"], default=None,

@@ -1,6 +1,6 @@
 """Where MatrixFSDP's optimizer step spends its time, operation by operation.
 
-``python -m benchmarks.step_ops [--ranks 4] [--steps 6] [bench model options]`` (CPU,
+``python -m benchmarks.studies.step_ops [--ranks 4] [--steps 6] [bench model options]`` (CPU,
 gloo) trains the benchmark's default model (``matrixfsdp bench``'s CPU preset, or what the
 ``matrixfsdp bench`` options ``--layers``, ``--d-model``, ... given after it say) on local
 ranks and, in every step, times
@@ -29,7 +29,7 @@ from matrixfsdp.optim.muon import _newton_schulz_, adjusted_lr, stepped
 from matrixfsdp.train.launch import launch
 from matrixfsdp.train.models import GPT
 
-from .harness import parse_args as bench_config
+from ..harness.main import parse_args as bench_config
 
 ELEMENTWISE = ("lerp_", "lerp_ns_dtype", "mul_", "add_tall", "add_wide")
 

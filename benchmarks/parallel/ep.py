@@ -1,6 +1,6 @@
 """Expert parallelism: the most loaded rank's bytes, MatrixFSDP against FSDP2 + EP.
 
-``matrixfsdp bench --ep`` (or ``python -m benchmarks.ep``) runs, for every grid of
+``matrixfsdp bench --ep`` (or ``python -m benchmarks.parallel.ep``) runs, for every grid of
 ``--grids`` (default ``2x2,4x2``: dp_shard_mod_ep 2 x ep 2 on 4 ranks, 4 x 2 on 8), on local
 gloo ranks, in the same run and on the same data, torchtitan's expert-parallel layout of a
 small MoE (:class:`.ep_model.MoEModel`: GroupedExperts ``w1/w2/w3 (E, H, D)`` made DTensors
@@ -56,9 +56,9 @@ from matrixfsdp.diagnosis.agree import all_gather_object
 from matrixfsdp.layout.units import calls
 from matrixfsdp.train.launch import DefaultsHelp
 
+from ..harness.record import parse_grids, record_step, run_grids
 from .ep_model import SYSTEMS, EPBenchConfig, MoEConfig, apply_ep, build_moe
 from .ep_report import render, summarise
-from .record import parse_grids, record_step, run_grids
 
 
 # ---- one rank -------------------------------------------------------------------------------

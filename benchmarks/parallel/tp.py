@@ -1,6 +1,6 @@
 """Tensor parallelism: the most loaded rank's bytes, MatrixFSDP dp x tp against FSDP2 + TP.
 
-``matrixfsdp bench --tp`` (or ``python -m benchmarks.tp``) runs, for every grid of
+``matrixfsdp bench --tp`` (or ``python -m benchmarks.parallel.tp``) runs, for every grid of
 ``--grids`` (default ``2x2,4x2``: dp 2 x tp 2 on 4 ranks, dp 4 x tp 2 on 8), on local gloo
 ranks, in the same run and on the same data:
 
@@ -84,7 +84,7 @@ import matrixfsdp as mf
 from matrixfsdp.diagnosis.agree import all_gather_object
 from matrixfsdp.train.launch import DefaultsHelp
 
-from .record import parse_grids, record_step, run_grids
+from ..harness.record import parse_grids, record_step, run_grids
 from .tp_model import SYSTEMS, Llama, LlamaConfig, TPBenchConfig, apply_tp
 from .tp_report import render, summarise
 
