@@ -19,7 +19,7 @@ from matrixfsdp.__main__ import main
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)"
-                     r"|python -m (?:benchmarks|matrixfsdp)\.[\w.]+)"
+                     r"|python -m (?:benchmarks|tools|matrixfsdp)\.[\w.]+)"
                      r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -57,7 +57,7 @@ def documented() -> dict[str, dict[str, str]]:
 def help_text(command: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        if command.startswith(("benchmarks.", "matrixfsdp.")):
+        if command.startswith(("benchmarks.", "tools.", "matrixfsdp.")):
             importlib.import_module(command).main(["--help"])
         elif command.startswith("bench --link"):
             main(["bench", "--link", "1", "--help"])
