@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed import pipelining
 
 from ..runtime.module import FSDPModule, get_root
+from ..runtime.unit import ShardedState
 
 __all__ = ["PipelineStage"]
 
@@ -90,7 +91,7 @@ class PipelineStage(pipelining.PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         finally:
             for u in units:
-                if not u.pinned:
+                if u.sharded_state is not ShardedState.PINNED:
                     u.register(u.sharded)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:

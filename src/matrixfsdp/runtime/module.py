@@ -203,8 +203,7 @@ class UnshardHandle:
 
 
 def _finish_unshard(unit: Unit) -> None:
-    unit.unshard()
-    unit.pinned = True
+    unit.pin()
     unit._use_unsharded()
 
 

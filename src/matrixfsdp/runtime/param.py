@@ -208,7 +208,7 @@ def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
     where the partial norms reduce. Made once per model, from the group, no collective.
     Every rank joins the reduction, one that holds no element of any parameter included:
     each parameter some rank has a gradient for has one on every rank (an empty one where
-    the rank holds nothing of it, :meth:`~matrixfsdp.runtime.unit.Unit.attach_grads`), so
+    the rank holds nothing of it, :func:`~matrixfsdp.runtime.reduce.attach_grads`), so
     every rank's list has the same length and its norms are partial DTensors too."""
     mesh = _NORM_MESHES.get(root)
     if mesh is None:

@@ -26,8 +26,9 @@ from .collectives import CommStats
 from .domain import Domain, mesh_device
 from .overlap import Schedule
 from .param import release_grads, sharded_param
+from .reduce import attach_grads
 from .tp import TPGroups, refuse_compiled
-from .unit import Unit
+from .unit import ShardedState, Unit
 
 
 class Root:
@@ -219,7 +220,7 @@ class Root:
             self.recover()  # the step's forward or backward raised and was caught
             return
         for u in self.units:
-            if u.is_unsharded or u._gather is not None:
+            if u.sharded_state is not ShardedState.SHARDED:
                 u.reshard()
                 u.register(u.sharded)
 
@@ -244,7 +245,7 @@ class Root:
         used = (torch.cat([c for _, _, c, *_ in pending]) > 0).tolist()
         at = 0
         for unit, grad, _, lay, index, lacked in pending:
-            unit.attach_grads(grad, lay, index, [j for j, u in zip(lacked, used[at:]) if u])
+            attach_grads(unit, grad, lay, index, [j for j, u in zip(lacked, used[at:]) if u])
             at += len(lacked)
 
     def queue_final_callback(self) -> None:

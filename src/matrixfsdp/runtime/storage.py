@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,6 +36,21 @@ from ..layout.units import UnitLayout, calls, is_whole
 from .collectives import Comm, Pending
 from .mixed_precision import Precision
 from .tp import TPGroups, slice_shape, tp_slice
+
+
+@dataclass(frozen=True)
+class ShardReduce:
+    """A unit's gradients reduced over its shard group, in flight: ``pending`` (its
+    collectives), ``out`` (this rank's segment of the gradients, laid out as ``layout``;
+    final once ``pending`` is waited for), ``index`` (the layout's parameters' indices in the
+    unit: the trainable ones) and, under TP, ``hop`` (starts, once ``pending`` is done, the
+    slices of split matrices' gradients to the tp ranks holding them whole; else None)."""
+
+    pending: Pending
+    out: torch.Tensor
+    layout: UnitLayout
+    index: list[int]
+    hop: Callable[[], Pending] | None
 
 
 def local_rows(full: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
@@ -287,17 +303,13 @@ class UnitStorage:
     # ---- gradient reduce --------------------------------------------------------------------
     @torch.no_grad()
     def start_reduce(self, comm: Comm, grads: list[torch.Tensor | None], trainable: tuple[bool, ...],
-                     divisor: float | None = None
-                     ) -> tuple[Pending, torch.Tensor, UnitLayout, list[int], Callable | None]:
+                     divisor: float | None = None) -> ShardReduce:
         """Start averaging the unsharded gradients ``grads`` (None: no gradient this pass)
         to where each parameter lives, summed and divided by ``divisor`` (default: the shard
         group's size, the mean; FSDP2's ``set_gradient_divide_factor``). Frozen parameters
         do not travel: the reduce has the layout of the ``trainable`` ones
         (:meth:`~matrixfsdp.layout.units.UnitLayout.reduce_layout`), whose flags count the
-        ranks that had a gradient for each. Returns the collectives in flight, the output
-        segment (final once they are waited for), its layout, its parameters' indices here,
-        and (TP) a function that starts the gradients' hop to the tp ranks holding split
-        matrices whole once the collectives are done (None without TP)."""
+        ranks that had a gradient for each (see :class:`ShardReduce`)."""
         lay, index = self.layout.reduce_layout(trainable)
         S, H, me = lay.S, lay.head, self.rank
         like = self.local.new_empty(0, dtype=self.precision.reduce)
@@ -340,7 +352,7 @@ class UnitStorage:
         if out is not recv:
             def hop() -> Pending:
                 return self.start_split_reduce(out, recv, lay)
-        return pending.then(collect), out, lay, index, hop
+        return ShardReduce(pending.then(collect), out, lay, index, hop)
 
     def _send_buffer(self, lay: UnitLayout, rows: torch.Tensor,
                      grads: list[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,12 @@ FSDP2's ``FSDPState`` + the scheduling half of ``FSDPParamGroup``. The data move
                    fire runs it now, in a fixed order, so every rank issues the same
                    collectives in the same order.
 
+A unit's lifecycle is two states, as FSDP2's: where its parameters are
+(:class:`ShardedState`: sharded, a gather in flight, unsharded, or unsharded by the user's
+``unshard()``) and where its step is (:class:`TrainingState`: idle, forward, backward,
+post-backward). The reduce itself runs in :mod:`~matrixfsdp.runtime.reduce`, in one
+direction, from the unsharded gradients to the shards' ``.grad``.
+
 Backward bookkeeping: ``calls`` counts this step's forward calls whose inputs were routed
 through :class:`_PostBackward`; the unit reduces when as many of those have fired in this
 backward pass, or at the end of the pass. A unit called k times per step (weight sharing,
@@ -23,6 +29,7 @@ several backward passes before a step accumulate exactly as in torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum, auto
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,12 +37,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import calling_pipeline_stage, compiled_in_place
-from ..diagnosis.debug import BACKWARD_GATHER, FORWARD_GATHER, REDUCE, REPLICATE_BROADCAST, REPLICATE_REDUCE
+from ..diagnosis.debug import BACKWARD_GATHER, FORWARD_GATHER, REPLICATE_BROADCAST
 from ..layout.types import MuonFilter
 from ..layout.units import UnitLayout
 from .collectives import Pending
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
-from .param import set_sharded_grad
+from .reduce import start_reduce
 from .storage import UnitStorage
 from .tp import refuse_compiled
 
@@ -101,6 +108,24 @@ class ShardOptions:
     independent_replicas: bool = False
 
 
+class ShardedState(Enum):
+    """Where a unit's parameters are (FSDP2's ``ShardedState``, plus the two in between)."""
+
+    SHARDED = auto()  # the shards only; the unsharded buffers are freed
+    GATHERING = auto()  # a gather (a prefetch) is in flight into the unsharded buffers
+    UNSHARDED = auto()  # the full parameters are in the unsharded buffers
+    PINNED = auto()  # unsharded by the user's unshard(): kept until reshard()
+
+
+class TrainingState(Enum):
+    """Where a unit is in the training step (FSDP2's ``TrainingState``)."""
+
+    IDLE = auto()  # no forward of this step yet: the next forward starts the step
+    FORWARD = auto()  # this step's forward calls run (their backwards are counted)
+    BACKWARD = auto()  # gathered for its backward; its post-backward has not run yet
+    POST_BACKWARD = auto()  # reduced in this backward pass, which has not ended yet
+
+
 class Unit:
     """One communication unit: the parameters of one ``fully_shard`` call that no inner
     call holds. Created by ``fully_shard``; planned and sharded with all the other units
@@ -136,18 +161,25 @@ class Unit:
         self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor
         self.reshard_after_backward = True
         self.accumulated: list[torch.Tensor | None] = []  # unsynced grads, reduce dtype
-        self.pinned = False  # unshard() by the user: stays unsharded until reshard()
         self.guards: list = []  # forward pre-hooks on the modules holding its parameters
         self.reset_step()
 
     def reset_step(self) -> None:
         """Forget the step in progress: nothing gathered, no call pending."""
-        self._gather: Pending | None = None  # a gather in flight (prefetched)
-        self.is_unsharded = False
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self._gather: Pending | None = None  # the gather in flight (GATHERING)
         self.calls = 0  # forward calls this step that will report their backward
         self.calls_done = 0  # of those, done in the current backward pass
-        self.new_step = False  # a backward pass ended since the last forward
-        self.backward_open = False  # gathered for its backward, post-backward not yet run
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self.sharded_state in (ShardedState.UNSHARDED, ShardedState.PINNED)
+
+    @property
+    def in_backward(self) -> bool:
+        """Gathered for its backward, post-backward not run yet (a forward now recomputes)."""
+        return self.training_state is TrainingState.BACKWARD
 
     @property
     def local(self) -> torch.Tensor:
@@ -158,8 +190,9 @@ class Unit:
     def prefetch(self, phase: int) -> None:
         """Start this unit's gather without waiting for it (a no-op if it is gathered or
         on its way)."""
-        if self.is_unsharded or self._gather is not None:
+        if self.sharded_state is not ShardedState.SHARDED:
             return
+        self.sharded_state = ShardedState.GATHERING
         if not self.layout.numel:  # a unit may hold no parameter of its own
             self._gather = Pending()
             return
@@ -170,22 +203,26 @@ class Unit:
     @torch.no_grad()
     def unshard(self) -> None:
         if not self.is_unsharded:
-            if self._gather is not None:
+            if self.sharded_state is ShardedState.GATHERING:
                 self.root.schedule.counts["prefetched"] += 1
-            self.prefetch(BACKWARD_GATHER if self.backward_open else FORWARD_GATHER)
+            self.prefetch(BACKWARD_GATHER if self.in_backward else FORWARD_GATHER)
             self._gather.wait()
             self._gather = None
-            self.is_unsharded = True
+            self.sharded_state = ShardedState.UNSHARDED
+
+    def pin(self) -> None:
+        """The user's ``unshard()``: gathered, and kept through forwards until ``reshard()``."""
+        self.unshard()
+        self.sharded_state = ShardedState.PINNED
 
     def reshard(self) -> None:
-        self.pinned = False
+        if self.sharded_state is ShardedState.SHARDED:
+            return
         if self._gather is not None:  # never free a buffer a gather still writes into
             self._gather.wait()
             self._gather = None
-        elif not self.is_unsharded:
-            return
         self.storage.free()
-        self.is_unsharded = False
+        self.sharded_state = ShardedState.SHARDED
 
     def register(self, params: list[nn.Parameter]) -> None:
         for (mod, attr), i in zip(self.refs, self.ref_param):
@@ -223,9 +260,9 @@ class Unit:
             refuse_compiled(f"unit '{self.name}' was compiled (module.compile())")
         if root.step_failed(self):
             root.recover()  # the last forward or backward raised and the user caught it
-        if self.new_step:
-            self.calls, self.new_step = 0, False
-        recompute = root.in_backward and self.backward_open
+        recompute = root.in_backward and self.in_backward
+        if self.training_state is TrainingState.IDLE:  # the step's first forward call
+            self.calls, self.training_state = 0, TrainingState.FORWARD
         if self.index == 0 and not recompute:
             refuse_torch_pipeline_stage(module)
             root.pre_forward()
@@ -258,11 +295,11 @@ class Unit:
 
     def post_forward(self, module, args, kwargs, output):
         root = self.root
-        if root.in_backward and self.backward_open:
+        if root.in_backward and self.in_backward:
             return output  # recomputation (see pre_forward): stay unsharded for backward
         if self.index == 0:
             root.forward_open = False
-        if self.pinned and not root.in_backward:
+        if self.sharded_state is ShardedState.PINNED and not root.in_backward:
             return self.precision.cast_output(output)  # unshard() by the user: kept
         self.register(self.sharded)
         output = self.precision.cast_output(output)
@@ -277,8 +314,8 @@ class Unit:
 
     def _pre_backward_hook(self, grad: torch.Tensor) -> None:
         self.root.queue_final_callback()
-        if not self.backward_open:
-            self.backward_open = True
+        if not self.in_backward:
+            self.training_state = TrainingState.BACKWARD
             self.unshard()
             for unit in self.root.schedule.backward_targets(self):
                 unit.prefetch(BACKWARD_GATHER)
@@ -293,17 +330,18 @@ class Unit:
 
     @torch.no_grad()
     def post_backward(self) -> None:
-        """Reduce the gradients accumulated on the unsharded parameters (if any) to where
-        each parameter lives, add them to the shards' ``.grad``, and reshard."""
+        """Reshard, then start reducing the gradients accumulated on the unsharded
+        parameters (if any) to where each parameter lives (:mod:`.reduce`: they land on the
+        shards' ``.grad``); without gradient sync, keep them unsharded instead (FSDP2's)."""
         grads = self._take_grads()
+        if self.reshard_after_backward:
+            self.reshard()  # the unsharded parameters are not needed any more
         if not self.requires_gradient_sync:
             self.accumulated = grads  # FSDP2's no-sync: accumulate unsharded, reduce later
         elif any(g is not None for g in grads):
-            self._reduce(grads)
-        if self.reshard_after_backward:
-            self.reshard()
+            start_reduce(self, grads)
         self.register(self.sharded)
-        self.backward_open = False
+        self.training_state = TrainingState.POST_BACKWARD
 
     def _take_grads(self) -> list[torch.Tensor | None]:
         """The unsharded parameters' gradients (cleared from them), plus those kept from
@@ -319,76 +357,6 @@ class Unit:
                      for a, g in zip(acc, grads)]
             self.accumulated = []
         return grads
-
-    def _reduce(self, grads: list[torch.Tensor | None]) -> None:
-        root = self.root
-        # Frozen parameters do not travel (as in FSDP2). Every rank must freeze the same
-        # parameters (debug mode checks).
-        trainable = tuple(p.requires_grad for p in self.sharded)
-        lay, index = self.layout.reduce_layout(trainable)
-        if not lay.numel:
-            return
-        root.before_collective(self, REDUCE, lay)
-        started = self.storage.start_reduce(self.domain.comm, grads, trainable, self.divide_factor)
-        if self.reshard_after_backward:
-            self.reshard()  # the unsharded params are not needed any more
-        pending, out, lay, index, hop = started
-        attach = finish = self._attacher(out, lay, index, [grads[i] is not None for i in index])
-        if self.domain.replication.enabled:
-            def finish() -> None:  # HSDP: then average over the replicas too
-                root.before_collective(self, REPLICATE_REDUCE, lay)
-                seg = lay.segment(self.domain.shard_rank, self.storage.tp_rank)
-                root.schedule.add_follow_up(self.domain.replication.reduce_across(
-                    out, seg, None if self.divide_factor is None else 1).then(attach))
-        if hop is None:
-            root.schedule.add_reduce(pending.then(finish))
-        else:  # TP: first the slices of split matrices to the tp ranks holding them whole
-            root.schedule.add_reduce(pending.then(
-                lambda: root.schedule.add_follow_up(hop().then(finish))))
-
-    def _attacher(self, out: torch.Tensor, lay: UnitLayout, index: list[int], had: list[bool]):
-        """Once the reduce is done: this rank's pieces of ``out`` become the shards' .grad,
-        for every parameter some rank had a gradient for. One left without a gradient on
-        every rank keeps ``.grad`` as it was (None after ``zero_grad``), as torch leaves an
-        unused parameter, so no optimizer steps it; one used on some ranks only gets the
-        average with zeros (FSDP2's). Whether a rank had one is this rank's own knowledge
-        (``had``); where it had none, the reduced flag counts in ``out`` tell, read on the
-        host once per backward pass for all units at its end
-        (:meth:`~matrixfsdp.runtime.root.Root.attach_unused`): no host read otherwise."""
-        prec = self.precision
-
-        def attach() -> None:
-            grad = out.to(prec.orig) if prec.reduce != prec.orig else out
-            lacked = [j for j, h in enumerate(had) if not h]
-            self.attach_grads(grad, lay, index, [j for j, h in enumerate(had) if h])
-            if lacked:
-                self.root.defer_unused(self, grad, out[lay.even_numel:lay.head], lay, index, lacked)
-        return attach
-
-    def attach_grads(self, grad: torch.Tensor, lay: UnitLayout, index: list[int],
-                     which: list[int]) -> None:
-        """This rank's pieces of the reduced ``grad`` (laid out as ``lay``) as the ``.grad``
-        of the parameters ``index[j]`` for ``j`` in ``which`` (added to one already there).
-
-        Every rank gives each of these parameters a ``.grad``, as FSDP2 gives each DTensor
-        shard one, so that any list built from ``p.grad`` over ``model.parameters()`` has
-        the same length on every rank (torch's and torchtitan's clipping stack one norm per
-        gradient and reduce the stack): an empty placeholder (a matrix another rank owns, no
-        rows of a parameter) gets an empty gradient, and under HSDP the copy of a matrix
-        that another replica steps gets zeros (its gradient lives on that replica; nothing
-        steps the copy here:
-        :meth:`~matrixfsdp.runtime.param.ShardedParam.steps_here`)."""
-        for j in which:
-            i = index[j]
-            p = self.sharded[i]
-            if not p.numel():  # one kept by zero_grad(set_to_none=False) is plain since the step
-                set_sharded_grad(p, grad.narrow(0, 0, 0).view(p.shape) if p.grad is None else p.grad)
-                continue
-            start = lay.shard_offset(j, self.domain.shard_rank, self.storage.tp_rank)
-            view = grad[start:start + p.numel()].view(p.shape)
-            if not self.domain.groups.steps_here(lay.placements[j]):
-                view.zero_()  # HSDP: another replica reduced and steps it
-            set_sharded_grad(p, view if p.grad is None else p.grad.add_(view))
 
     @torch.no_grad()
     def abandon(self, failed_backward: bool) -> None:
@@ -407,4 +375,4 @@ class Unit:
     def end_backward(self) -> None:
         """After every unit's final ``post_backward`` (which resharded it): a new pass."""
         self.calls_done = 0
-        self.new_step = True
+        self.training_state = TrainingState.IDLE
