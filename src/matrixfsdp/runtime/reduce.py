@@ -26,10 +26,10 @@ from ..layout.units import UnitLayout
 from .param import set_sharded_grad
 from .storage import ShardReduce
 
-Unit = Any  # a runtime.unit.Unit (which imports this file: no import back)
+_Unit = Any  # a runtime.unit.Unit (which imports this file: no import back)
 
 
-def start_reduce(unit: Unit, grads: list[torch.Tensor | None]) -> None:
+def start_reduce(unit: _Unit, grads: list[torch.Tensor | None]) -> None:
     """Start reducing ``grads`` (per parameter of ``unit``, None: none this pass) to where
     each parameter lives; the stages after the shard group's are chained on the schedule.
     Frozen parameters do not travel (as in FSDP2; every rank must freeze the same ones:
@@ -48,7 +48,7 @@ class _Reduce:
     """Stages 2-4 of one unit's reduce (module docstring), each run once the one before is
     done."""
 
-    def __init__(self, unit: Unit, shard: ShardReduce, had: list[bool]):
+    def __init__(self, unit: _Unit, shard: ShardReduce, had: list[bool]):
         self.unit, self.shard, self.had = unit, shard, had
 
     def after_shard_group(self) -> None:
@@ -86,7 +86,7 @@ class _Reduce:
             unit.root.defer_unused(unit, grad, out[lay.even_numel:lay.head], lay, index, lacked)
 
 
-def attach_grads(unit: Unit, grad: torch.Tensor, lay: UnitLayout, index: list[int],
+def attach_grads(unit: _Unit, grad: torch.Tensor, lay: UnitLayout, index: list[int],
                  which: list[int]) -> None:
     """This rank's pieces of the reduced ``grad`` (laid out as ``lay``) as the ``.grad`` of
     ``unit``'s parameters ``index[j]`` for ``j`` in ``which`` (added to one already there).
