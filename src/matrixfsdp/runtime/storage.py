@@ -180,15 +180,15 @@ class UnitStorage:
             mine = gathered[lay.base(me):lay.base(me) + lay.chunk_size(me)]
             self._fill_chunk(mine[:H], gathered,
                              lay.base(me) if me in lay.holder_sizes else None)
-            rows = None
-            ops = [(lambda: comm.all_gather(gathered, mine))] if lay.S > 1 else []
-        else:
+            rows, everyone = None, gathered
+        else:  # the even parts in a transient S x head buffer, the regions into ``gathered``
             rows = gathered.new_empty(lay.S, H)
             mine = rows[me]
             self._fill_chunk(mine, gathered, lay.base(me) if me in lay.holder_sizes else None)
-            ops = [(lambda c=c: comm.broadcast(self._region(gathered, lay, c.root), c.root))
-                   if c.root is not None else (lambda: comm.all_gather(rows.view(-1), mine))
-                   for c in calls(lay, reduce=False)]
+            everyone = rows.view(-1)
+        ops = [(lambda c=c: comm.broadcast(self._region(gathered, lay, c.root), c.root))
+               if c.root is not None else (lambda: comm.all_gather(everyone, mine))
+               for c in calls(lay, reduce=False)]
         pending = comm.batch("gather", ops)
         return pending.then(lambda: self._copy_out(gathered, copied, rows))
 
