@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 import matrixfsdp as mf
-from matrixfsdp.optim.muon import _newton_schulz_, adjusted_lr, stepped
+from matrixfsdp.optim.muon import adjusted_lr, stepped
+from matrixfsdp.optim.newton_schulz import newton_schulz_
 from matrixfsdp.train.launch import launch
 from matrixfsdp.train.models import GPT
 
@@ -48,7 +49,7 @@ def _timed_muon_step(opt: mf.Muon, group: dict, acc: dict[str, float]) -> None:
         x = opt._ns_input(grad, group["ns_dtype"])
         torch.lerp(grad, buf, group["momentum"], out=x)
         t2 = clock()
-        update = _newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        update = newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
         t3 = clock()
         p.mul_(1 - lr * group["weight_decay"])
         t4 = clock()

@@ -25,7 +25,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 muon_filter: MuonFilter | None = None,
                 mp_policy: MixedPrecisionPolicy | None = None, debug: bool = False,
                 overlap: bool = True, sync_module_states: bool = False,
-                offload_policy: object = None, independent_replicas: bool = False) -> nn.Module:
+                offload_policy: object = None, independent_replicas: bool = False,
+                tp_ownership: str = "auto") -> nn.Module:
     """Make ``module`` one communication unit, like FSDP2's ``fully_shard``.
 
     Call it on every block, bottom-up, then on the root. The unit holds the module's
@@ -67,6 +68,15 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             > 1 of its parent (``mesh["shard"]`` of a ``(replicate, shard)`` mesh): each
             replica then trains on its own, nothing averages across them (see
             :func:`~matrixfsdp.runtime.mesh_checks.check_mesh`).
+        tp_ownership: read from the root call. Under tensor parallelism, who owns a Muon
+            matrix the TP plan split: ``"rank"``, one tp rank of its data-parallel owner
+            (held whole there: the other tp ranks' slices hop to and from it in every gather
+            and reduce, its Newton-Schulz runs on that one GPU); ``"group"``, that owner's
+            whole tp group (each tp rank keeps and steps its own slice: nothing crosses the
+            tp group in forward or backward, and the Newton-Schulz runs over the group,
+            summing the Gram of the slices once per iteration inside the node);
+            ``"auto"`` (the default), whichever the model's costs find cheaper, matrix by
+            matrix (:func:`~matrixfsdp.layout.assign.tp_group_owned`; docs/nd-parallel.md).
     Returns:
         ``module``, whose class now also derives from :class:`matrixfsdp.FSDPModule`
         (FSDP2's module methods).
@@ -74,7 +84,8 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     make_unit(module, ShardOptions(
         mesh=mesh, reshard_after_forward=reshard_after_forward, muon_filter=muon_filter,
         mp_policy=mp_policy, debug=debug, overlap=overlap, sync_module_states=sync_module_states,
-        offload_policy=offload_policy, independent_replicas=independent_replicas))
+        offload_policy=offload_policy, independent_replicas=independent_replicas,
+        tp_ownership=tp_ownership))
     install_module_hooks(module)
     watch_new_optimizers()
     return module

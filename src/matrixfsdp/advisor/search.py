@@ -196,13 +196,14 @@ def _plan_stages(stage_list: Sequence[Stage], dp: int, S: int, mesh: Mesh, mc: M
     for st in stage_list:
         root = [s for s in st.specs if s.unit == 0]
         if any(s.muon for s in root):
-            plan = make_plan(st.specs, dp, st.unit_names, ns_steps, S)
+            plan = make_plan(st.specs, dp, st.unit_names, ns_steps, S, tp_ownership="rank")
             parts = [units_part(unit_layouts(plan, mesh.tp), mesh, mc, d)]
             ns = ns_loads(plan, mesh.tp)
         else:
             key = tuple((s.shape, s.unit, s.muon, s.tp, s.tp_dim) for s in st.specs if s.unit)
             if key not in cores:
-                core = make_plan([s for s in st.specs if s.unit], dp, st.unit_names, ns_steps, S)
+                core = make_plan([s for s in st.specs if s.unit], dp, st.unit_names, ns_steps, S,
+                                 tp_ownership="rank")
                 cores[key] = (core, units_part(unit_layouts(core, mesh.tp)[1:], mesh, mc, d),
                               ns_loads(core, mesh.tp))
             core, blocks, ns = cores[key]

@@ -10,6 +10,7 @@ import functools
 import heapq
 from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def ns_flops(shape: Sequence[int], ns_steps: int = 5) -> int:
@@ -26,6 +27,76 @@ def _ns_flops(shape: tuple[int, ...], ns_steps: int) -> int:
     m, n = shape
     a, b = min(m, n), max(m, n)
     return ns_steps * (4 * a * a * b + 2 * a**3)
+
+
+def gram_side(shape: Sequence[int], dim: int) -> int:
+    """The side of the Gram matrix a tp group sums for an ``m x n`` matrix split along
+    ``dim``: the sliced dim's complement (``n`` for row slices, ``m`` for column slices)."""
+    m, n = shape
+    return n if dim == 0 else m
+
+
+def ns_flops_split(shape: Sequence[int], tp: int, dim: int, ns_steps: int = 5) -> int:
+    """FLOPs each of ``tp`` ranks runs for the NS of an ``m x n`` matrix its tp group owns,
+    split ``tp`` ways along ``dim``: per iteration the Gram of its slice in the sliced dim's
+    complement (``g x g``: 2 g² s / tp, ``s`` the sliced dim's length), the polynomial of the
+    summed Gram on every rank (2 g³) and its slice's update (2 g² s / tp)."""
+    g = gram_side(shape, dim)
+    s = shape[dim]
+    return ns_steps * (4 * g * g * s // tp + 2 * g**3)
+
+
+@dataclass(frozen=True)
+class TPRates:
+    """The rates at which ``tp_ownership="auto"`` compares a tp-split matrix's two
+    placements (the advisor passes its own): NS matmuls in FLOP/s, the tp group's link
+    (NVLink) in bytes/s per GPU and direction, the NS, gather and reduce dtypes' bytes,
+    and the gathers and reduces a matrix makes per step (forward, backward's re-gather)."""
+
+    flops: float = 400e12
+    link: float = 450e9
+    ns_itemsize: int = 2
+    gather_itemsize: int = 2
+    reduce_itemsize: int = 4
+    gathers: int = 2
+    reduces: int = 1
+
+
+def tp_placement_seconds(shape: Sequence[int], tp: int, dim: int, ns_steps: int = 5,
+                         rates: TPRates | None = None) -> tuple[float, float]:
+    """Seconds per step of an ``m x n`` matrix split ``tp`` ways along ``dim``, owned by one
+    tp rank and by its tp group: ``(rank, group)``. One tp rank: its whole NS on that GPU,
+    and the other slices' hop to and from it in every gather and reduce; the tp group: its
+    share of the split NS, and ``ns_steps`` all-reduces of the ``g x g`` Gram (a ring over
+    the group: ``2 (tp-1)/tp`` of it through each GPU)."""
+    rates = rates or DEFAULT_RATES
+    numel = shape[0] * shape[1]
+    hop = (tp - 1) * numel // tp * (rates.gathers * rates.gather_itemsize
+                                    + rates.reduces * rates.reduce_itemsize)
+    rank = ns_flops(shape, ns_steps) / rates.flops + hop / rates.link
+    g = gram_side(shape, dim)
+    reduce = ns_steps * 2 * (tp - 1) * g * g * rates.ns_itemsize / tp
+    group = ns_flops_split(shape, tp, dim, ns_steps) / rates.flops + reduce / rates.link
+    return rank, group
+
+
+DEFAULT_RATES = TPRates()
+TP_OWNERSHIPS = ("rank", "group", "auto")
+
+
+def tp_group_owned(shape: Sequence[int], tp: int, dim: int, ownership: str, ns_steps: int = 5,
+                   rates: TPRates | None = None) -> bool:
+    """Whether a Muon matrix split ``tp`` ways along ``dim`` is owned by its tp group
+    (``ownership``: ``"rank"``, ``"group"``, or ``"auto"``: the cheaper by
+    :func:`tp_placement_seconds`). Decided from shapes alone: every rank agrees."""
+    if ownership not in TP_OWNERSHIPS:
+        raise ValueError(f"tp_ownership must be one of {TP_OWNERSHIPS}, got {ownership!r}")
+    if tp == 1 or ownership == "rank":
+        return False
+    if ownership == "group":
+        return True
+    rank, group = tp_placement_seconds(shape, tp, dim, ns_steps, rates)
+    return group < rank
 
 
 def _distinct(items: list[int], kinds: Sequence[object]) -> list[int]:

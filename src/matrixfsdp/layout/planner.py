@@ -16,7 +16,14 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from .assign import assign, assign_replicated, ns_flops
+from .assign import (
+    TPRates,
+    assign,
+    assign_replicated,
+    ns_flops,
+    ns_flops_split,
+    tp_group_owned,
+)
 from .types import MuonFilter, ParamSpec, Placement, Plan
 
 
@@ -138,7 +145,8 @@ def _place_tp_owners(split: list[Placement], ns_steps: int) -> None:
 
 
 def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[str],
-              ns_steps: int = 5, shard_size: int | None = None) -> Plan:
+              ns_steps: int = 5, shard_size: int | None = None,
+              tp_ownership: str = "auto", tp_rates: TPRates | None = None) -> Plan:
     """Place every parameter: even ones by rows, Muon matrices whole on balanced owners.
 
     Every Muon matrix is one item of the assignment, each expert of an expert stack
@@ -152,6 +160,12 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
     world-rank owner among all ``world_size`` ranks, on top of the expert load of its shard
     rank: a unit's matrices on distinct shard ranks where they fit (what the replicate dim
     moves per shard rank), NS balanced over the whole world.
+
+    ``tp_ownership`` (tensor parallelism): a tp-split matrix is owned by one tp rank of its
+    owner (``"rank"``: held whole there, its slices hop to and from it), by its owner's tp
+    group (``"group"``: each tp rank holds and steps its slice, the NS runs over the group),
+    or by whichever of the two :func:`~matrixfsdp.layout.assign.tp_group_owned` finds
+    cheaper at ``tp_rates`` (``"auto"``, per matrix).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -161,8 +175,12 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
     specs = _checked_specs(specs)
     placements, held = _place_even(specs, S)  # held: bytes per shard rank
     muon = [s for s in specs if s.muon]
+    group = {s.name for s in muon if len(s.shape) == 2 and tp_group_owned(
+        s.shape, s.tp, s.tp_dim, tp_ownership, ns_steps, tp_rates)}
     item_spec = [i for i, s in enumerate(muon) for _ in range(s.matrices)]
-    costs = [ns_flops(muon[i].matrix_shape, ns_steps) for i in item_spec]
+    costs = [ns_flops_split(muon[i].shape, muon[i].tp, muon[i].tp_dim, ns_steps)
+             if muon[i].name in group else ns_flops(muon[i].matrix_shape, ns_steps)
+             for i in item_spec]
     sizes = [math.prod(muon[i].matrix_shape) * muon[i].itemsize for i in item_spec]
     owners = _assign_items(muon, item_spec, costs, sizes, S, world_size, held)
     counts: list[dict[int, int]] = [{} for _ in muon]  # per Muon parameter: rank -> matrices
@@ -173,7 +191,8 @@ def make_plan(specs: Sequence[ParamSpec], world_size: int, unit_names: Sequence[
         for w in (range(r, world_size, S) if muon[i].is_experts else (r,)):
             rank_cost[w] += c  # an expert runs on every replica of its shard rank
     placements.update(_place_muon(muon, counts, S))
-    _place_tp_owners([placements[s.name] for s in muon if s.tp > 1], ns_steps)
+    _place_tp_owners([placements[s.name] for s in muon if s.tp > 1 and s.name not in group],
+                     ns_steps)
     ordered = {s.name: placements[s.name] for s in specs}
     rank_bytes = [held[w % S] for w in range(world_size)]
     return Plan(world_size, list(unit_names), ordered, ns_steps, rank_cost, rank_bytes,

@@ -169,6 +169,8 @@ def _steps_here(pl: Placement, replica: int) -> bool:
 
 def _local_numel(pl: Placement, r: int, t: int) -> int:
     """Elements of ``pl``'s shard on shard rank ``r``, tp rank ``t``."""
+    if pl.tp_group:
+        return pl.spec.slice_numel if pl.owner_shard == r else 0
     if pl.spec.tp > 1:
         return pl.spec.numel if (pl.owner_shard == r and pl.tp_owner == t) else 0
     start, stop = pl.row_ranges[r]

@@ -35,11 +35,11 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from .assign import ns_flops
+from .assign import ns_flops, ns_flops_split
 
 MuonFilter = Callable[[str, nn.Parameter], bool]
 
@@ -58,8 +58,9 @@ class ParamSpec:
     unit: int
     muon: bool
     # Tensor parallelism: a Muon matrix split over ``tp`` ranks along dim ``tp_dim`` of
-    # ``shape`` (the whole logical matrix). Its owner holds it whole; in forward every tp
-    # rank gets its 1/tp slice (docs/nd-parallel.md). 1: not split.
+    # ``shape`` (the whole logical matrix); in forward every tp rank computes with its 1/tp
+    # slice. Owned by one tp rank (held whole there) or by its tp group (each tp rank holds
+    # its slice): :attr:`Placement.tp_owner` (docs/nd-parallel.md). 1: not split.
     tp: int = 1
     tp_dim: int = 0
 
@@ -84,6 +85,11 @@ class ParamSpec:
     def slice_numel(self) -> int:
         """Elements of one tp rank's slice (what travels over the data-parallel ranks)."""
         return self.numel // self.tp
+
+    @property
+    def slice_shape(self) -> tuple[int, ...]:
+        """The shape of one tp rank's slice (``shape`` itself where ``tp`` is 1)."""
+        return tuple(n // self.tp if d == self.tp_dim else n for d, n in enumerate(self.shape))
 
     @property
     def is_experts(self) -> bool:
@@ -116,7 +122,18 @@ class Placement:
     spec: ParamSpec
     owner: int | None
     row_ranges: list[tuple[int, int]]
-    tp_owner: int | None = None  # a tp-split matrix: the tp rank holding it whole
+    # a tp-split matrix: the tp rank holding it whole (its tp group's slices travel to and
+    # from it), or None: owned by the tp group, each tp rank holding its own slice
+    tp_owner: int | None = None
+    # a tp rank's slice of a group-owned matrix split along dim 1, in the whole matrix:
+    # its columns [a, b) (its rows are row_ranges'); None: every column
+    cols: tuple[int, int] | None = None
+
+    @property
+    def tp_group(self) -> bool:
+        """A tp-split Muon matrix owned by its tp group: each tp rank holds and steps its
+        slice, the Newton-Schulz runs over the group (``tp_ownership="group"``)."""
+        return self.spec.tp > 1 and self.tp_owner is None
 
     def local_rows(self, rank: int) -> int:
         start, stop = self.row_ranges[rank]
@@ -127,6 +144,8 @@ class Placement:
         where a rank holds no rows, and ``(rows, *rest)`` for an even shard."""
         if not self.spec.shape:  # 0-d: the one "row" lives on a single rank
             return () if self.local_rows(rank) else (0,)
+        if self.cols is not None:
+            return (self.local_rows(rank), self.cols[1] - self.cols[0])
         return (self.local_rows(rank), *self.spec.shape[1:])
 
     @property
@@ -144,14 +163,30 @@ class Placement:
         """Whether the tensor is whole on one rank (a Muon matrix on its owner, or a tensor
         all of whose rows one rank holds): decided from the plan alone, so every rank
         answers alike."""
-        return self.owner is not None or sum(stop > start for start, stop in self.row_ranges) <= 1
+        if self.owner is not None:
+            return not self.tp_group  # a group-owned matrix: a slice on each tp rank
+        return sum(stop > start for start, stop in self.row_ranges) <= 1
 
     def for_tp_rank(self, tp_rank: int) -> Placement:
-        """This placement as tp rank ``tp_rank`` sees its own storage: a tp-split matrix is
-        whole on its owner shard at tp rank ``tp_owner`` only, and held nowhere else."""
+        """This placement as tp rank ``tp_rank`` sees its own storage: a tp-split matrix
+        owned by one tp rank is whole on its owner shard at tp rank ``tp_owner`` only, and
+        held nowhere else; one owned by its tp group is, on every tp rank, a matrix of the
+        slice's shape on the owner shard (what that tp rank stores, moves and steps)."""
         if self.spec.tp == 1 or self.tp_owner == tp_rank:
             return self
+        if self.tp_group:
+            spec = replace(self.spec, shape=self.spec.slice_shape, tp=1, tp_dim=0)
+            rows = spec.rows
+            return Placement(spec, self.owner, [(0, rows) if b > a else (0, 0)
+                                                for a, b in self.row_ranges])
         return Placement(self.spec, self.owner, [(0, 0)] * len(self.row_ranges), self.tp_owner)
+
+    def ns_cost(self, ns_steps: int = 5) -> int:
+        """NS FLOPs of one of its matrices on each GPU that runs it: the whole NS on its
+        owner (one tp rank), or each tp rank's share where its tp group owns it."""
+        if self.tp_group:
+            return ns_flops_split(self.spec.matrix_shape, self.spec.tp, self.spec.tp_dim, ns_steps)
+        return ns_flops(self.spec.matrix_shape, ns_steps)
 
     def matrices_on(self, rank: int) -> int:
         """How many whole Muon matrices shard rank ``rank`` holds of this parameter."""
@@ -186,9 +221,10 @@ class Plan:
 
     @property
     def muon_costs(self) -> list[int]:
-        """NS cost of every Muon matrix, each expert of an expert stack counted once."""
-        return [ns_flops(pl.spec.matrix_shape, self.ns_steps)
-                for pl in self.placements.values() for _ in range(pl.spec.matrices)]
+        """NS cost of every Muon matrix on the GPU that runs it (on each of them, for a
+        matrix its tp group owns), each expert of an expert stack counted once."""
+        return [pl.ns_cost(self.ns_steps) for pl in self.placements.values()
+                for _ in range(pl.spec.matrices)]
 
     @property
     def lower_bound(self) -> float:
@@ -197,7 +233,7 @@ class Plan:
         costs = self.muon_costs
         if not costs:
             return 0.0
-        work = sum(ns_flops(pl.spec.matrix_shape, self.ns_steps) * pl.spec.matrices
+        work = sum(pl.ns_cost(self.ns_steps) * pl.spec.matrices
                    * (self.replicas if pl.spec.is_experts else 1)
                    for pl in self.placements.values() if pl.spec.muon)
         return max(max(costs), work / self.world_size)

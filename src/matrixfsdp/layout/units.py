@@ -10,7 +10,9 @@ A unit's parameters travel in two ways:
   same on every rank.
 * **Whole** parameters (Muon matrices, expert stacks) travel in *pieces*: a matrix is one
   piece from its owner shard rank, an expert stack one piece of whole experts per holding
-  rank, a tp-split matrix one piece per tp rank (its slice), all from the owner shard rank.
+  rank, a tp-split matrix one piece per tp rank (its slice), all from the owner shard rank
+  (where one tp rank holds it whole, its slices hop there first; where its tp group owns
+  it, each tp rank holds its own slice and nothing hops).
 
 Shard rank ``r`` contributes one *chunk* to a gather and receives one in a reduce: its even
 part, then (a reduce only) ``F`` gradient flags, then the pieces it holds, each 16-element
@@ -336,9 +338,8 @@ def layout_of(placements: Sequence[Placement], S: int, R: int = 1, T: int = 1,
             continue
         spec = pl.spec
         if pl.owner is not None:  # a 2-D matrix (a tp-split one: a slice per tp rank)
-            split = spec.tp > 1
             held.setdefault(pl.owner_shard, []).append(
-                (1 + pl.owner_replica, i, 0, spec.rows, pl.tp_owner if split else None))
+                (1 + pl.owner_replica, i, 0, spec.rows, pl.tp_owner if spec.tp > 1 else None))
         else:  # an expert stack: whole experts on each holding rank
             for r in _holding(pl.row_ranges):
                 start, stop = pl.row_ranges[r]
@@ -349,7 +350,7 @@ def layout_of(placements: Sequence[Placement], S: int, R: int = 1, T: int = 1,
         at = head
         for kind, i, start, stop, tp_owner in sorted(held[r], key=lambda h: (h[0], h[1])):
             spec = placements[i].spec
-            n = spec.slice_numel if tp_owner is not None else (stop - start) * spec.row_numel
+            n = spec.slice_numel if spec.tp > 1 else (stop - start) * spec.row_numel
             at = aligned(at)
             pieces.append(Piece(i, r, start, stop, n, kind, at, tp_owner))
             at += n

@@ -30,6 +30,7 @@ from torch.optim.adam import adam as _adam
 
 from ..runtime.module import plan_params
 from ..runtime.param import sharded_param
+from ..runtime.tp import TPSplit
 from .groups import (
     ADAMW_DEFAULTS,
     MUON_DEFAULTS,
@@ -40,6 +41,7 @@ from .groups import (
     muon_param_groups,
     split_named,
 )
+from .newton_schulz import newton_schulz_, newton_schulz_split_, zeropower_via_newtonschulz
 from .plan_stamp import PLAN_KEYS, check_loadable, plan_digest, world_size
 from .plan_stamp import param_name as _name
 from .policy import check_same_optimizer
@@ -51,41 +53,6 @@ __all__ = ["MUON_DEFAULTS", "STATE_KEYS", "Muon", "adjusted_lr",
 # Optimizer state per parameter, by kind: what ``_muon_step`` / ``_adamw_step`` keep
 # (AdamW with ``amsgrad`` also ``max_exp_avg_sq``).
 STATE_KEYS = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
-
-
-def zeropower_via_newtonschulz(g: torch.Tensor, coefficients: tuple[float, float, float],
-                               steps: int, eps: float,
-                               dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Approximately orthogonalise the ``m x n`` matrix ``g`` (``torch.optim.Muon``'s NS),
-    or each matrix of a ``(k, m, n)`` stack (batched, each matrix on its own).
-
-    Runs in ``dtype`` on the wide orientation: Frobenius-normalise, then ``steps`` quintic
-    iterations ``X <- aX + (bA + cA^2) X`` with ``A = X X^T``. Returns a tensor of ``g``'s
-    shape in ``dtype``; ``g`` is not modified.
-    """
-    return _newton_schulz_(g.to(dtype, copy=True), coefficients, steps, eps)
-
-
-def _newton_schulz_(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                    eps: float) -> torch.Tensor:
-    """NS on ``x``, which the caller hands over (it is normalised in place)."""
-    a, b, c = coefficients
-    wide = x.size(-2) <= x.size(-1)
-    if not wide:
-        x = x.mT
-    if x.dim() == 2:
-        x.div_(x.norm().clamp(min=eps))
-        for _ in range(steps):
-            gram = x @ x.T
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.addmm(x, poly, x, beta=a)
-    else:  # (k, m, n) experts: one batched NS, each expert with its own norm
-        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
-        for _ in range(steps):
-            gram = torch.bmm(x, x.mT)
-            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-            x = torch.baddbmm(x, poly, x, beta=a)
-    return x if wide else x.mT
 
 
 def _apply(p: torch.Tensor, update: torch.Tensor, lr, group: dict, shape) -> None:
@@ -275,6 +242,7 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self, group: dict) -> None:
         lr = _scalar(group["lr"])
         batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        sliced: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for p in stepped(group):
             grad = p.grad
             if grad.is_sparse or torch.is_complex(p):
@@ -284,6 +252,10 @@ class Muon(torch.optim.Optimizer):
                 _init_state(state, p, group)
             buf = state["momentum_buffer"]
             buf.lerp_(grad, 1 - group["momentum"])
+            split = _tp_split(p)
+            if split is not None:  # a slice of a matrix its tp group owns: NS over the group
+                sliced.setdefault((tuple(p.shape), split), []).append((p, grad))
+                continue
             if group["batch_ns"] and p.dim() == 2 and not group["num_heads"]:
                 batches.setdefault((tuple(p.shape), p.device), []).append((p, grad))
                 continue
@@ -295,7 +267,7 @@ class Muon(torch.optim.Optimizer):
             self._nesterov(x, grad, buf, group)
             if group["num_heads"]:  # per-head: each row block its own matrix, one batched NS
                 x = x.view(-1, x.shape[-2] // group["num_heads"], x.shape[-1])
-            update = _newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
+            update = newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
             _apply(p, update.reshape(p.shape), lr, group, x.shape)
         for (shape, _), items in batches.items():
             per = max(1, BATCH_NS_NUMEL // math.prod(shape))
@@ -305,10 +277,49 @@ class Muon(torch.optim.Optimizer):
                                     group["ns_dtype"], chunk[0][1].device)
                 for x, (p, grad) in zip(xs, chunk):
                     self._nesterov(x, grad, self.state[p]["momentum_buffer"], group)
-                update = _newton_schulz_(xs, group["ns_coefficients"], group["ns_steps"],
+                update = newton_schulz_(xs, group["ns_coefficients"], group["ns_steps"],
                                          group["eps"])
                 for u, (p, _) in zip(update, chunk):
                     _apply(p, u, lr, group, shape)
+        for (shape, split), items in sliced.items():
+            self._split_step(items, shape, split, group, lr)
+
+    def _split_step(self, items: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple[int, ...],
+                    split: TPSplit, group: dict, lr) -> None:
+        """The Muon update of slices of matrices their tp group owns (every tp rank of the
+        group steps its slices of the same matrices, in the same order): the NS runs over
+        the group, batched over same-shaped matrices (:func:`newton_schulz_split_`); the lr
+        adjustment is the whole matrix's. Per-head Muon: each head's rows are a matrix of
+        their own, whole in a row slice (their NS is this rank's alone) or sliced by
+        columns like the matrix (their NS over the group)."""
+        ns = (group["ns_coefficients"], group["ns_steps"], group["eps"])
+        heads = group["num_heads"]
+        if heads:
+            rows = split.shape[0] // heads
+            if split.dim == 0 and shape[0] % rows:
+                raise NotImplementedError(
+                    f"matrixfsdp.Muon: per-head Muon of '{_name(items[0][0])}' {split.shape} "
+                    f"({heads} heads of {rows} rows) whose tp slices of {shape[0]} rows split a "
+                    "head; use tp_ownership=\"rank\" for it, or a tp size that divides the heads")
+        per = max(1, BATCH_NS_NUMEL // math.prod(shape))
+        for at in range(0, len(items), per):
+            chunk = items[at:at + per]
+            xs = self._ns_input(torch.empty((len(chunk), *shape), device="meta"),
+                                group["ns_dtype"], chunk[0][1].device)
+            for x, (p, grad) in zip(xs, chunk):
+                self._nesterov(x, grad, self.state[p]["momentum_buffer"], group)
+            if not heads:
+                update = newton_schulz_split_(xs, *ns, split.shape, split.dim, split.all_reduce)
+                for u, (p, _) in zip(update, chunk):
+                    _apply(p, u, lr, group, split.shape)
+                continue
+            for x, (p, _) in zip(xs, chunk):  # per-head: a batch of heads each
+                h = x.view(-1, rows, x.shape[-1])
+                if split.dim == 0:  # whole heads in this row slice
+                    u = newton_schulz_(h, *ns)
+                else:
+                    u = newton_schulz_split_(h, *ns, (rows, split.shape[1]), 1, split.all_reduce)
+                _apply(p, u.reshape(p.shape), lr, group, (rows, split.shape[1]))
 
     @staticmethod
     def _nesterov(x: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
@@ -399,6 +410,11 @@ def stepped(group: dict) -> Iterator[torch.Tensor]:
     a gradient, but for a matrix another HSDP replica steps (its copy here holds zeros); a
     non-owner's placeholder holds an empty gradient."""
     return (p for p in group["params"] if p.grad is not None and p.numel() and _steps_here(p))
+
+
+def _tp_split(p: torch.Tensor) -> TPSplit | None:
+    info = sharded_param(p)
+    return None if info is None else info.tp_split
 
 
 def _steps_here(p: torch.Tensor) -> bool:

@@ -50,7 +50,8 @@ _log = logging.getLogger(__name__)
 PHASE_OF = {"all_gather": "gather", "broadcast": "gather", "reduce_scatter": "reduce",
             "reduce": "reduce", "all_reduce": "reduce", "replicate_allreduce": "replicate",
             "replicate_reduce": "replicate", "replicate_broadcast": "replicate",
-            "tp_all_to_all": "gather", "tp_grad_all_to_all": "reduce"}
+            "tp_all_to_all": "gather", "tp_grad_all_to_all": "reduce",
+            "tp_step_allreduce": "step"}
 
 
 @dataclass

@@ -282,7 +282,7 @@ def _domains(units: list[Unit], specs: list, stats: CommStats) -> list[Domain]:
         groups = MeshGroups.from_mesh(mesh)
         mine = set(members)
         plan = make_plan([s for s in specs if s.unit in mine], mesh.size(), names,
-                         shard_size=groups.shard_size)
+                         shard_size=groups.shard_size, tp_ownership=units[0].tp_ownership)
         domain = Domain.of(mesh, groups, plan, stats)
         for ui in members:
             units[ui].domain = domain

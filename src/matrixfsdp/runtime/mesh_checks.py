@@ -8,11 +8,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._compat import flattened_dims, root_mesh
+from ..layout.assign import TP_OWNERSHIPS
 
 
 def check_args(mesh: DeviceMesh, reshard_after_forward: object, offload_policy: object,
-               independent_replicas: bool) -> None:
+               independent_replicas: bool, tp_ownership: object = "auto") -> None:
     """Refuse what fully_shard does not support, naming what to do instead."""
+    if tp_ownership not in TP_OWNERSHIPS:
+        raise ValueError(f"matrixfsdp: tp_ownership={tp_ownership!r}: one of "
+                         f"{', '.join(map(repr, TP_OWNERSHIPS))}")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise NotImplementedError(
             f"matrixfsdp: offload_policy={type(offload_policy).__name__} (CPU offload) is not "

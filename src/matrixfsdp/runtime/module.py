@@ -91,7 +91,7 @@ def make_unit(module: nn.Module, options: ShardOptions) -> nn.Module:
     _check_callable(module)
     mesh = options.mesh or default_mesh()
     check_args(mesh, options.reshard_after_forward, options.offload_policy,
-               options.independent_replicas)
+               options.independent_replicas, options.tp_ownership)
     unit = Unit(module, mesh, options)
     # in the module's own __dict__: a torch.compile wrapper's setattr would forward it to
     # the wrapped block (module_unit)

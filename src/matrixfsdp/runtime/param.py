@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,9 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from .._compat import FOREACH_NORM, norm_partial, plain_torch_function
 from ..layout.types import Placement
-
-if TYPE_CHECKING:
-    from .tp import TPParam
+from .tp import TPParam, TPSplit
 
 _INFO = "_mf_param"  # on a shard: its ShardedParam
 _WAITING_FOR = "_mf_waiting_for"  # on a parameter not sharded yet: the unit that will shard it
@@ -66,6 +64,15 @@ class ShardedParam:
     def tp(self) -> TPParam | None:
         """Its tensor-parallel layout, or None."""
         return self.unit.tp_params[self.index] if self.unit.tp_params else None
+
+    @property
+    def tp_split(self) -> TPSplit | None:
+        """A tp rank's slice of a Muon matrix its tp group owns (``tp_ownership="group"``):
+        what its optimizer step needs (:class:`~matrixfsdp.runtime.tp.TPSplit`); else None."""
+        pl, root = self.placement, self.unit.root
+        if not pl.tp_group or root is None or root.tp is None:
+            return None
+        return TPSplit(pl.spec.shape, pl.spec.tp_dim, root.tp.step)
 
     @property
     def tp_replicated(self) -> bool:

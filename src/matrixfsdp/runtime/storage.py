@@ -55,8 +55,12 @@ class ShardReduce:
 
 def local_rows(full: torch.Tensor, placement: Placement, rank: int) -> torch.Tensor:
     """Rank's piece of the full tensor ``full`` (a view, shaped ``placement.local_shape``):
-    the rows of dim 0 it holds (a 0-d tensor counts as one row)."""
+    the rows of dim 0 it holds (a 0-d tensor counts as one row), and of a tp rank's column
+    slice (``placement.cols``) those columns."""
     start, stop = placement.row_ranges[rank]
+    if placement.cols is not None:
+        a, b = placement.cols
+        return full[start:stop, a:b]
     return full.reshape(placement.spec.rows, placement.spec.row_numel)[start:stop].view(
         placement.local_shape(rank))
 

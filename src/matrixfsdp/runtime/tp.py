@@ -43,6 +43,22 @@ from .collectives import Comm, CommStats
 
 
 @dataclass(frozen=True)
+class TPSplit:
+    """A tp rank's slice of a Muon matrix its tp group owns, as its optimizer step needs it:
+    the whole matrix's ``shape``, the ``dim`` it is sliced along, and ``comm``, the tp
+    group's collectives of the step (the Newton-Schulz's all-reduces,
+    :func:`~matrixfsdp.optim.newton_schulz.newton_schulz_split_`)."""
+
+    shape: tuple[int, int]
+    dim: int
+    comm: Comm
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        """``t`` summed over the tp group, in place (waited for)."""
+        self.comm.all_reduce(t, divisor=1).wait()
+
+
+@dataclass(frozen=True)
 class TPParam:
     """How one parameter is laid out by the TP plan: its tp mesh, placements, and the
     global (logical) shape and stride DTensor reports."""
@@ -120,27 +136,40 @@ def tp_spec(spec: ParamSpec, info: TPParam | None) -> ParamSpec:
 
 
 def global_placement(pl: Placement, info: TPParam | None) -> Placement:
-    """``pl`` in the coordinates of the whole (logical) tensor, what checkpoints and
-    optimizer states name: a ``Shard(0)`` DTensor's local tensor is rows ``[t R, (t+1) R)``
-    of the global one (``t``: this rank on the DTensor's mesh, tp or ep). A tp-split
-    matrix (planned whole), a ``Replicate`` or a plain parameter is already global. A
+    """``pl`` (as this tp rank stores it) in the coordinates of the whole (logical) tensor,
+    what checkpoints and optimizer states name: a ``Shard(0)`` DTensor's local tensor is
+    rows ``[t R, (t+1) R)`` of the global one (``t``: this rank on the DTensor's mesh, tp or
+    ep); a tp rank's slice of a matrix its tp group owns is its rows, or (split along dim
+    1) its columns ``[t C, (t+1) C)``, of the whole matrix. A tp-split matrix owned by one
+    tp rank (planned whole), a ``Replicate`` or a plain parameter is already global. A
     ``Shard(1)`` parameter that is no Muon matrix keeps its local placement (``global_ok``
     says the state functions refuse it)."""
-    if info is None or pl.spec.tp > 1 or info.shard_dim != 0:
+    if info is None or pl.spec.tp > 1 or info.shard_dim is None:
         return pl
-    off = info.mesh.get_local_rank() * pl.spec.rows
+    t, size = info.mesh.get_local_rank(), info.mesh.size()
+    group = pl.spec.muon and pl.owner is not None and len(info.shape) == 2 and size > 1
+    if group:  # a tp rank's slice of a matrix its tp group owns
+        spec = replace(pl.spec, shape=info.shape, tp=size, tp_dim=info.shard_dim)
+        if info.shard_dim == 1:
+            c = pl.spec.shape[1]
+            return Placement(spec, pl.owner, list(pl.row_ranges), None, (t * c, (t + 1) * c))
+        off = t * pl.spec.rows
+        return Placement(spec, pl.owner, [(a + off, b + off) for a, b in pl.row_ranges], None)
+    if info.shard_dim != 0:
+        return pl
+    off = t * pl.spec.rows
     return Placement(replace(pl.spec, shape=info.shape), pl.owner,
                      [(a + off, b + off) for a, b in pl.row_ranges], pl.tp_owner)
 
 
 def global_ok(pl: Placement, info: TPParam | None) -> bool:
     """Whether :func:`global_placement` places ``pl`` in the whole tensor."""
-    return info is None or pl.spec.tp > 1 or info.shard_dim in (None, 0)
+    return info is None or pl.spec.tp > 1 or info.shard_dim in (None, 0) or pl.cols is not None
 
 
 def slice_shape(spec: ParamSpec) -> tuple[int, ...]:
     """The shape of one tp rank's slice of a tp-split matrix."""
-    return tuple(n // spec.tp if d == spec.tp_dim else n for d, n in enumerate(spec.shape))
+    return spec.slice_shape
 
 
 def tp_slice(full: torch.Tensor, spec: ParamSpec, s: int) -> torch.Tensor:
@@ -164,8 +193,9 @@ def check_tp_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> None:
 class TPGroups:
     """This rank's tp group (from the DTensor parameters' mesh) and the runtime's collectives
     over it, each a counted :class:`~matrixfsdp.runtime.collectives.Comm` on one group:
-    ``gather`` (forward and backward gathers) and ``grads`` (the gradients' last hop): the
-    mesh's own group, its timeout bounded by the world's (no group made). One group serves
+    ``gather`` (forward and backward gathers), ``grads`` (the gradients' last hop) and
+    ``step`` (the Newton-Schulz of the matrices the tp group owns, in the optimizer step):
+    the mesh's own group, its timeout bounded by the world's (no group made). One group serves
     both: a unit's gradient hop starts where the schedule finishes its reduce,
     a point the order of the units sets (:meth:`~matrixfsdp.runtime.overlap.Schedule.add_reduce`),
     so every rank interleaves hops and gathers alike (one communicator, not two, on NCCL)."""
@@ -178,6 +208,7 @@ class TPGroups:
         group = bound_timeout(mesh.get_group(), limit, mesh.device_type)
         self.gather = Comm(group, stats, "tp_")
         self.grads = Comm(group, stats, "tp_grad_")
+        self.step = Comm(group, stats, "tp_step_")
 
 
 # ---- torch.compile around the root --------------------------------------------------------

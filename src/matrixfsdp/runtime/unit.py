@@ -94,8 +94,9 @@ class _PostBackward(torch.autograd.Function):
 @dataclass(frozen=True)
 class ShardOptions:
     """The keywords of one ``matrixfsdp.fully_shard`` call (documented there). The root's
-    call's ``muon_filter``, ``debug``, ``overlap`` and ``sync_module_states`` apply to the
-    whole model; ``offload_policy`` and ``independent_replicas`` are checked at the call."""
+    call's ``muon_filter``, ``debug``, ``overlap``, ``sync_module_states`` and
+    ``tp_ownership`` apply to the whole model; ``offload_policy`` and
+    ``independent_replicas`` are checked at the call."""
 
     mesh: DeviceMesh | None = None
     reshard_after_forward: bool | None = None
@@ -106,6 +107,7 @@ class ShardOptions:
     sync_module_states: bool = False
     offload_policy: object = None
     independent_replicas: bool = False
+    tp_ownership: str = "auto"
 
 
 class ShardedState(Enum):
@@ -141,6 +143,7 @@ class Unit:
         self.reshard_default = options.reshard_after_forward is None
         self.muon_filter, self.mp_policy = options.muon_filter, options.mp_policy
         self.debug, self.overlap = options.debug, options.overlap
+        self.tp_ownership = options.tp_ownership
         self.root: Any = None  # the model's Root (root.py imports this file: no type here)
         self.domain: Domain | None = None  # of its mesh: groups, Comm, plan
         self.name, self.index = "", 0  # in root.units

@@ -28,7 +28,9 @@ bit for bit from the rank holding it (a gather moves data, it adds nothing up):
 Under tensor or expert parallelism both steps run per group, one group after the other:
 the data-parallel ranks first (together they hold a range of rows: a tp rank's ``Shard(0)``
 rows, or a tp-split matrix whole where its owner sits), then the tp or ep group, whose ranks
-hold the other ranges, as DTensor gathers a 2-D placement dim by dim.
+hold the other ranges, as DTensor gathers a 2-D placement dim by dim. A tp rank's column
+slice of a matrix its tp group owns is gathered over the data-parallel ranks as rows of its
+columns, then the tp group's slices side by side (one all-gather of equal slices).
 """
 
 from __future__ import annotations
@@ -87,6 +89,14 @@ def gather_rows(local: torch.Tensor, shape: tuple[int, ...], offsets: tuple[int,
     and expert parallelism: the data-parallel group, then the tp or ep group, as DTensor
     gathers a 2-D placement dim by dim). A collective of every group, in order."""
     groups = [groups] if isinstance(groups, dist.ProcessGroup) else list(groups)
+    if len(shape) == 2 and local.dim() == 2 and local.shape[1] != shape[1]:
+        # a tp rank's column slice of a matrix its tp group owns: its rows over the
+        # data-parallel group(s), then the slices side by side over the tp group (the last)
+        *rows, columns = groups
+        part = gather_rows(local, (shape[0], local.shape[1]), (offsets[0], 0), fqn, rows, seq)
+        every = part.new_empty((dist.get_world_size(columns), *part.shape))
+        all_gather_single(every, part.contiguous(), group=columns)
+        return every.permute(1, 0, 2).reshape(shape)
     for k, group in enumerate(groups):
         local, offsets = _gather_stage(local, shape, offsets, fqn, group, seq, k == len(groups) - 1)
     return local

@@ -12,7 +12,7 @@ import torch
 
 from ..layout.types import Placement
 from ..runtime.storage import local_rows
-from .row_shard import RowShard
+from .row_shard import RowShard, box_offsets
 from .row_shard import where as where_of
 
 
@@ -52,7 +52,7 @@ def local_piece(value: Any, pl: Placement, rank: int, what: str,
     shape = pl.local_shape(rank)
     if isinstance(value, RowShard):
         start = pl.row_ranges[rank][0]
-        want = (start, *[0] * (len(spec.shape) - 1)) if spec.shape else ()
+        want = box_offsets(pl, rank)
         if tuple(value.shape) != spec.shape or tuple(value.local.shape) != tuple(shape) or \
                 (math.prod(shape) and value.offsets != want):
             raise ValueError(

@@ -3,10 +3,12 @@ torch's state-dict helpers: ``model.state_dict()``, the optimizers' ``state_dict
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` and ``matrixfsdp.get_state_dict``.
 
 A :class:`RowShard` is this rank's piece of a tensor that lives spread over the ranks: a
-local tensor, the full (global) shape and where the piece starts in it. Every MatrixFSDP
+local tensor, the full (global) shape and where the piece starts in it. A MatrixFSDP
 placement is a range of dim-0 rows (a whole Muon matrix is rows ``[0, m)`` on its owner and
 rows ``[0, 0)`` elsewhere; an expert stack is a range of whole experts; an even parameter a
-row slice), so the offsets are ``(start, 0, ..., 0)``.
+row slice), so the offsets are ``(start, 0, ..., 0)``; under tensor parallelism a tp rank's
+slice of a matrix its tp group owns is its rows or its columns of the whole matrix
+(``(0, first column)``).
 
 DCP recognises such objects by three methods, the ones ``DTensor`` implements
 (``torch/distributed/tensor/_api.py``, read by ``planner_helpers._create_write_items``,
@@ -118,10 +120,25 @@ _UNSUPPORTED = ("Use .local for this rank's rows, model.load_state_dict / torch'
                 "or matrixfsdp.full_state_dict for full tensors")
 
 
-class RowShard(DTensor):
-    """Rows ``[offsets[0], offsets[0] + local.shape[0])`` of a tensor of shape ``self.shape``.
+def box_offsets(placement: Placement, rank: int) -> tuple[int, ...]:
+    """Where shard rank ``rank``'s piece of ``placement`` starts in the whole tensor: its
+    first row, and (a tp rank's column slice of a matrix its tp group owns) its first column."""
+    shape = placement.spec.shape
+    if not shape:
+        return ()
+    start = placement.row_ranges[rank][0]
+    if placement.cols is not None:
+        return (start, placement.cols[0])
+    return (start, *[0] * (len(shape) - 1))
 
-    ``local`` has the full shape's trailing dims (``(rows held, *shape[1:])``); a 0-d tensor
+
+class RowShard(DTensor):
+    """The piece ``local`` at ``offsets`` of a tensor of shape ``self.shape``: rows
+    ``[offsets[0], offsets[0] + local.shape[0])``, and (a tp rank's column slice of a matrix
+    its tp group owns) columns from ``offsets[1]``.
+
+    ``local`` has the full shape's trailing dims (``(rows held, *shape[1:])``) but for such a
+    column slice; a 0-d tensor
     is held whole (``local`` 0-d, ``offsets == ()``) by the ranks holding it and as an empty
     ``(0,)`` elsewhere. ``fqn`` (the parameter name) is for messages. ``mesh``: the DTensor
     mesh (the parameter's ``fully_shard`` mesh; DCP needs it, a test may leave it out);
@@ -144,8 +161,8 @@ class RowShard(DTensor):
         shape, offsets = tuple(shape), tuple(offsets)
         if len(offsets) != len(shape):
             raise ValueError(f"RowShard '{name}': offsets {offsets} for shape {shape}")
-        if local.numel() and (local.dim() != len(shape) or tuple(local.shape[1:]) != shape[1:]
-                              or (shape and offsets[0] + local.shape[0] > shape[0])):
+        if local.numel() and (local.dim() != len(shape) or any(
+                o + n > s for o, n, s in zip(offsets, local.shape, shape))):
             raise ValueError(f"RowShard '{name}': local {tuple(local.shape)} at {offsets} does "
                              f"not fit in {shape}")
         stride = torch.empty(shape, device="meta").stride()
@@ -169,9 +186,7 @@ class RowShard(DTensor):
         """This rank's ``local`` tensor (a parameter shard or optimizer state of the same
         shape) placed as ``placement`` says."""
         spec = placement.spec
-        start = placement.row_ranges[rank][0]
-        offsets = (start, *[0] * (len(spec.shape) - 1)) if spec.shape else ()
-        return cls(local.detach(), spec.shape, offsets, spec.name, **kwargs)
+        return cls(local.detach(), spec.shape, box_offsets(placement, rank), spec.name, **kwargs)
 
     @classmethod
     def of_param(cls, local: torch.Tensor, p: torch.Tensor, **kwargs: Any) -> RowShard:

@@ -1,0 +1,136 @@
+"""Tensor parallelism with ``tp_ownership="group"``: each tp-split matrix owned by its owner's
+whole tp group, each tp rank keeping and stepping its own slice, the Newton-Schulz run over
+the group. On 8 gloo ranks, replicate 2 x shard 2 x tp 2 (torchtitan's Llama plan with
+sequence parallelism: ColwiseParallel q, k, v, w1, w3 sliced by rows, RowwiseParallel wo, w2
+by columns), against one process running torch.optim.Muon (fp32 NS) + AdamW on the whole
+batch, with torch's clipping:
+
+* the parameters after 3 steps within the parity bound (1e-5);
+* forward and backward move nothing inside the tp groups (no tp hop: ``tp_all_to_all`` /
+  ``tp_grad_all_to_all`` never issued), the step's only collectives are the tp groups'
+  Newton-Schulz all-reduces (``tp_step_allreduce``), none on a data-parallel group;
+* "rank" (the tp hop) and "group" give the same parameters."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+from _dist import spawn
+from reference import assert_params_close, reference_ns_fp32
+from test_parity import ADAMW, MUON, _groups
+from torch.distributed.device_mesh import init_device_mesh
+from tp_models import VOCAB, apply_tp, build_llama
+
+import matrixfsdp as mf
+
+STEPS, PER, SEQ, CLIP = 3, 2, 16, 0.5
+
+
+def _is_muon(name: str, p: torch.Tensor) -> bool:
+    return name.startswith("layers.") and p.dim() == 2
+
+
+def _data(dp: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (dp * PER, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def _reference(data) -> list[dict[str, torch.Tensor]]:
+    """One process: the parameters after each step."""
+    model = build_llama()
+    named = list(model.named_parameters())
+    muon = torch.optim.Muon([p for n, p in named if _is_muon(n, p)], **MUON)
+    adamw = torch.optim.AdamW([p for n, p in named if not _is_muon(n, p)], **ADAMW)
+    after = []
+    with reference_ns_fp32():
+        for x in data:
+            model.loss(x[:, :-1], x[:, 1:]).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            for opt in (muon, adamw):
+                opt.step()
+                opt.zero_grad()
+            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return after
+
+
+def _model(mesh, ownership: str):
+    dp = mesh["replicate", "shard"]
+    model = apply_tp(build_llama(seed=5), mesh["tp"], True)  # another init: loads must fill it
+    for block in model.layers:
+        mf.fully_shard(block, mesh=dp)
+    mf.fully_shard(model, mesh=dp, tp_ownership=ownership)
+    return model, mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+
+
+def _train(model, opt, data, dp_rank: int, step_calls: dict) -> None:
+    stats = mf.comm_stats(model)
+    for x in data:
+        x = x[dp_rank * PER:(dp_rank + 1) * PER]
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        mf.clip_grad_norm_(model.parameters(), CLIP)
+        before = dict(stats.calls)
+        opt.step()
+        for k, n in stats.calls.items():
+            if n > before.get(k, 0):
+                step_calls[k] = step_calls.get(k, 0) + n - before.get(k, 0)
+        opt.zero_grad()
+
+
+def _run(mesh, ownership: str, ckpt: str, load_from: str | None) -> dict:
+    """Steps 1-2 from the seed (or, ``load_from``, step 2's checkpoint of another
+    placement), a checkpoint, step 3."""
+    dp_rank = mesh["replicate", "shard"]._flatten().get_local_rank()
+    data = _data(4)
+    model, opt = _model(mesh, ownership)
+    seed = {"model": model.state_dict()}  # the one-process init (FSDP2's way to load it)
+    dcp.load(seed, checkpoint_id=f"{ckpt}/seed")
+    model.load_state_dict(seed["model"])
+    step_calls: dict[str, int] = {}
+    if load_from is None:
+        _train(model, opt, data[:2], dp_rank, step_calls)
+        dcp.save(mf.get_state_dict(model, opt), checkpoint_id=f"{ckpt}/{ownership}")
+    else:  # the other placement's checkpoint: model and optimizer state
+        state = mf.get_state_dict(model, opt)
+        dcp.load(state, checkpoint_id=f"{ckpt}/{load_from}")
+        mf.set_state_dict(model, opt, state)
+    after2 = mf.full_state_dict(model)
+    _train(model, opt, data[2:], dp_rank, step_calls)
+    return dict(after2=after2, params=mf.full_state_dict(model),
+                calls=dict(mf.comm_stats(model).counts), step_calls=step_calls)
+
+
+def _worker(rank, world, out):
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    res = {"group": _run(mesh, "group", out, None), "rank": _run(mesh, "rank", out, None),
+           "group<-rank": _run(mesh, "group", out, "rank"),
+           "rank<-group": _run(mesh, "rank", out, "group")}
+    torch.save(res, f"{out}/rank{rank}.pt")
+
+
+def test_group_owned_matrices_match_one_process(tmp_path):
+    """Both placements within the parity bound of one process at every step; each loads
+    the other's DCP checkpoint (model and optimizer state) and its step 3 lands on one
+    process's; the "group" checkpoint loads into a plain model; no tp hop under "group",
+    and its step's only collectives are the tp groups' NS all-reduces."""
+    torch.manual_seed(0)
+    dcp.save({"model": build_llama().state_dict()}, checkpoint_id=str(tmp_path / "seed"), no_dist=True)
+    spawn(_worker, 8, str(tmp_path))
+    ref = _reference(_data(4))
+    plain = build_llama(seed=9)
+    state = {"model": plain.state_dict()}
+    dcp.load(state, checkpoint_id=str(tmp_path / "group"), no_dist=True)
+    plain.load_state_dict(state["model"])
+    assert_params_close(dict(plain.named_parameters()), ref[1], what="plain model ")
+    for r in range(8):
+        res = torch.load(tmp_path / f"rank{r}.pt")
+        for name, run in res.items():
+            assert_params_close(run["after2"], ref[1], what=f"rank {r} {name} step 2 ")
+            assert_params_close(run["params"], ref[2], what=f"rank {r} {name} step 3 ")
+        group, rank = res["group"], res["rank"]
+        # nothing crosses the tp group in forward or backward; the step's collectives are the
+        # tp group's all-reduces alone
+        hop = ("tp_all_to_all", "tp_grad_all_to_all")
+        assert sum(group["calls"].get(k, {}).get("sent_bytes", 0) for k in hop) == 0, group["calls"]
+        assert set(group["step_calls"]) == {"tp_step_allreduce"}, group["step_calls"]
+        assert rank["step_calls"] == {}, rank["step_calls"]  # one tp rank steps it whole
+        assert sum(rank["calls"].get(k, {}).get("sent_bytes", 0) for k in hop) > 0  # its hop
