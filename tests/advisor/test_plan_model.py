@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
@@ -115,8 +115,8 @@ def test_plan_predicts_every_collective_and_every_byte_held(shape, bf16, micro_b
 
 
 def _tp_worker(rank, world_size, dp, tp, coalesced):
+    from helpers.tp_models import TINY, VOCAB, Llama, apply_tp, build_llama
     from torch.distributed.device_mesh import init_device_mesh
-    from tp_models import TINY, VOCAB, Llama, apply_tp, build_llama
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = apply_tp(build_llama(0), mesh["tp"])
@@ -146,15 +146,15 @@ def test_search_counts_tensor_parallel_ops_as_the_runtime(dp, tp, backend):
 
 
 def _pp_worker(rank, world_size):
-    from pp_models import PP_CONFIG
-    from test_pipelining import _data, _Run
+    from helpers.pp_models import PP_CONFIG
+    from helpers.pp_training import PipelineRun, pp_data
+    from helpers.tp_models import Llama
     from torch.distributed.device_mesh import init_device_mesh
-    from tp_models import Llama
 
     mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
-    run = _Run(mesh, "1F1B", 2, unused=False, reshard_after_forward=False)  # torchtitan's
+    run = PipelineRun(mesh, "1F1B", 2, unused=False, reshard_after_forward=False)  # torchtitan's
     stats = [mf.comm_stats(m) for m in run.modules]
-    for step, x in enumerate(_data(2, 4)):
+    for step, x in enumerate(pp_data(2, 4)):
         if step == 1:
             for s in stats:
                 s.reset()

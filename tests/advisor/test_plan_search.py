@@ -36,7 +36,7 @@ def _shapes(cfg=CFG):
                                               (8, 8, 2), (8, 4, 2), (4, 2, 4)])
 def test_state_spread_is_the_per_rank_model(world, shard, tp):
     """The search's model state (difference arrays, all ranks at once) equals max and mean
-    of :func:`traffic.rank_held`, rank by rank, the model tests/test_plan_model.py checks
+    of :func:`traffic.rank_held`, rank by rank, the model tests/advisor/test_plan_model.py checks
     against 8 gloo ranks."""
     shapes = _shapes()
     plan = make_plan(tp_specs(shapes, tp), world, shapes.unit_names, shard_size=shard)

@@ -8,7 +8,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 
 import matrixfsdp as mf
 from benchmarks.harness.main import main
@@ -101,14 +101,14 @@ def test_bench_hsdp_mode_runs_and_matches_fsdp2_hsdp_bytes(tmp_path):
     ours, fsdp2 = (replicate_dim_bytes(systems[n], 2) for n in ("matrixfsdp", "fsdp2_adamw"))
     # FSDP2 HSDP's bytes, and what the layout adds: a gradient flag per parameter (all-reduced)
     # and the matrices' alignment in their runs (test_hsdp's count from the plan's layouts)
-    from test_hsdp import _replicate_bytes_from_layout
+    from helpers.replicate_bytes import replicate_bytes_from_layout
 
     from matrixfsdp.train.models import GPT, GPTConfig
     with torch.device("meta"):
         twin = GPT(GPTConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=1,
                              d_mlp=64))
     plan = mf.plan_costs(twin, (2, 1), coalesced=False).plan
-    extra = sum(_replicate_bytes_from_layout(plan, r)["extra"] for r in range(2)) / 2
+    extra = sum(replicate_bytes_from_layout(plan, r)["extra"] for r in range(2)) / 2
     assert fsdp2["wire"] > 0 and ours["wire"] == fsdp2["wire"] + extra > fsdp2["wire"], (ours, fsdp2)
     assert ours["c10d::reduce_"] > 0 and ours["c10d::broadcast_"] > 0
     m = systems["matrixfsdp"]

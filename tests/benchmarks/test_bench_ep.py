@@ -23,8 +23,8 @@ import json
 
 import pytest
 import torch.distributed as dist
-from _dist import spawn
-from ep_models import TINY
+from helpers.ep_models import TINY
+from helpers.rank_pool import spawn
 
 from benchmarks.parallel.ep import measure_rank, parse_args
 from benchmarks.parallel.ep_model import SYSTEMS, EPBenchConfig

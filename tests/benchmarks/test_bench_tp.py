@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 
 from benchmarks.parallel.tp import measure, parse_args
 from benchmarks.parallel.tp_model import SYSTEMS, LlamaConfig, TPBenchConfig

@@ -8,7 +8,7 @@ import collections
 
 import pytest
 import torch
-from _cli import captured_fds
+from helpers.cli import captured_fds
 from torch import nn
 
 import matrixfsdp as mf

@@ -1,7 +1,7 @@
 """The set-up checks' failure paths on 4 real gloo ranks: when the digests differ, each check
 still names the first item, parameter or rank that differs, with every rank's value, as the
 gather of every rank's description did (the success path, one small all-reduce, is what
-tests/test_scale_ranks.py measures at 16384 ranks)."""
+tests/runtime/test_16384_ranks.py measures at 16384 ranks)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -9,43 +9,13 @@ import re
 
 import pytest
 import torch
-from _dist import spawn
+from helpers.diverging_model import CFG, SkippingGPT, train_until_error
+from helpers.rank_pool import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import placement_of
-from matrixfsdp.train.models import GPT, GPTConfig
-
-CFG = GPTConfig(d_model=16, n_heads=2, n_layers=3, d_mlp=24, seq_len=8)
-
-
-class SkippingGPT(GPT):
-    """Rank ``skip_rank`` leaves block 1 out at step ``skip_step``: divergent control flow."""
-
-    skip_rank, skip_step, step = -1, -1, 0
-
-    def forward(self, idx):
-        x = self.embed(idx) + self.pos(torch.arange(idx.shape[1]))
-        for i, block in enumerate(self.layers):
-            skip = i == 1 and self.step == self.skip_step and \
-                torch.distributed.get_rank() == self.skip_rank
-            if not skip:
-                x = block(x)
-        return self.head(self.norm(x))
-
-
-def train_until_error(model, opt, steps=4) -> str:
-    """Train ``model`` (a :class:`SkippingGPT`) on one batch; the error message, or "no error"."""
-    x = torch.randint(0, 256, (2, 9))
-    try:
-        for step in range(steps):
-            model.step = step
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+from matrixfsdp.train.models import GPT
 
 
 def _diverge(rank, world_size, debug, out_dir):

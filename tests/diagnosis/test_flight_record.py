@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from _dist import spawn
+from helpers.rank_pool import spawn
 
 from matrixfsdp.diagnosis.flight import hung_ranks, read_dumps, recorder_env
 

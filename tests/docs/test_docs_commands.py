@@ -6,88 +6,17 @@ are the ones the command prints. No rank is started."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import io
 import re
-from pathlib import Path
 
 import pytest
+from helpers.docs_pages import PAGES, documented, help_options, help_text
 
 from matrixfsdp.__main__ import main
-
-ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)"
-                     r"|python -m (?:benchmarks|tools|matrixfsdp)\.[\w.]+)"
-                     r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
-FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
-
-
-def _code(text: str) -> list[str]:
-    """The pages' code: fenced blocks and inline spans, each as one line."""
-    blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
-    rest = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.S | re.M)
-    spans = re.findall(r"`([^`]+)`", rest)
-    lines = [line for b in blocks for line in re.sub(r"\\\n\s*", " ", b).splitlines()]
-    return lines + [re.sub(r"\s*\n\s*", " ", c) for c in spans]
-
-
-def _which(cmd: str, args: str) -> str:
-    """The parser a documented command line reaches."""
-    if cmd == "matrixfsdp bench":
-        for mode in ("--link", "--tp", "--ep"):
-            if re.search(rf"(?<![\w-]){mode}(?![\w-])", args):
-                return f"bench {mode}"
-    return cmd.removeprefix("matrixfsdp ").removeprefix("python -m ")
-
-
-def documented() -> dict[str, dict[str, str]]:
-    """{command: {flag: where it is documented}}."""
-    found: dict[str, dict[str, str]] = {}
-    for page in PAGES:
-        for code in _code(page.read_text()):
-            for m in COMMAND.finditer(code):
-                args = m.group(2)
-                for flag in FLAG.findall(args):
-                    found.setdefault(_which(m.group(1), args), {}).setdefault(flag, page.name)
-    return found
-
-
-def help_text(command: str) -> str:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        if command.startswith(("benchmarks.", "tools.", "matrixfsdp.")):
-            importlib.import_module(command).main(["--help"])
-        elif command.startswith("bench --link"):
-            main(["bench", "--link", "1", "--help"])
-        else:
-            main([*command.split(), "--help"])
-    return out.getvalue()
-
-
-def _options(text: str) -> dict[str, str]:
-    """Each option of a ``--help`` text with its help (the lines up to the next option)."""
-    found: dict[str, str] = {}
-    current: list[str] = []
-    for line in text.splitlines():
-        m = re.match(r"\s{2}(-[-\w]+)", line)
-        if m:
-            names = re.findall(r"(?<![\w-])--?[\w-]+", line.split("  ", 2)[1])
-            current = [o for o in names if o.startswith("--")]
-            for o in current:
-                found[o] = line
-        elif current and line.startswith(" " * 8):
-            for o in current:
-                found[o] += " " + line.strip()
-        else:
-            current = []
-    return found
 
 
 @pytest.mark.parametrize("command", sorted(documented()))
 def test_documented_flags_are_in_help_with_defaults(command):
-    options = _options(help_text(command))
+    options = help_options(help_text(command))
     missing = {f: page for f, page in documented()[command].items() if f not in options}
     assert not missing, f"{command} --help lacks flags the docs use: {missing}"
     if not command.startswith("benchmarks."):  # the tools' own help is theirs
@@ -102,7 +31,7 @@ def test_rank_count_is_ranks_everywhere_world_size_an_alias():
                           ("bench", ["bench", "--world-size", "2", "--replicas", "3"]),
                           ("bench --link", ["bench", "--link", "1", "--world-size", "1"]),
                           ("plan", ["plan", "--world-size", "0"])):
-        options = _options(help_text(command))
+        options = help_options(help_text(command))
         assert "--world-size is another name" in options["--ranks"], command
         with pytest.raises(SystemExit):  # refused by the checks of the value: the alias parsed
             main(argv)

@@ -21,15 +21,13 @@ import socket
 import subprocess
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
-from _dist import spawn
+from helpers.docs_pages import PAGES, ROOT
+from helpers.rank_pool import spawn
 
 import matrixfsdp as mf
 
-ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 MARK = re.compile(r"Runnable as is: `torchrun --nproc-per-node (\d+) ([\w./-]+)`")
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 EXIT = 'mf.exit_rank()  # leave without interpreter finalization: design.md, "Leaving a rank"'

@@ -14,7 +14,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from test_docs_commands import FLAG, PAGES, _options, _which, help_text
+from helpers.docs_pages import FLAG, PAGES, help_options, help_text, which_parser
 
 from tools import docs_figures as df
 
@@ -54,8 +54,8 @@ def test_figure_commands_are_the_commands(name):
         if words[0] == "python":
             which = words[2]
         else:
-            which = _which(" ".join(words[:2]), command)
-        options = _options(help_text(which))
+            which = which_parser(" ".join(words[:2]), command)
+        options = help_options(help_text(which))
         flags = [f for f in FLAG.findall(" ".join(words)) if f not in options]
         assert not flags, f"{name}: `{command}` passes {flags}, which {which} --help lacks"
 

@@ -135,7 +135,7 @@ def test_parameters_replaced_after_fully_shard(world1):
     """A parameter's data replaced after fully_shard would leave the shard behind and train
     stale weights silently: the next forward raises, naming the parameter. ``.double()``
     is refused at the call, before anything moves; ``to_empty`` onto the shards' device
-    rebinds them (FSDP2's meta-device recipe: tests/test_titan_trainer.py)."""
+    rebinds them (FSDP2's meta-device recipe: tests/integrations/test_torchtitan_pieces.py)."""
     model = _shard(GPT(CFG))
     mf.muon_param_groups(model)  # plans
     shards = list(model.parameters())
@@ -174,7 +174,7 @@ def test_torch_matrix_optimizers_on_shards_are_refused(tmp_path):
     """torch.optim.Muon / Adafactor on a row shard (or L-BFGS on any shard) would step one
     rank's piece, not the matrix: a silent difference from one process, refused on every
     rank; element-wise optimizers such as AdamW stay allowed."""
-    from _dist import spawn
+    from helpers.rank_pool import spawn
     spawn(_torch_matrix_optimizers, 2, str(tmp_path))
     for rank in range(2):
         errors = torch.load(tmp_path / f"rank{rank}.pt")

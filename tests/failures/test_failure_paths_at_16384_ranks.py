@@ -190,9 +190,9 @@ def _main() -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/fd")
 def test_debug_checks_and_the_async_save_group_do_not_grow_with_p():
-    here = os.path.dirname(__file__)
+    here, name = os.path.split(os.path.splitext(__file__)[0])  # this file, imported by its name
     run = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {here!r}); "
-                          "import test_failure_scale as t; t._main()"],
+                          f"import {name} as t; t._main()"],
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-3000:]

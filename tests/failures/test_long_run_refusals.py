@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import matrixfsdp as mf

@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import spawn
-from inject_faults import train as train_with_faults
+from helpers.inject_faults import train as train_with_faults
+from helpers.rank_pool import spawn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import DeviceMesh
 

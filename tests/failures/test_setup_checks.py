@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -75,7 +75,7 @@ def test_set_up_checks_on_two_ranks(tmp_path):
     assert r0[0] == r1[0] and "parameter 'embed.weight' differs between ranks" in r0[0], r0[0]
     assert "ranks [1]" in r0[0]
     world, mesh_default, shard, replicate = r0[1].split(" ")
-    assert world == "0:01:00" and mesh_default == "0:30:00", r0[1]  # _dist's 60 s; torch's default
+    assert world == "0:01:00" and mesh_default == "0:30:00", r0[1]  # rank_pool's 60 s; torch's default
     assert shard == world and replicate == world, r0[1]
     assert r0[2].startswith("matrixfsdp debug: rank 1 did not arrive (its last collective: step 1, "
                             "unit 'layers.0', forward gather)"), r0[2]

@@ -40,8 +40,8 @@ def test_reshard_after_forward_as_int_is_refused(world1, value):
 def test_shard_slice_beside_a_size_1_replicate_dim_is_accepted(world1):
     """A size-1 replicate dim is one replica: nothing to average (before: refused, while
     FSDP2 trains torchtitan's (pp=1, dp_replicate=1, fsdp=N, tp=1) mesh['fsdp']). A slice
-    that leaves out a replicate dim of size > 1 is refused (tests/test_meshes.py, 4 ranks;
-    test_debug.py); a pipeline stage's (pp, dp) slice is accepted."""
+    that leaves out a replicate dim of size > 1 is refused (tests/runtime/test_meshes.py, 4 ranks;
+    test_debug_mode.py); a pipeline stage's (pp, dp) slice is accepted."""
     mesh2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
     mf.fully_shard(GPT(CFG), mesh=mesh2d["shard"])
     mf.fully_shard(GPT(CFG), mesh=mesh2d["shard"], independent_replicas=True)

@@ -21,8 +21,8 @@ How they get there: every rank runs :func:`spawned` instead of the launcher's ow
 by reference, so the rank imports this module); it patches the trainer's ``_step`` and
 ``clip_and_check`` (``matrixfsdp.train.loop``) and the checkpoint's ``_commit``
 (``matrixfsdp.state.files``) in that rank, then runs the launcher's own. In the test process
-:func:`train` does that around the command's own ``main`` (:func:`_cli.run_cli`); as a
-script, ``python tests/inject_faults.py ARGS...`` runs ``matrixfsdp ARGS...`` the same way
+:func:`train` does that around the command's own ``main`` (:func:`helpers.cli.run_cli`); as a
+script, ``python tests/helpers/inject_faults.py ARGS...`` runs ``matrixfsdp ARGS...`` the same way
 in a process of its own. The variable is read in the ranks, at each step and commit."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def spawned(rank: int, *args) -> None:
 
 def train(*args: str, faults: str, env: dict[str, str] | None = None):
     """``run_cli(*args)`` (in this process) with ``faults`` injected into its ranks."""
-    from _cli import run_cli
+    from helpers.cli import run_cli
     with mock.patch.object(launch, "_spawned", spawned):
         return run_cli(*args, env={**(env or {}), VARIABLE: faults})
 

@@ -2,7 +2,7 @@
 opens (``sys.addaudithook``, the ``open`` event: ``open()``, ``os.open``, ``Path.open``)
 and per file it hashes (``matrixfsdp.state.integrity.file_digest``), each with whether the
 default process group existed at that moment. Run as a script, ``python
-tests/open_audit.py LOG ARGS...`` installs it and runs ``matrixfsdp ARGS...`` in this
+tests/helpers/open_audit.py LOG ARGS...`` installs it and runs ``matrixfsdp ARGS...`` in this
 process (one rank under torchrun's environment: RANK, WORLD_SIZE, ...).
 
 The recording comes from outside the library: the hook and the wrapper are installed by

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import nn
-from tp_models import VOCAB, build_llama
 
 from benchmarks.parallel.tp_model import LlamaConfig
+from helpers.tp_models import VOCAB, build_llama
 
 PP_CONFIG = LlamaConfig(d_model=32, heads=4, ffn=64, layers=4, vocab=VOCAB)
 

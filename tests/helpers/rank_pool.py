@@ -164,9 +164,9 @@ def _context():
     # what most ranks import anyway (a module missing here is skipped by the server)
     # (transformers' model code too: importing its first model, 0.7 s, was paid by every
     # rank that built one, of every pool)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp", "_dist", "transformers",
-                                "transformers.models.llama.modeling_llama", "pytorch_optimizer",
-                                "heavyball", "torch._dynamo"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "matrixfsdp", "helpers.rank_pool",
+                                "transformers", "transformers.models.llama.modeling_llama",
+                                "pytorch_optimizer", "heavyball", "torch._dynamo"])
     return ctx
 
 

@@ -1,4 +1,4 @@
-"""Test helper, run as a script: ``python tests/stop_in_dcp.py ARGS...`` runs ``matrixfsdp
+"""Test helper, run as a script: ``python tests/helpers/stop_in_dcp.py ARGS...`` runs ``matrixfsdp
 ARGS...`` with one rank stopping itself (SIGSTOP) inside torch's own DCP classes, as a rank
 whose storage or host hangs would: ``STOP_IN_DCP=WHERE:RANK:STEP:DIR``, WHERE one of
 ``saveplan`` (``FileSystemWriter.prepare_local_plan``, DCP's save planning) or ``loadread``

@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
-from _dist import spawn
-from collectives import Collectives
-from reference import assert_params_close, batches, rank_slice, reference_ns_fp32
-from reference import is_muon_name as is_muon
+from helpers.collectives import Collectives
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close, batches, rank_slice, reference_ns_fp32
+from helpers.reference import is_muon_name as is_muon
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -26,7 +26,7 @@ STEPS, PER_RANK, SEQ = 4, 2, 16
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 # eps 1e-5: Adam's update has slope up to 1/eps at g ~ 0, and rows of the embedding that a
 # batch barely touches have ~1e-8 gradients whose summation-order rounding eps = 1e-6
-# still turned into 2e-6 (measured). See test_parity's ADAMW comment.
+# still turned into 2e-6 (measured). See helpers.parity's ADAMW comment.
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01)
 # Sizes divisible by neither 2 nor 3 where the architecture allows (heads * head_dim).
 SMALL = dict(vocab_size=256, hidden_size=40, intermediate_size=56, num_hidden_layers=2,

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist import spawn
-from pp_models import build_full, build_stage, loss_fn
-from reference import assert_params_close, reference_ns_fp32
-from test_parity import ADAMW, MUON, _groups
+from helpers.pp_models import build_full
+from helpers.pp_training import DP, PP, PipelineRun, pp_data, pp_reference
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close
 from torch import nn
 from torch.distributed import pipelining as tp_pipelining
 from torch.distributed.checkpoint.state_dict import (
@@ -28,126 +28,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from tp_models import VOCAB
 
 import matrixfsdp as mf
-
-STEPS, PER, SEQ, CLIP = 2, 8, 8, 0.3  # PER rows per dp rank: divisible by 8 micro-batches
-PP, DP = 2, 2
-
-# name: (schedule class, stages per rank, V-shaped placement)
-SCHEDULES = {
-    "GPipe": (tp_pipelining.ScheduleGPipe, 1, False),
-    "1F1B": (tp_pipelining.Schedule1F1B, 1, False),
-    "Interleaved1F1B": (tp_pipelining.ScheduleInterleaved1F1B, 2, False),
-    "LoopedBFS": (tp_pipelining.ScheduleLoopedBFS, 2, False),
-    "InterleavedZeroBubble": (tp_pipelining.ScheduleInterleavedZeroBubble, 2, False),
-    "ZBVZeroBubble": (tp_pipelining.ScheduleZBVZeroBubble, 2, True),
-    "DualPipeV": (tp_pipelining.ScheduleDualPipeV, 2, True),
-}
-
-
-def _is_muon(name: str, p: torch.Tensor) -> bool:
-    return name.startswith("layers.") and p.dim() == 2
-
-
-def _data(steps: int = STEPS, dp: int = DP) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (dp * PER, SEQ + 1), generator=g) for _ in range(steps)]
-
-
-def _reference(data, model=None) -> dict[str, torch.Tensor]:
-    """One process, the whole batch: the parameters after the last step."""
-    model = model or build_full()
-    named = list(model.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if _is_muon(n, p)], **MUON)
-    adamw = torch.optim.AdamW([p for n, p in named if not _is_muon(n, p)], **ADAMW)
-    with reference_ns_fp32():
-        for x in data:
-            logits = model(x[:, :-1])
-            loss_fn(logits, x[:, 1:]).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            for opt in (muon, adamw):
-                opt.step()
-                opt.zero_grad()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _stage_ids(pp_rank: int, pp: int, per_rank: int, v_shape: bool) -> list[int]:
-    n = pp * per_rank
-    if per_rank == 1:
-        return [pp_rank]
-    return [pp_rank, n - 1 - pp_rank] if v_shape else [pp_rank + k * pp for k in range(per_rank)]
-
-
-class _Run:
-    """One rank's stages of one schedule, sharded over the dp ranks, and their optimizer."""
-
-    def __init__(self, mesh, name: str, n_mb: int, *, scale_grads: bool = True,
-                 reshard_after_forward: bool | None = None, stage_cls=None, seed: int = 0,
-                 per_part_optimizers: bool = False, unused: bool = True, tp_plan=None,
-                 dp_dims: tuple[str, ...] = ("dp",)):
-        cls, per_rank, v_shape = SCHEDULES[name]
-        pp = mesh["pp"].size()
-        self.mesh, self.n_stages = mesh, pp * per_rank
-        self.ids = _stage_ids(mesh["pp"].get_local_rank(), pp, per_rank, v_shape)
-        self.modules = [build_stage(s, self.n_stages, seed) for s in self.ids]
-        for m, s in zip(self.modules, self.ids):  # no forward uses it: never stepped, as in torch
-            if unused:
-                setattr(m, f"unused{s}", nn.Linear(4, 4))
-        self.unused = [getattr(m, f"unused{s}").weight.detach().clone() if unused else None
-                       for m, s in zip(self.modules, self.ids)]
-        for m in self.modules:
-            if tp_plan is not None:
-                tp_plan(m, mesh["tp"])
-            for block in m.layers.values():
-                mf.fully_shard(block, mesh=mesh[dp_dims], reshard_after_forward=reshard_after_forward)
-            mf.fully_shard(m, mesh=mesh[dp_dims], reshard_after_forward=reshard_after_forward)
-        self.dp_mesh = mesh[dp_dims]
-        stage_cls = stage_cls or mf.pipelining.PipelineStage
-        stages = [stage_cls(m, s, self.n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
-                  for m, s in zip(self.modules, self.ids)]
-        # one optimizer for every stage on this rank, or one per stage (torchtitan's)
-        self.part_opts = [mf.Muon(_groups(m, MUON, ADAMW, torch.float32)) for m in self.modules] \
-            if per_part_optimizers else []
-        self.opts = self.part_opts or [
-            mf.Muon([g for m in self.modules for g in _groups(m, MUON, ADAMW, torch.float32)])]
-        lf = loss_fn if scale_grads else (lambda out, y: loss_fn(out, y) / n_mb)
-        self.schedule = cls(stages[0] if per_rank == 1 else stages, n_microbatches=n_mb,
-                            loss_fn=lf, scale_grads=scale_grads)
-
-    def step(self, x: torch.Tensor) -> None:
-        coord = self.dp_mesh.get_coordinate()  # this rank's rows: its place in the dp dims
-        dp = coord[0] * self.dp_mesh.shape[1] + coord[1] if len(coord) == 2 else coord[0]
-        x = x[dp * PER:(dp + 1) * PER]
-        args = (x[:, :-1],) if 0 in self.ids else ()
-        kwargs = dict(target=x[:, 1:], losses=[]) if self.n_stages - 1 in self.ids else {}
-        with reference_ns_fp32():
-            self.schedule.step(*args, **kwargs)
-            # torchtitan's clipping: every stage's parameters, the norm summed over pp
-            mf.clip_grad_norm_([p for m in self.modules for p in m.parameters()], CLIP,
-                               pp_mesh=self.mesh["pp"])
-            for opt in self.opts:
-                opt.step()
-        for opt in self.opts:
-            opt.zero_grad()
-
-    def check(self, ref: dict[str, torch.Tensor], what: str) -> None:
-        for m, s, unused in zip(self.modules, self.ids, self.unused):
-            full = mf.full_state_dict(m)
-            if unused is not None:
-                assert torch.equal(full.pop(f"unused{s}.weight"), unused), what
-                full.pop(f"unused{s}.bias")
-            assert_params_close(full, {n: ref[n] for n in full}, what=what)
 
 
 def _schedules(rank, world, names):
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    data = _data()
-    ref = _reference(data)
+    data = pp_data()
+    ref = pp_reference(data)
     for name in names:
         for scale_grads in (True, False):
-            run = _Run(mesh, name, 4, scale_grads=scale_grads)
+            run = PipelineRun(mesh, name, 4, scale_grads=scale_grads)
             for x in data:
                 run.step(x)
             run.check(ref, f"{name} scale_grads={scale_grads} ")
@@ -164,7 +55,7 @@ def test_every_schedule_matches_one_process(names):
     spawn(_schedules, PP * DP, names)
 
 
-def _reduced_bytes(run: _Run) -> tuple[int, int]:
+def _reduced_bytes(run: PipelineRun) -> tuple[int, int]:
     """(gather, reduce) bytes of this rank's stages in one step, as the most loaded rank."""
     out = [0, 0]
     for m in run.modules:
@@ -176,12 +67,12 @@ def _reduced_bytes(run: _Run) -> tuple[int, int]:
 
 def _bytes_per_step(rank, world):
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    x = _data(1)[0]
-    ref = _reference([x, x])
+    x = pp_data(1)[0]
+    ref = pp_reference([x, x])
     seen = {}
     for name in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble"):
         for n_mb in (4, 8):
-            run = _Run(mesh, name, n_mb, reshard_after_forward=False)
+            run = PipelineRun(mesh, name, n_mb, reshard_after_forward=False)
             run.step(x)  # the first step also runs torch's shape inference
             for m in run.modules:
                 mf.comm_stats(m).reset()
@@ -206,10 +97,10 @@ def _torch_stage(rank, world):
     # wait for activations that never come (the launcher ends them with the first).
     mesh = init_device_mesh("cpu", (1, DP), mesh_dim_names=("pp", "dp"))
     for name in ("GPipe", "ZBVZeroBubble"):
-        run = _Run(mesh, name, 4, stage_cls=tp_pipelining.PipelineStage)
+        run = PipelineRun(mesh, name, 4, stage_cls=tp_pipelining.PipelineStage)
         before = [p.detach().clone() for m in run.modules for p in m.parameters()]
         with pytest.raises(TypeError, match="own PipelineStage") as err:
-            run.step(_data(1)[0])
+            run.step(pp_data(1)[0])
         assert "matrixfsdp.pipelining.PipelineStage" in str(err.value)
         after = [p.detach() for m in run.modules for p in m.parameters()]
         assert all(torch.equal(a, b) for a, b in zip(before, after)), name
@@ -223,7 +114,7 @@ def test_torch_stage_is_refused_before_anything_moves():
     spawn(_torch_stage, DP)
 
 
-def _parts_state(run: _Run) -> dict:
+def _parts_state(run: PipelineRun) -> dict:
     """torchtitan's checkpoint of pipeline parts: every part's model and optimizer state
     through torch's helpers, the optimizer state flattened (keys by parameter name)."""
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -236,14 +127,14 @@ def _parts_state(run: _Run) -> dict:
 
 def _resume(rank, world, ckpt):
     mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "dp"))
-    data = _data(3)
-    ref = _reference(data)
+    data = pp_data(3)
+    ref = pp_reference(data)
     # (no unused parameter here: it has no optimizer state to save, and torch's helpers
     # create state for every parameter of a fresh optimizer, as under FSDP2)
-    run = _Run(mesh, "Interleaved1F1B", 4, per_part_optimizers=True, unused=False)
+    run = PipelineRun(mesh, "Interleaved1F1B", 4, per_part_optimizers=True, unused=False)
     run.step(data[0])
     dcp.save(_parts_state(run), checkpoint_id=ckpt)  # each stage its own names
-    run = _Run(mesh, "Interleaved1F1B", 4, seed=5, per_part_optimizers=True, unused=False)
+    run = PipelineRun(mesh, "Interleaved1F1B", 4, seed=5, per_part_optimizers=True, unused=False)
     state = _parts_state(run)
     dcp.load(state, checkpoint_id=ckpt)
     flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -258,7 +149,7 @@ def _resume(rank, world, ckpt):
     sd = plain.state_dict()
     dcp.load(sd, checkpoint_id=ckpt)
     plain.load_state_dict(sd)
-    one_step = _reference(data[:1])
+    one_step = pp_reference(data[:1])
     assert_params_close({n: p.detach() for n, p in plain.named_parameters()}, one_step,
                         what="plain model ")
 
@@ -286,10 +177,10 @@ def _tp_blocks(stage: nn.Module, tp_mesh) -> None:
 
 def _pp_tp(rank, world):
     mesh = init_device_mesh("cpu", (PP, DP, 2), mesh_dim_names=("pp", "dp", "tp"))
-    data = _data()
-    ref = _reference(data)
+    data = pp_data()
+    ref = pp_reference(data)
     for name in ("1F1B", "ZBVZeroBubble"):
-        run = _Run(mesh, name, 4, tp_plan=_tp_blocks)
+        run = PipelineRun(mesh, name, 4, tp_plan=_tp_blocks)
         for x in data:
             run.step(x)
         run.check(ref, f"{name} pp x dp x tp ")
@@ -304,9 +195,9 @@ def test_pipeline_with_tensor_parallelism_matches_one_process():
 
 def _pp_hsdp(rank, world):
     mesh = init_device_mesh("cpu", (PP, 2, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
-    data = _data(dp=4)
-    ref = _reference(data)
-    run = _Run(mesh, "Interleaved1F1B", 4, dp_dims=("dp_replicate", "dp_shard"))
+    data = pp_data(dp=4)
+    ref = pp_reference(data)
+    run = PipelineRun(mesh, "Interleaved1F1B", 4, dp_dims=("dp_replicate", "dp_shard"))
     for x in data:
         run.step(x)
     run.check(ref, "pp x HSDP ")

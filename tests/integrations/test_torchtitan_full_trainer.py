@@ -12,7 +12,7 @@ data, per step:
 * torchtitan's own init (its fused-QKV init copies a full tensor in) on the shards, exact;
 * the by-hand complement of ``mf.matrix_params`` refused naming ``mf.shard_params``.
 
-What torchtitan needs to run on CPU at all is in ``tests/titan_cpu.py`` (the test's shim),
+What torchtitan needs to run on CPU at all is in ``tests/helpers/titan_cpu.py`` (the test's shim),
 never in the library. The model is the debug model's shape at a test's size
 (``titan_cpu.on_cpu``: dim 128, 2 layers, 4 heads, sequence 32, 2 sequences per rank).
 """
@@ -24,10 +24,10 @@ import json
 import os
 
 import pytest
-import titan_cpu
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers import titan_cpu
+from helpers.rank_pool import spawn
 
 STEPS, SAVE_AT, COMPILED_STEPS = 10, 5, 3
 RANKS = 3  # owning unequal numbers of matrices (4, 3, 3 of the 10): every list of p.grad alike
@@ -124,7 +124,7 @@ def dist_muon():
 
 
 # ---- one run of torchtitan's entry point -----------------------------------------------------------
-HERE = "test_torchtitan_trainer"  # this module, a config registry too (--module HERE)
+HERE = __name__  # this module, a config registry too (--module HERE)
 
 
 def _run(out: str, name: str, module: str, config: str, *args: str) -> dict[int, dict]:

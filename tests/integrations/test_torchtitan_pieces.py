@@ -11,7 +11,7 @@ in the same job:
   model's own init, then a seed checkpoint through torch's ``set_model_state_dict(
   full_state_dict=True)``.
 
-FSDP2 runs as tests/test_tp_compose.py runs it: each step its full gradients step a plain
+FSDP2 runs as tests/runtime/test_tp_compose.py runs it: each step its full gradients step a plain
 replica with the same optimizers, whose values go back into the DTensor shards.
 """
 
@@ -22,10 +22,10 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import spawn
-from reference import PARITY_TOL, assert_params_close, batches, rank_slice, train_reference
-from test_parity import ADAMW, MUON, ODD, _groups
+from helpers.parity import ADAMW, MUON, ODD, muon_groups
+from helpers.rank_pool import spawn
+from helpers.reference import PARITY_TOL, assert_params_close, batches, rank_slice, train_reference
+from helpers.titan_hf import gpt_adapter, titan_hf_export
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -87,7 +87,7 @@ def _data(world):
 def _fsdp2_run(model, rank, world):
     """FSDP2's gradients step a plain replica (torch's Muon fp32 NS + AdamW); its values go
     back into the shards. Returns the replica's parameters."""
-    from reference import is_muon_name, reference_ns_fp32
+    from helpers.reference import is_muon_name, reference_ns_fp32
     from torch.distributed.tensor import distribute_tensor
     torch.manual_seed(0)
     replica = GPT(GPTConfig(**ODD))
@@ -111,7 +111,7 @@ def _fsdp2_run(model, rank, world):
 
 
 def _ours_run(model, rank, world):
-    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
     for x in _data(world):
         x = rank_slice(x, rank, PER, False)
         model.loss(x[:, :-1], x[:, 1:]).backward()
@@ -261,50 +261,6 @@ def test_meta_to_empty_own_init_seed_load_trains_as_one_process(reference, tmp_p
 
 
 # ---- Hugging Face export: torchtitan's last_save_in_hf, transformers' save_pretrained ----------
-def _adapter():
-    """The GPT's StateDictAdapter (torchtitan's protocol): HF names. torchtitan's Llama3
-    adapter also permutes q/k for RoPE's layout; this model has no RoPE, so names only."""
-    from torchtitan.protocols.state_dict_adapter import StateDictAdapter
-
-    class GPTAdapter(StateDictAdapter):
-        def __init__(self):
-            self.fqn_to_index_mapping, self.hf_assets_path = None, None
-
-        def to_hf(self, sd):
-            return {("lm_head.weight" if k == "head.weight" else f"model.{k}"): v for k, v in sd.items()}
-
-        def from_hf(self, hf):
-            return {("head.weight" if k == "lm_head.weight" else k.removeprefix("model.")): v
-                    for k, v in hf.items()}
-
-        def get_hf_storage_reader(self, path, from_quantized=False):
-            from torch.distributed.checkpoint import HuggingFaceStorageReader
-            return HuggingFaceStorageReader(path)
-
-    return GPTAdapter()
-
-
-def titan_hf_export(model, folder: str, step: int) -> dict | None:
-    """torchtitan's CheckpointManager, unchanged, saving the last step in HF format (DCP with
-    a HuggingFaceStorageWriter over the model's sharded state dict, through the adapter's
-    to_hf), on every rank of ``model``'s mesh (TP and EP included); rank 0 reads the
-    safetensors back through from_hf and returns them (other ranks: None)."""
-    from safetensors.torch import load_file
-    from torchtitan.components.checkpoint import CheckpointManager
-    ckpt = CheckpointManager(
-        CheckpointManager.Config(enable=True, folder="titan", interval=1, keep_latest_k=0,
-                                 last_save_model_only=True, last_save_in_hf=True),
-        dataloader=None, model_parts=[model], optimizers=None, lr_schedulers=None, states={},
-        sd_adapter=_adapter(), base_folder=folder)
-    ckpt.save(curr_step=step, last_step=True)
-    ckpt.close()
-    dist.barrier()
-    if dist.get_rank():
-        return None
-    files = glob.glob(os.path.join(folder, "titan", "step-*", "*.safetensors"))
-    return _adapter().from_hf({k: v for f in files for k, v in load_file(f).items()})
-
-
 def _hf_export(rank, world, folder, out):
     """torchtitan's CheckpointManager, unchanged, saving the last step in HF format (its
     model's state_dict, the adapter's to_hf, DCP with a HuggingFaceStorageWriter
@@ -347,7 +303,7 @@ def test_hf_export_loads_back_into_the_plain_model(reference, tmp_path):
     hf = {k: v for f in files for k, v in load_file(f).items()}
     assert "model.layers.0._orig_mod.attn.q.weight" in hf and "lm_head.weight" in hf, sorted(hf)[:4]
     plain = GPT(GPTConfig(**ODD))
-    plain.load_state_dict({k.replace(ORIG, ""): v for k, v in _adapter().from_hf(hf).items()})
+    plain.load_state_dict({k.replace(ORIG, ""): v for k, v in gpt_adapter().from_hf(hf).items()})
     full = {k.replace(ORIG, ""): v for k, v in res["full"].items()}
     assert all(torch.equal(p, full[n]) for n, p in plain.named_parameters())
     assert_params_close(dict(plain.named_parameters()), reference, what="HF export: ")

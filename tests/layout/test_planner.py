@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from _dist import spawn
+from helpers.rank_pool import spawn
 
 import matrixfsdp as mf
 from matrixfsdp.layout.planner import make_plan, ns_flops, plan_module

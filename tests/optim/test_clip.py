@@ -8,19 +8,19 @@ import os
 
 import pytest
 import torch
-from _dist import spawn
-from reference import assert_params_close, batches, build_model, rank_slice, train_reference
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close, batches, build_model, rank_slice, train_reference
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.train.models import GPT, GPTConfig
 
-# Shapes divisible by none of 2 and 3 (as in test_parity.py), one block to keep it fast.
+# Shapes divisible by none of 2 and 3 (as helpers.parity's ODD), one block to keep it fast.
 CFG = dict(vocab_size=256, d_model=35, n_heads=5, n_layers=1, d_mlp=55, seq_len=17)
 PER_RANK, SEQ, STEPS = 2, 16, 4
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
-# eps 1e-5, not test_parity.py's 1e-6: here pos.weight[12, 1] has a first-step gradient of
+# eps 1e-5, not helpers.parity's 1e-6: here pos.weight[12, 1] has a first-step gradient of
 # ~4e-8, where Adam's slope lr/eps turns the summation-order rounding of 3 ranks vs one
 # process into a 4e-6 parameter difference, with or without clipping (measured).
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01)
@@ -278,7 +278,7 @@ def _clip(which: str, params, max_norm: float) -> torch.Tensor:
     if which == "torch":
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True).full_tensor()
     if which == "torchtitan":
-        import titan_cpu
+        from helpers import titan_cpu
         titan_cpu.import_torchtitan()
         from torchtitan.distributed.utils import clip_grad_norm_
         return clip_grad_norm_(params, max_norm, foreach=True)

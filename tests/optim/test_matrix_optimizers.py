@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import spawn
-from reference import PARITY_TOL
+from helpers.rank_pool import spawn
+from helpers.reference import PARITY_TOL
 from torch import nn
 
 import matrixfsdp as mf

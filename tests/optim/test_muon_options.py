@@ -174,7 +174,7 @@ def test_batched_ns_is_torch_muon_on_each_matrix_within_rounding(kw, seed):
     opt-in and bounded: per step, lr x the largest lr scale x one bf16 ulp at 1 (2^-7) with
     bf16 NS (measured worst 5.4e-5 over 5 steps, 6 seeds: the bound is 20x that), and x
     NS_TOL with fp32 NS on both sides (measured 2.4e-7)."""
-    from reference import NS_TOL, reference_ns_fp32
+    from helpers.reference import NS_TOL, reference_ns_fp32
     scale = max(0.2 * max(s) ** 0.5 if kw.get("adjust_lr_fn") else max(1, s[0] / s[1]) ** 0.5
                 for s in SAME)
     for ns_dtype, tol in ((torch.bfloat16, 2.0 ** -7), (torch.float32, NS_TOL)):

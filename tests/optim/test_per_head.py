@@ -10,13 +10,11 @@ import math
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
-from _dist import spawn
-from reference import is_muon_name, reference_ns_fp32
-from test_parity import ADAMW, MUON, _groups
-from torch import nn
+from helpers.parity import ADAMW, MUON, muon_groups
+from helpers.per_head import lm_loss, per_head_reference
+from helpers.rank_pool import spawn
+from helpers.tp_models import VOCAB, apply_tp, build_llama
 from torch.distributed.device_mesh import init_device_mesh
-from tp_models import VOCAB, apply_tp, build_llama
 
 import matrixfsdp as mf
 from matrixfsdp.optim.groups import head_blocks
@@ -43,49 +41,10 @@ def _data():
     return [torch.randint(0, VOCAB, (ROWS, CFG.seq_len + 1), generator=g) for _ in range(STEPS)]
 
 
-def _loss(model, x):
-    logits = model(x[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
-
-
-def _reference(model: nn.Module, data, blocks: dict[str, int], *, after_step=None,
-               loss=None) -> dict[str, torch.Tensor]:
-    """torch.optim.Muon over each head block as a parameter of its own (the rest whole),
-    torch.optim.AdamW over everything else; one process, fp32 NS. ``after_step``: called
-    after each step (test_qk_clip's rule)."""
-    loss = loss or _loss
-    named = dict(model.named_parameters())
-    split = {n: [nn.Parameter(b.clone()) for b in named[n].detach().chunk(h)]
-             for n, h in blocks.items()}
-    whole = [p for n, p in named.items() if is_muon_name(n, p) and n not in split]
-    muon = torch.optim.Muon(whole + [b for bs in split.values() for b in bs], **MUON)
-    adamw = torch.optim.AdamW([p for n, p in named.items() if not is_muon_name(n, p)], **ADAMW)
-    with reference_ns_fp32(), torch.no_grad():
-        for x in data:
-            with torch.enable_grad():
-                loss(model, x).backward()
-            for n, bs in split.items():
-                for b, g in zip(bs, named[n].grad.chunk(len(bs))):
-                    b.grad = g.clone()
-            muon.step()
-            adamw.step()
-            for n, bs in split.items():
-                named[n].copy_(torch.cat([b.detach() for b in bs]))
-            for opt in (muon, adamw):
-                opt.zero_grad()
-            model.zero_grad()
-            if after_step is not None:
-                after_step()
-                for n, bs in split.items():  # the blocks follow what the rule changed
-                    for b, w in zip(bs, named[n].detach().chunk(len(bs))):
-                        b.copy_(w)
-    return {n: p.detach().clone() for n, p in named.items()}
-
-
 def _train(model, data, per_head):
-    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32, per_head=per_head))
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32, per_head=per_head))
     for x in data:
-        _loss(model, x).backward()
+        lm_loss(model, x).backward()
         opt.step()
         opt.zero_grad()
     return mf.full_state_dict(model), opt
@@ -109,13 +68,13 @@ def _gpt(rank, world, mesh_shape):
     torch.manual_seed(0)
     plain = GPT(CFG)
     assert head_blocks(plain) == _gpt_blocks()  # found by name and head_dim, GQA included
-    ref = _reference(plain, data, _gpt_blocks())
+    ref = per_head_reference(plain, data, _gpt_blocks())
     ours, opt = _train(_sharded_gpt(mesh_shape), data, True)
     assert [g["num_heads"] for g in opt.param_groups if g["use_muon"]] == [None, 4, 2]
     assert _max_diff(ours, ref) < TOL, _max_diff(ours, ref)
     # the blocks matter: whole-matrix Muon lands elsewhere
     torch.manual_seed(0)
-    whole = _reference(GPT(CFG), data, {})
+    whole = per_head_reference(GPT(CFG), data, {})
     assert _max_diff(whole, ref) > 1e-3
 
 
@@ -131,7 +90,7 @@ def test_per_head_equals_torch_muon_on_each_head_block(mesh_shape):
 def _tp(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     data = _data()
-    ref = _reference(build_llama(), data, _llama_blocks())
+    ref = per_head_reference(build_llama(), data, _llama_blocks())
     model = apply_tp(build_llama(), mesh["tp"])
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh["dp"])
@@ -163,15 +122,15 @@ def test_heads_that_do_not_divide_the_rows_are_refused():
 def _resharded(rank, world, ckpt):
     data = _data()
     torch.manual_seed(0)
-    ref = _reference(GPT(CFG), data, _gpt_blocks())
+    ref = per_head_reference(GPT(CFG), data, _gpt_blocks())
 
     def build(mesh_shape):
         model = _sharded_gpt(mesh_shape)
-        return model, mf.Muon(_groups(model, MUON, ADAMW, torch.float32, per_head=True))
+        return model, mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32, per_head=True))
 
     def train(model, opt, batches):
         for x in batches:
-            _loss(model, x).backward()
+            lm_loss(model, x).backward()
             opt.step()
             opt.zero_grad()
 

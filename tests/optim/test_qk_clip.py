@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import spawn
-from collectives import Collectives
-from reference import PARITY_TOL, assert_params_close, is_muon_name, reference_ns_fp32
-from test_parity import ADAMW, MUON, _groups
+from helpers.collectives import Collectives
+from helpers.parity import ADAMW, MUON, muon_groups
+from helpers.rank_pool import spawn
+from helpers.reference import PARITY_TOL, assert_params_close, is_muon_name, reference_ns_fp32
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
@@ -99,7 +99,7 @@ def _ours(rank, world, mesh_shape):
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh)
-    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
     clip = mf.QKClip(model, tau=TAU, alpha=ALPHA, optimizer=opt)
     per = GLOBAL // world
     counted = Collectives()
@@ -183,8 +183,8 @@ def _full_logits_attention(name: str, model) -> dict:
 
 def _hf_reference(model, data, blocks, after_step):
     """One process: torch.optim.Muon (per head block where ``blocks`` says) + AdamW."""
-    from test_per_head import _reference
-    return _reference(model, data, blocks, after_step=after_step,
+    from helpers.per_head import per_head_reference
+    return per_head_reference(model, data, blocks, after_step=after_step,
                       loss=lambda m, x: m(input_ids=x, labels=x).loss)
 
 
@@ -194,7 +194,7 @@ def _hf_ours(rank, world, model, ref, tau, **options):
     g = torch.Generator().manual_seed(5)
     data = [torch.randint(0, 64, (4, 16), generator=g) for _ in range(STEPS)]
     mf.shard_model(model, mesh=init_device_mesh("cpu", (world,)))
-    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32, **options))
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32, **options))
     clip = mf.QKClip(model, tau=tau, alpha=ALPHA, optimizer=opt)
     over = []
     for x in data:

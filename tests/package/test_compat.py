@@ -132,5 +132,5 @@ def test_distributed_entries(world1):
 
 
 @pytest.mark.parametrize("name", ["run_exit_handlers"])
-def test_exit_entry_exists(name):  # exercised by tests/test_exit.py in a child process
+def test_exit_entry_exists(name):  # exercised by tests/runtime/test_exit.py in a child process
     assert callable(getattr(_compat, name))

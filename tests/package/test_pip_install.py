@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from helpers import REPO
 from packaging.markers import Marker
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _pip(venv: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

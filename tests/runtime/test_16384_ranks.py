@@ -11,7 +11,7 @@ During the set-up at 16384 it also records, by wrapping torch.distributed's
 collective functions and the set-up checks, what each call was handed and which path each
 "all ranks agree" check took. (The group answers as if every rank held this rank's values,
 so the checks always agree here: their failure paths are tested on 4 gloo ranks in
-tests/test_agree.py.)"""
+tests/diagnosis/test_agree.py.)"""
 
 from __future__ import annotations
 
@@ -168,5 +168,6 @@ def test_hsdp_with_2048_replicas_costs_what_it_costs_with_8(runs):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, repo)  # benchmarks/
     print(json.dumps(_play()))

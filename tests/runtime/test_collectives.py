@@ -9,7 +9,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 
 from matrixfsdp.layout.loads import op_load
 from matrixfsdp.runtime.collectives import Comm, CommStats, coalescing_supported

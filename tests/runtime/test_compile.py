@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import spawn
-from collectives import Collectives
-from reference import PARITY_TOL, assert_params_close, batches, rank_slice
+from helpers.collectives import Collectives
+from helpers.rank_pool import spawn
+from helpers.reference import PARITY_TOL, assert_params_close, batches, rank_slice
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 

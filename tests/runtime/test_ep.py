@@ -14,12 +14,12 @@ import os
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist import spawn
-from collectives import Collectives
-from ep_models import VOCAB, apply_ep, build_moe
-from reference import assert_params_close, reference_ns_fp32
-from test_parity import ADAMW, MUON, _groups
-from test_titan_trainer import titan_hf_export
+from helpers.collectives import Collectives
+from helpers.ep_models import VOCAB, apply_ep, build_moe
+from helpers.parity import ADAMW, MUON, muon_groups
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close, reference_ns_fp32
+from helpers.titan_hf import titan_hf_export
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,7 +89,7 @@ def _ep_2x2(rank, world, ckpt):
     # root of their own first: under the model's root they are a block again, resharded
     # after forward (FSDP2's default), as every block
     assert [u.reshard_after_forward for u in mf.get_root(model).units] == [False] + [True] * 4
-    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
     norms = []
     counted = Collectives()
     for step, x in enumerate(data):
@@ -126,7 +126,7 @@ def _ep_2x2(rank, world, ckpt):
     for block in plain.layers:
         mf.fully_shard(block, mesh=dense)
     mf.fully_shard(plain, mesh=dense)
-    opt = mf.Muon(_groups(plain, MUON, ADAMW, torch.float32))
+    opt = mf.Muon(muon_groups(plain, MUON, ADAMW, torch.float32))
     state = mf.get_state_dict(plain, opt)
     dcp.load(state, checkpoint_id=ckpt)
     mf.set_state_dict(plain, opt, state)

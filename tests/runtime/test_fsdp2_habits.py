@@ -10,8 +10,8 @@ import types
 
 import pytest
 import torch
-from _dist import spawn
-from reference import batches, build_model, rank_slice, reference_ns_fp32
+from helpers.rank_pool import spawn
+from helpers.reference import batches, build_model, rank_slice, reference_ns_fp32
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
@@ -25,7 +25,7 @@ LLAMA = dict(vocab_size=256, hidden_size=40, intermediate_size=56, num_hidden_la
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              use_cache=False, tie_word_embeddings=False)
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
-# eps 1e-5: see test_hf's ADAMW (Adam's 1/eps slope at g ~ 0 amplifies summation-order
+# eps 1e-5: see test_huggingface's ADAMW (Adam's 1/eps slope at g ~ 0 amplifies summation-order
 # rounding of barely-touched embedding rows).
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.01)
 # step -> where it raises (the user catches, zero_grads and goes on with the next batch)

@@ -16,7 +16,7 @@ import os
 import sys
 
 import torch
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -12,9 +12,10 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
-from collectives import Collectives
-from reference import (
+from helpers.collectives import Collectives
+from helpers.parity import ADAMW, MUON, ODD, muon_groups
+from helpers.rank_pool import spawn
+from helpers.reference import (
     PARITY_TOL,
     assert_params_close,
     batches,
@@ -25,7 +26,7 @@ from reference import (
     reference_ns_fp32,
     train_reference,
 )
-from test_parity import ADAMW, MUON, ODD, _groups
+from helpers.replicate_bytes import replicate_bytes_from_layout
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -75,7 +76,7 @@ def _train(rank, job):
     world_rank = root.groups.world_rank
     assert world_rank == rank  # init_device_mesh: replicate-major, as the plan counts
     ns_dtype = torch.float32 if job["ns_fp32"] else torch.bfloat16
-    opt = mf.Muon(_groups(model, MUON, job["adamw"], ns_dtype))
+    opt = mf.Muon(muon_groups(model, MUON, job["adamw"], ns_dtype))
     data = batches(STEPS, R * S, PER_RANK, SEQ)
     identical, unsynced = [], []
     counted = Collectives()
@@ -190,7 +191,7 @@ def _bytes_across_replicas(rank, world):
         out[system] = ops
         if system == "ours":
             out["ours_stats"] = mf.comm_stats(model).summary()
-            out["ours_expected"] = _replicate_bytes_from_layout(mf.plan_of(model), rank)
+            out["ours_expected"] = replicate_bytes_from_layout(mf.plan_of(model), rank)
             out["ours_params"] = sum(len(u.sharded) for u in mf.get_root(model).units)
     plain = build_model("gpt", GPTConfig(**EVEN))  # FSDP2: every gradient's shard (EVEN: no padding)
     out["fsdp2_expected"] = {"c10d::allreduce_": sum(p.numel() * p.element_size() // (world // 2)
@@ -198,43 +199,10 @@ def _bytes_across_replicas(rank, world):
     return out
 
 
-def _replicate_bytes_from_layout(plan, rank: int) -> dict[str, int]:
-    """What one step of ours should move across the replicate dim on world rank ``rank``,
-    read off the plan's layouts (matrixfsdp.layout.units): per unit, the all-reduce of
-    this shard rank's rows of every even parameter and of one gradient flag per parameter
-    (fp32: which ranks had a gradient), the reduce of each Muon matrix stored on this shard
-    rank to its owner replica and its broadcast back (in the next forward), each run 16-element
-    aligned; ``extra``: what those runs hold beyond the rows and matrices (flags, alignment)."""
-    from matrixfsdp.layout.traffic import reduce_layouts
-    from matrixfsdp.layout.units import unit_layouts
-    s = rank % plan.shard_size
-    out = {"c10d::allreduce_": 0, "c10d::reduce_": 0, "c10d::broadcast_": 0}
-    for lay, red in zip(unit_layouts(plan), reduce_layouts(unit_layouts(plan))):
-        grad, store = red.segment(s), lay.segment(s)
-        out["c10d::allreduce_"] += 4 * grad.shared
-        out["c10d::reduce_"] += 4 * sum(n for k, (_, n) in grad.runs.items() if k)
-        if lay.has_replica_owned:
-            out["c10d::broadcast_"] += 4 * sum(n for k, (_, n) in store.runs.items() if k)
-    rows = sum(pl.local_rows(s) * pl.spec.row_numel * pl.spec.itemsize
-               for pl in plan.placements.values() if pl.owner is None)
-    mats = sum(pl.spec.numel * pl.spec.itemsize for pl in plan.placements.values()
-               if pl.owner is not None and pl.owner_shard == s)
-    flags = 4 * len(plan.placements)
-    assert out["c10d::allreduce_"] == rows + flags
-    pieces = sum(1 for pl in plan.placements.values()
-                 if pl.owner is not None and pl.owner_shard == s)
-    assert mats <= out["c10d::reduce_"] < mats + 4 * 16 * max(pieces, 1)  # alignment only
-    # beyond FSDP2 HSDP's, in bytes one rank sends over 2 replicas: the flags (all-reduced:
-    # twice) and the matrices' alignment in each run (reduced once, broadcast once)
-    bcast = out["c10d::broadcast_"] - (mats if out["c10d::broadcast_"] else 0)
-    out["extra"] = (2 * flags + out["c10d::reduce_"] - mats + bcast) / 2
-    return out
-
-
 def _train_moe(rank):
     """Expert stacks under HSDP 2x2: split by whole experts in the shard group, averaged
-    over the replicas, stepped on every replica (test_moe's model and reference)."""
-    import test_moe as moe
+    over the replicas, stepped on every replica (helpers.moe_models' model and reference)."""
+    from helpers import moe_models as moe
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=DIMS)
     model = moe.build("hand")
     for block in moe.blocks(model, "hand"):
@@ -262,7 +230,7 @@ def _train_moe(rank):
 
 def _diverge(rank):
     """Rank 3 skips block 1 at step 2 under HSDP with debug on: every rank must raise."""
-    from test_debug import CFG, SkippingGPT, train_until_error
+    from helpers.diverging_model import CFG, SkippingGPT, train_until_error
     torch.manual_seed(0)
     model = SkippingGPT(CFG)
     model.skip_rank, model.skip_step = 3, 2
@@ -281,7 +249,7 @@ def _checkpoint(rank, out_dir):
     def build(shape, seed=0):
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=DIMS if len(shape) == 2 else None)
         model = _shard(build_model("gpt", GPTConfig(**ODD), seed=seed), mesh)
-        return model, mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+        return model, mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
 
     def train(model, opt, steps):
         for i in steps:
@@ -394,7 +362,7 @@ def test_four_ranks_match_torch(name, four_ranks):
 def test_expert_stacks_match_torch_under_hsdp(four_ranks):
     """Experts split over the shard group, all-reduced over the replicas: within PARITY_TOL
     of torch.optim.Muon on each expert."""
-    import test_moe as moe
+    from helpers import moe_models as moe
     ref, _ = moe.train_reference("hand", moe.global_batches(4))
     assert_params_close(four_ranks[0]["moe"]["params"], ref, what="moe 2x2: ")
 

@@ -23,9 +23,16 @@ import warnings
 
 import pytest
 import torch
-from _dist import spawn
-from reference import PARITY_TOL, assert_params_close, batches, is_muon_name, rank_slice, train_reference
-from test_parity import ADAMW, MUON, ODD, _groups
+from helpers.parity import ADAMW, MUON, ODD, muon_groups
+from helpers.rank_pool import spawn
+from helpers.reference import (
+    PARITY_TOL,
+    assert_params_close,
+    batches,
+    is_muon_name,
+    rank_slice,
+    train_reference,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -116,7 +123,7 @@ def _train(rank: int, build, args, dims) -> dict:
     with warnings.catch_warnings():  # a pipeline stage's mesh covers part of the world
         warnings.simplefilter("ignore")
         mf.fully_shard(model, mesh=mesh)
-    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
     data_rank = mf.get_root(model).groups.world_rank  # this rank's place in the mesh
     for x in batches(STEPS, mesh.size(), PER_RANK, SEQ):
         x = rank_slice(x, data_rank, PER_RANK, False)

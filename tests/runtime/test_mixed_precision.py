@@ -10,10 +10,17 @@ import os
 
 import pytest
 import torch
-from _dist import spawn
-from collectives import Collectives
-from reference import assert_params_close, batches, build_model, is_muon_name, rank_slice, reference_ns_fp32
-from test_parity import ODD
+from helpers.collectives import Collectives
+from helpers.parity import ODD
+from helpers.rank_pool import spawn
+from helpers.reference import (
+    assert_params_close,
+    batches,
+    build_model,
+    is_muon_name,
+    rank_slice,
+    reference_ns_fp32,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import spawn
-from reference import assert_params_close, batches, rank_slice, train_reference
-from test_parity import ADAMW, FP32_CASES, MUON, ODD, _groups, _run
+from helpers import tp_training
+from helpers.parity import ADAMW, FP32_CASES, MUON, ODD, muon_groups, run_parity
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close, batches, rank_slice, train_reference
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
@@ -115,7 +116,7 @@ def test_grouped_path_matches_torch(world_size, tmp_path):
     every world size, micro-batches at 4). The ops are gloo's path's, launched together:
     test_parity runs them at 8 ranks, one block over 8."""
     case = {**dict(same_data=False, ns_fp32=True, muon=MUON, adamw=ADAMW), **FP32_CASES[world_size]}
-    ours, ref = _run(case, world_size, tmp_path, backend="grouped_gloo")
+    ours, ref = run_parity(case, world_size, tmp_path, backend="grouped_gloo")
     assert_params_close(ours["params"], ref, what=f"grouped, {world_size} ranks: ")
 
 
@@ -135,7 +136,7 @@ def _hsdp_worker(rank, world_size, out_path):
     mf.fully_shard(model, mesh=mesh)
     root = mf.get_root(model)
     assert root.comm.coalesce and root.replication.comm.coalesce
-    opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
     replica = mesh["replicate"].get_local_rank()
     for i, x in enumerate(batches(STEPS, 2, PER, 16)):
         if i == STEPS - 1:
@@ -173,16 +174,15 @@ def test_hsdp_on_the_grouped_path_matches_torch(tmp_path):
 
 
 def _tp_worker(rank, world_size, out_path):
-    import test_tp
-    from collectives import Collectives
-    from tp_models import apply_tp, build_llama
+    from helpers.collectives import Collectives
+    from helpers.tp_models import apply_tp, build_llama
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = test_tp._shard(apply_tp(build_llama(), mesh["tp"], True), mesh["dp"])
+    model = tp_training.tp_shard(apply_tp(build_llama(), mesh["tp"], True), mesh["dp"])
     assert mf.get_root(model).comm.coalesce
-    opt = test_tp._optimizer(model)
+    opt = tp_training.tp_optimizer(model)
     counted = Collectives()
     mf.comm_stats(model).reset()
-    test_tp._train(model, opt, test_tp._data(2), mesh["dp"].get_local_rank(), counted)
+    tp_training.tp_train(model, opt, tp_training.tp_data(2), mesh["dp"].get_local_rank(), counted)
     stats = mf.comm_stats(model)
     state = mf.full_state_dict(model)
     if rank == 0:
@@ -194,11 +194,10 @@ def test_tp_on_the_grouped_path_matches_torch(tmp_path):
     """dp 2 x tp 2 (torchtitan's Llama plan): within PARITY_TOL of one process with
     clipping; each block's gather one tp all-to-all and one launch over the dp group, its
     reduce one launch and one tp all-to-all; no collective in the step."""
-    import test_tp
     out = str(tmp_path / "out.pt")
     spawn(_tp_worker, 4, out, backend="grouped_gloo")
     ours = torch.load(out)
-    ref = test_tp._reference(test_tp._data(2))
+    ref = tp_training.tp_reference(tp_training.tp_data(2))
     assert_params_close(ours["params"], ref[-1], what="grouped dp 2 x tp 2: ")
     assert ours["step"] == 0
     calls, launches = ours["calls"], ours["launches"]

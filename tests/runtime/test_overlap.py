@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import torch
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf

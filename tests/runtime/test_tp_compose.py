@@ -4,7 +4,7 @@ Each case applies a TP plan (torchtitan's Llama plan from tp_models.py, or trans
 own plan on its LlamaForCausalLM), then ``fully_shard`` over the dp dim, trains 3 steps
 with clipping (``mf.clip_grad_norm_``, global over dp x tp), and is compared to one
 process running torch.optim.Muon (fp32 NS) + AdamW on the whole batch, to PARITY_TOL
-(tests/reference.py), with zero collectives inside ``optimizer.step()``:
+(tests/helpers/reference.py), with zero collectives inside ``optimizer.step()``:
 
 * activation checkpointing with torch's ``checkpoint_wrapper`` on the blocks;
 * no-sync micro-batches (``set_requires_gradient_sync(False)`` on the first of two): that
@@ -27,7 +27,7 @@ And refused: ``torch.compile(model)`` around the whole TP root (or a compiled fu
 calling it), at the first forward on every rank, before anything is gathered; without TP
 the same call compiles and gives one process's logits.
 
-Not here: training with ``torch.compile`` per block (refused under TP: tests/test_tp.py), and
+Not here: training with ``torch.compile`` per block (refused under TP: tests/runtime/test_tp.py), and
 ``from_pretrained(tp_plan="auto")``, which builds a mesh of its own over the whole world
 (tp_size=2 on 4 ranks raises "The parallel mesh requires 2 processes"), so it cannot leave
 the dp dim to fully_shard.
@@ -41,13 +41,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
-from collectives import Collectives
-from reference import assert_params_close, is_muon_name, reference_ns_fp32
-from test_parity import ADAMW, MUON, _groups
-from test_titan_trainer import titan_hf_export
+from helpers.collectives import Collectives
+from helpers.parity import ADAMW, MUON, muon_groups
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close, is_muon_name, reference_ns_fp32
+from helpers.titan_hf import titan_hf_export
+from helpers.tp_models import VOCAB, Llama, apply_tp, build_llama
 from torch.distributed.device_mesh import init_device_mesh
-from tp_models import VOCAB, Llama, apply_tp, build_llama
 
 import matrixfsdp as mf
 from matrixfsdp.runtime.param import sharded_param
@@ -203,7 +203,7 @@ def _feature(rank, world, name, out):
         with reference_ns_fp32():  # torch's Muon, fp32 NS on the owners too
             counts = _train(model, opts, dp_rank, micro)
     else:
-        opt = mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+        opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
         counts = _train(model, [opt], dp_rank, micro)
         if name == "torch_full_export":
             extra.update(_torch_export(model, opt, mesh))
@@ -299,7 +299,7 @@ def _bf16(rank, world, out):
     mesh = _mesh()
     mp = MixedPrecisionPolicy(**BF16)
     model = _shard(apply_tp(build_llama(), mesh["tp"]), mesh["dp"], mp_policy=mp)
-    counts = _train(model, [mf.Muon(_groups(model, MUON, ADAMW, torch.float32))],
+    counts = _train(model, [mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))],
                     mesh["dp"].get_local_rank())
     _save(out, model, counts, fsdp2=_fsdp2_tp(mesh, mp))
 
@@ -334,7 +334,7 @@ def _hf(rank, world, out):
     assert placements["model.layers.0.mlp.down_proj.weight"] == (Shard(1),)
     assert len(placements) == 2 + 7 * 2, sorted(placements)  # embed, lm_head, 7 per layer
     mf.shard_model(model, mesh=mesh["dp"])
-    counts = _train(model, [mf.Muon(_groups(model, MUON, ADAMW, torch.float32))],
+    counts = _train(model, [mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))],
                     mesh["dp"].get_local_rank())
     _save(out, model, counts)
 

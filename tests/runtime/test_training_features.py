@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import spawn
-from reference import assert_params_close, batches, rank_slice, reference_ns_fp32
-from reference import is_muon_name as is_muon
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close, batches, rank_slice, reference_ns_fp32
+from helpers.reference import is_muon_name as is_muon
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 

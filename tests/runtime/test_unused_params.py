@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from _dist import spawn
-from reference import assert_params_close, is_muon_name, reference_ns_fp32
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close, is_muon_name, reference_ns_fp32
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 

@@ -22,11 +22,19 @@ import threading
 
 import pytest
 import torch
-from _cli import run_cli
-from _dist import spawn
-from inject_faults import train as train_with_faults
-from reference import batches
-from test_checkpoint import GLOBAL, SEQ, _build, _load, _state, _tie_and_freeze, _train
+from helpers.checkpointing import (
+    GLOBAL,
+    SEQ,
+    build_sharded,
+    checkpoint_state,
+    load_state,
+    tie_and_freeze,
+    train_steps,
+)
+from helpers.cli import run_cli
+from helpers.inject_faults import train as train_with_faults
+from helpers.rank_pool import spawn
+from helpers.reference import batches
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import matrixfsdp as mf
@@ -148,32 +156,34 @@ def test_a_failed_async_save_is_raised_and_leaves_no_checkpoint(world1, tmp_path
 # ---- the values at the time of the call, despite the steps after it (2 ranks) --------------------
 def _at_call_worker(rank, world, tmp):
     data = batches(6, 1, GLOBAL, SEQ)
-    model, opt, sched = _build(world, tweak=_tie_and_freeze)
-    _train(model, opt, sched, data, range(2), rank, world)
+    model, opt, sched = build_sharded(world, tweak=tie_and_freeze)
+    train_steps(model, opt, sched, data, range(2), rank, world)
     want2 = _snapshot(model, opt, sched)
     release, log, hold = _held_commit("step_2")
     with _commit_preceded_by(hold):
-        first = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_2"), async_save=True)
+        first = mf.save_checkpoint(checkpoint_state(model, opt, sched), os.path.join(tmp, "step_2"),
+                                   async_save=True)
         log.append("returned")
         assert isinstance(first, AsyncCheckpoint)
         assert not first.done() and not is_complete(first.path)  # in flight: its commit is held
         _perturb(opt)  # right after the call, while the save is in flight
-        _train(model, opt, sched, data, range(2, 4), rank, world)
+        train_steps(model, opt, sched, data, range(2, 4), rank, world)
         log.append("trained")
         assert not first.done() and not is_complete(first.path)  # two steps trained, still in flight
         release.set()
         want4 = _snapshot(model, opt, sched)
-        second = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "step_4"), async_save=True)
+        second = mf.save_checkpoint(checkpoint_state(model, opt, sched), os.path.join(tmp, "step_4"),
+                                    async_save=True)
         assert first.done()  # the second save waited for the first (never two commits at once)
         assert log == ["returned", "trained", "commit"], log
     _perturb(opt)
-    _train(model, opt, sched, data, range(4, 5), rank, world)
+    train_steps(model, opt, sched, data, range(4, 5), rank, world)
     for pending, want in ((first, want2), (second, want4)):
         saved = pending.result()
         assert saved.path == pending.path and is_complete(saved.path) and saved.bytes > 0
         assert 0 <= saved.blocking_seconds <= saved.seconds
-        fresh = _build(world, tweak=_tie_and_freeze, seed=123)  # other weights: all from the file
-        _load(*fresh, saved.path)
+        fresh = build_sharded(world, tweak=tie_and_freeze, seed=123)  # other weights: all from the file
+        load_state(*fresh, saved.path)
         _assert_holds(*fresh, want, str(saved.path))
     assert mf.latest_checkpoint(tmp) == second.path
     assert mf.wait_for_checkpoint() is not None and mf.wait_for_checkpoint() is None
@@ -191,25 +201,26 @@ def test_async_checkpoint_holds_the_values_at_the_call(tmp_path):
 # ---- saved at 2 ranks, loaded at 3: the same as a synchronous checkpoint ----------------------
 def _save_both_worker(rank, world, tmp):
     data = batches(5, 1, GLOBAL, SEQ)
-    model, opt, sched = _build(world)
-    _train(model, opt, sched, data, range(3), rank, world)
-    mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "sync"))
-    pending = mf.save_checkpoint(_state(model, opt, sched), os.path.join(tmp, "async"), async_save=True)
+    model, opt, sched = build_sharded(world)
+    train_steps(model, opt, sched, data, range(3), rank, world)
+    mf.save_checkpoint(checkpoint_state(model, opt, sched), os.path.join(tmp, "sync"))
+    pending = mf.save_checkpoint(checkpoint_state(model, opt, sched), os.path.join(tmp, "async"),
+                                 async_save=True)
     _perturb(opt)
-    _train(model, opt, sched, data, range(3, 5), rank, world)
+    train_steps(model, opt, sched, data, range(3, 5), rank, world)
     pending.result()
 
 
 def _load_both_worker(rank, world, tmp):
     loaded = []
     for name, seed in (("sync", 7), ("async", 8)):
-        model, opt, sched = _build(world, seed=seed)
-        _load(model, opt, sched, os.path.join(tmp, name))
+        model, opt, sched = build_sharded(world, seed=seed)
+        load_state(model, opt, sched, os.path.join(tmp, name))
         loaded.append((model, opt, sched))
     _assert_holds(*loaded[1], _snapshot(*loaded[0]), "async vs sync at 3 ranks")
     data = batches(5, 1, GLOBAL, SEQ)
     for trio in loaded:  # and training on from either is the same
-        _train(*trio, data, range(3, 5), rank, world)
+        train_steps(*trio, data, range(3, 5), rank, world)
     _assert_holds(*loaded[1], _snapshot(*loaded[0]), "2 steps after the load")
 
 

@@ -11,10 +11,22 @@ import pickle
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist import spawn
-from reference import PARITY_TOL, batches, build_model, is_muon_name, linear_decay, reference_ns_fp32
-from test_moe import MoELM
-from test_parity import ODD
+from helpers.checkpointing import (
+    ALL_STEPS,
+    GLOBAL,
+    PHASES,
+    SEQ,
+    build_sharded,
+    checkpoint_state,
+    load_state,
+    reference_snapshots,
+    tie_and_freeze,
+    train_steps,
+)
+from helpers.moe_models import MoELM
+from helpers.parity import ADAMW, MUON, ODD
+from helpers.rank_pool import spawn
+from helpers.reference import PARITY_TOL, batches, build_model, is_muon_name, reference_ns_fp32
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -27,55 +39,7 @@ from matrixfsdp.runtime.param import placement_of
 from matrixfsdp.tensors.row_shard import RowShard
 from matrixfsdp.train.models import GPTConfig
 
-SEQ = 16
-GLOBAL = 12  # sequences per step, divisible by 4, 2 and 3: every world size sees the same batch
-MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
-ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.01)  # eps: see test_parity
-PHASES = [(4, 3), (2, 3), (3, 2)]  # (world size, steps): save at 4, load at 2, save, load at 3
-ALL_STEPS = sum(n for _, n in PHASES) + 1  # one more step after the chain, at 1 rank / in torch
 BOUND = PARITY_TOL  # the fp32-NS parity bound (reference.py: where it comes from)
-
-
-def _tie_and_freeze(model):
-    """The head tied to the embedding, the position embedding frozen."""
-    model.head.weight = model.embed.weight
-    model.pos.weight.requires_grad_(False)
-    return model
-
-
-def _build(world, *, mp=None, ns_dtype=torch.float32, seed=0, adamw=ADAMW, tweak=None):
-    model = build_model("gpt", GPTConfig(**ODD), seed=seed)
-    if tweak is not None:
-        model = tweak(model)
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.layers:
-        mf.fully_shard(block, mesh=mesh, mp_policy=mp)
-    mf.fully_shard(model, mesh=mesh, mp_policy=mp)
-    opt = mf.Muon(mf.muon_param_groups(model, **MUON, ns_dtype=ns_dtype, adamw_lr=adamw["lr"],
-                                       adamw_betas=adamw["betas"], adamw_eps=adamw["eps"],
-                                       adamw_weight_decay=adamw["weight_decay"]))
-    return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, linear_decay)
-
-
-def _state(model, opt, sched):
-    return {**mf.get_state_dict(model, opt), "sched": sched.state_dict()}
-
-
-def _load(model, opt, sched, path):
-    state = _state(model, opt, sched)
-    dcp.load(state, checkpoint_id=str(path))
-    mf.set_state_dict(model, opt, state)
-    sched.load_state_dict(state["sched"])
-
-
-def _train(model, opt, sched, data, steps, rank, world):
-    per_rank = GLOBAL // world
-    for i in steps:
-        x = data[i][rank * per_rank:(rank + 1) * per_rank]
-        model.loss(x[:, :-1], x[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
 
 
 # ---- the placement-carrying value ------------------------------------------------------------
@@ -112,8 +76,8 @@ def test_row_shard_write_items_chunks_and_refusals():
 def test_model_state_dict_holds_what_get_state_dict_holds(world1):
     """model.state_dict() holds the RowShards of mf.get_state_dict (names, shapes, offsets,
     views of the parameters), as FSDP2's holds DTensors; load_state_dict takes them back, and
-    torch.save refuses them (tests/test_torch_state_dict.py: torch's helpers on them)."""
-    model, opt, _ = _build(1)
+    torch.save refuses them (tests/state/test_torch_state_dict.py: torch's helpers on them)."""
+    model, opt, _ = build_sharded(1)
     ours, torchs = mf.get_state_dict(model)["model"], model.state_dict()
     assert list(ours) == list(torchs)
     for n, v in torchs.items():
@@ -127,7 +91,7 @@ def test_model_state_dict_holds_what_get_state_dict_holds(world1):
 
 
 def test_set_state_dict_refuses_a_misplaced_missing_or_unknown_entry(world1):
-    model, opt, _ = _build(1)
+    model, opt, _ = build_sharded(1)
     name = "layers.0.attn.q.weight"
     for change, match in (
             (lambda st: st["model"].pop(name), rf"the model has 1 names the checkpoint lacks \(\['{name}'\]"),
@@ -148,14 +112,14 @@ def test_state_of_a_fresh_optimizer_is_what_its_first_step_creates(world1):
     """get_state_dict creates the missing state (zeros, step 0) without touching a parameter;
     training on from it equals training from no state, bit for bit."""
     data = batches(2, 1, GLOBAL, SEQ)
-    (m1, o1, s1), (m2, o2, s2) = _build(1), _build(1)
+    (m1, o1, s1), (m2, o2, s2) = build_sharded(1), build_sharded(1)
     before = {n: p.detach().clone() for n, p in m2.named_parameters()}
     state = mf.get_state_dict(m2, o2)
     assert len(o2.state) == len(list(m2.parameters()))
     assert all(torch.equal(p, before[n]) for n, p in m2.named_parameters())
     assert all(float(st["step"]) == 0 for st in state["optim"]["state"].values() if "step" in st)
     for model, opt, sched in ((m1, o1, s1), (m2, o2, s2)):
-        _train(model, opt, sched, data, range(2), 0, 1)
+        train_steps(model, opt, sched, data, range(2), 0, 1)
     for p1, p2 in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p1, p2)
         assert all(torch.equal(v, o2.state[p2][k]) for k, v in o1.state[p1].items())
@@ -166,13 +130,13 @@ def _resume_worker(rank, world, tmp):
     data = batches(6, 1, GLOBAL, SEQ)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     eps8 = {**ADAMW, "eps": 1e-8}
-    for tag, mp, tweak in (("fp32", None, None), ("bf16", bf16, None), ("tied", None, _tie_and_freeze)):
+    for tag, mp, tweak in (("fp32", None, None), ("bf16", bf16, None), ("tied", None, tie_and_freeze)):
         kw = dict(mp=mp, ns_dtype=torch.bfloat16, adamw=eps8, tweak=tweak)  # bf16 NS, eps 1e-8: torch's
-        straight = _build(world, **kw)
-        _train(*straight, data, range(6), rank, world)
-        first = _build(world, **kw)
-        _train(*first, data, range(3), rank, world)
-        state = _state(*first)
+        straight = build_sharded(world, **kw)
+        train_steps(*straight, data, range(6), rank, world)
+        first = build_sharded(world, **kw)
+        train_steps(*first, data, range(3), rank, world)
+        state = checkpoint_state(*first)
         plain = (tweak or (lambda m: m))(build_model("gpt", GPTConfig(**ODD)))
         assert list(state["model"]) == list(plain.state_dict())  # every name, tied ones too
         assert all(v.dtype == torch.float32 for v in state["model"].values())  # fp32 masters
@@ -182,11 +146,11 @@ def _resume_worker(rank, world, tmp):
             assert "head.weight" not in state["optim"]["state"]  # one parameter, one state
         saved = mf.save_checkpoint(state, os.path.join(tmp, tag, "step_3"))
         assert saved.bytes > 0 and mf.latest_checkpoint(os.path.join(tmp, tag)) == saved.path
-        resumed = _build(world, **kw, seed=123)  # other initial weights: all must come from the file
-        _load(*resumed, saved.path)
+        resumed = build_sharded(world, **kw, seed=123)  # other initial weights: all must come from the file
+        load_state(*resumed, saved.path)
         for a, b in zip(mf.full_state_dict(first[0]).values(), mf.full_state_dict(resumed[0]).values()):
             assert torch.equal(a, b)
-        _train(*resumed, data, range(3, 6), rank, world)
+        train_steps(*resumed, data, range(3, 6), rank, world)
         (m1, o1, s1), (m2, o2, s2) = straight, resumed
         for (n, a), b in zip(mf.full_state_dict(m1).items(), mf.full_state_dict(m2).values()):
             assert a.dtype == torch.float32 and torch.equal(a, b), f"{tag} {n}"
@@ -216,16 +180,16 @@ def test_resume_is_bit_identical_with_and_without_mixed_precision(tmp_path):
 def _chain_worker(rank, world, tmp, phase):
     data = batches(ALL_STEPS, 1, GLOBAL, SEQ)
     start = sum(n for _, n in PHASES[:phase])
-    model, opt, sched = _build(world)
+    model, opt, sched = build_sharded(world)
     if phase:
-        _load(model, opt, sched, os.path.join(tmp, f"ckpt{phase - 1}"))
+        load_state(model, opt, sched, os.path.join(tmp, f"ckpt{phase - 1}"))
         for p in model.parameters():  # momentum moved to each matrix's new owner
             if placement_of(p).spec.muon:
                 assert ("momentum_buffer" in opt.state.get(p, {})) == (placement_of(p).owner == rank)
         # the loaded state, saved again as it is: must equal the checkpoint it came from
-        dcp.save(_state(model, opt, sched), checkpoint_id=os.path.join(tmp, f"reloaded{phase}"))
-    _train(model, opt, sched, data, range(start, start + PHASES[phase][1]), rank, world)
-    dcp.save(_state(model, opt, sched), checkpoint_id=os.path.join(tmp, f"ckpt{phase}"))
+        dcp.save(checkpoint_state(model, opt, sched), checkpoint_id=os.path.join(tmp, f"reloaded{phase}"))
+    train_steps(model, opt, sched, data, range(start, start + PHASES[phase][1]), rank, world)
+    dcp.save(checkpoint_state(model, opt, sched), checkpoint_id=os.path.join(tmp, f"ckpt{phase}"))
     _moe_phase(rank, world, tmp, phase, data)
 
 
@@ -251,32 +215,6 @@ def _moe_phase(rank, world, tmp, phase, data):
     torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
     opt.step()
     dcp.save(mf.get_state_dict(model, opt), checkpoint_id=os.path.join(tmp, f"moe{phase}"))
-
-
-def _reference(snapshot_after):
-    """torch.optim.Muon (fp32 NS) + AdamW on one process over the global batches; full state
-    by name after each step count in ``snapshot_after``."""
-    model = build_model("gpt", GPTConfig(**ODD))
-    named = list(model.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if is_muon_name(n, p)], **MUON)
-    adamw = torch.optim.AdamW([p for n, p in named if not is_muon_name(n, p)], **ADAMW)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, linear_decay) for o in (muon, adamw)]
-    snaps = {}
-    with reference_ns_fp32():
-        for i, x in enumerate(batches(ALL_STEPS, 1, GLOBAL, SEQ)):
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            for o in (muon, adamw):
-                o.step()
-                o.zero_grad()
-            for s in scheds:
-                s.step()
-            if i + 1 in snapshot_after:
-                snaps[i + 1] = dict(
-                    model={n: p.detach().clone() for n, p in named},
-                    state={n: {k: v.clone() for k, v in o.state[p].items()} for n, p in named
-                           for o in (muon, adamw) if p in o.state},
-                    lr=[g["lr"] for g in muon.param_groups + adamw.param_groups])
-    return snaps
 
 
 def _converted(path, tmp):
@@ -313,7 +251,7 @@ def chain(tmp_path_factory):
     for phase, (world, _) in enumerate(PHASES):
         spawn(_chain_worker, world, tmp, phase)
     ends = [sum(n for _, n in PHASES[:i + 1]) for i in range(len(PHASES))]
-    snaps = _reference(set(ends) | {ALL_STEPS})
+    snaps = reference_snapshots(set(ends) | {ALL_STEPS})
     return dict(tmp=tmp, ends=ends, snaps=snaps,
                 ckpts=[_converted(os.path.join(tmp, f"ckpt{i}"), tmp) for i in range(len(PHASES))])
 
@@ -379,10 +317,10 @@ def test_load_at_one_rank_and_into_plain_torch(chain, world1):
     name -> index recipe of docs/checkpoint.md; one more step in each matches one process."""
     last, snaps = chain["ends"][-1], chain["snaps"]
     data = batches(ALL_STEPS, 1, GLOBAL, SEQ)
-    model, opt, sched = _build(1, seed=7)
-    _load(model, opt, sched, os.path.join(chain["tmp"], f"ckpt{len(PHASES) - 1}"))
+    model, opt, sched = build_sharded(1, seed=7)
+    load_state(model, opt, sched, os.path.join(chain["tmp"], f"ckpt{len(PHASES) - 1}"))
     # the same checkpoint as full tensors (dcp_to_torch_save) through set_state_dict: the same state
-    other, other_opt, _ = _build(1, seed=8)
+    other, other_opt, _ = build_sharded(1, seed=8)
     mf.set_state_dict(other, other_opt, chain["ckpts"][-1])
     a, b = mf.get_state_dict(model, opt), mf.get_state_dict(other, other_opt)
     assert all(torch.equal(v.local, b["model"][n].local) for n, v in a["model"].items())
@@ -391,7 +329,7 @@ def test_load_at_one_rank_and_into_plain_torch(chain, world1):
             w = b["optim"]["state"][n][k]
             assert torch.equal(v.local, w.local) if isinstance(v, RowShard) else torch.equal(v, w), (n, k)
     assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
-    _train(model, opt, sched, data, [last], 0, 1)
+    train_steps(model, opt, sched, data, [last], 0, 1)
     mine = mf.get_state_dict(model, opt)
     ref = snaps[ALL_STEPS]
     for n, p in ref["model"].items():

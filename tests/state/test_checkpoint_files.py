@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from _dist import spawn
+from helpers.rank_pool import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf

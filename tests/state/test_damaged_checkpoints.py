@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-from _cli import run_cli
+from helpers.cli import run_cli
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf

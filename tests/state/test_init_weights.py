@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
-from reference import MHAModel
+from helpers.rank_pool import spawn
+from helpers.reference import MHAModel
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 

@@ -6,7 +6,7 @@ the same world size each rank opens and hashes only the DCP shard files it wrote
 (before: every rank opened every rank's file, for the name marks and the replicated values).
 
 Each rank process records its own opens (``sys.addaudithook``) and hashes, from outside the
-library (``tests/open_audit.py``). The rank processes are forked from the server that
+library (``tests/helpers/open_audit.py``). The rank processes are forked from the server that
 preloaded torch and the library (as the launcher's ranks are), each given torchrun's
 environment before the command starts."""
 
@@ -22,12 +22,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import open_audit
 import pytest
 import torch
 import torch.distributed as dist
-from _cli import run_cli
-from _dist import spawn
+from helpers import open_audit
+from helpers.cli import run_cli
+from helpers.rank_pool import spawn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 

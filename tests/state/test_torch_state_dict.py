@@ -17,10 +17,10 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist import spawn
-from reference import PARITY_TOL, batches, build_model, is_muon_name, linear_decay, reference_ns_fp32
-from test_checkpoint import ADAMW, GLOBAL, MUON, SEQ, _build, _reference, _train
-from test_parity import ODD
+from helpers.checkpointing import GLOBAL, SEQ, build_sharded, reference_snapshots, train_steps
+from helpers.parity import ADAMW, MUON, ODD
+from helpers.rank_pool import spawn
+from helpers.reference import PARITY_TOL, batches, build_model, is_muon_name, linear_decay, reference_ns_fp32
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -96,8 +96,8 @@ def _titan_train(model, opts, sched, data, steps, rank, world):
 # ---- 2 ranks: train, save ----------------------------------------------------------------------
 def _save_worker(rank, world, tmp):
     data = batches(STEPS + 1, 1, GLOBAL, SEQ)
-    model, opt, sched = _build(world)
-    _train(model, opt, sched, data, range(SAVE_AT), rank, world)
+    model, opt, sched = build_sharded(world)
+    train_steps(model, opt, sched, data, range(SAVE_AT), rank, world)
     state = _muon_state(model, opt, sched)
     assert all(isinstance(v, RowShard) for v in state["model"].values())
     exp_avg = state["optim"]["state"]["embed.weight"]["exp_avg"]
@@ -138,7 +138,7 @@ def _save_worker(rank, world, tmp):
 # ---- 3 ranks: load, train on, and the other options ----------------------------------------------
 def _load_worker(rank, world, tmp):
     data = batches(STEPS + 1, 1, GLOBAL, SEQ)
-    model, opt, sched = _build(world, seed=123)  # other weights: everything comes from the checkpoint
+    model, opt, sched = build_sharded(world, seed=123)  # other weights: everything comes from the checkpoint
     state = _muon_state(model, opt, sched)  # a fresh optimizer: torch's init step made its state
     dcp.load(state, checkpoint_id=os.path.join(tmp, "muon"))
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -147,7 +147,7 @@ def _load_worker(rank, world, tmp):
         if placement_of(p).spec.muon:
             assert ("momentum_buffer" in opt.state.get(p, {})) == (placement_of(p).owner == rank)
     loaded = mf.full_state_dict(model)
-    _train(model, opt, sched, data, range(SAVE_AT, STEPS), rank, world)
+    train_steps(model, opt, sched, data, range(SAVE_AT, STEPS), rank, world)
     _full_to_file(model, opt, os.path.join(tmp, f"full{STEPS}.pt"), rank)
     _model_loads(rank, world, loaded)
     _optimizer_from_full_tensors_is_refused(rank, world, tmp, data)
@@ -169,11 +169,11 @@ def _model_loads(rank, world, loaded):
     and its errors as torch's."""
     for options in (StateDictOptions(full_state_dict=True),
                     StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)):
-        model, _, _ = _build(world, seed=7)
+        model, _, _ = build_sharded(world, seed=7)
         given = loaded if rank == 0 or not options.broadcast_from_rank0 else {}
         set_model_state_dict(model, {n: v.clone() for n, v in given.items()}, options=options)
         assert all(torch.equal(loaded[n], v) for n, v in mf.full_state_dict(model).items())
-    model, _, _ = _build(world, seed=7)
+    model, _, _ = build_sharded(world, seed=7)
     keys = model.load_state_dict(loaded)
     assert not keys.missing_keys and not keys.unexpected_keys
     assert all(torch.equal(loaded[n], v) for n, v in mf.full_state_dict(model).items())
@@ -202,8 +202,8 @@ def _optimizer_from_full_tensors_is_refused(rank, world, tmp, data):
     rows by DTensor placements, which cannot say "rows a:b on this rank": refused on every rank
     before anything is loaded, naming the parameter and matrixfsdp.set_state_dict."""
     full = torch.load(os.path.join(tmp, f"full{SAVE_AT}.pt"))["optim"]
-    model, opt, sched = _build(world)
-    _train(model, opt, sched, data, range(1), rank, world)
+    model, opt, sched = build_sharded(world)
+    train_steps(model, opt, sched, data, range(1), rank, world)
     before = {id(p): {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
     for options, match in ((StateDictOptions(full_state_dict=True), r"rows of '.*'.*set_state_dict"),
                            (StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
@@ -244,7 +244,7 @@ def ran(tmp_path_factory):
     torch.set_num_threads(1)
     spawn(_save_worker, 2, tmp)
     spawn(_load_worker, 3, tmp)
-    return dict(tmp=tmp, ref=_reference({SAVE_AT, SAVE_AT + 1, STEPS}),
+    return dict(tmp=tmp, ref=reference_snapshots({SAVE_AT, SAVE_AT + 1, STEPS}),
                 titan=_adamw_reference(STEPS))
 
 
@@ -302,12 +302,12 @@ def test_checkpoint_loads_at_one_rank_and_into_plain_torch(ran, world1):
     helpers (the optimizer state read back is the full one: embed.weight's exp_avg is
     (256, 35) and one process's, not one rank's half). One more step in each: one process's."""
     path, snap, data = os.path.join(ran["tmp"], "muon"), ran["ref"], batches(STEPS + 1, 1, GLOBAL, SEQ)
-    model, opt, sched = _build(1, seed=9)
+    model, opt, sched = build_sharded(1, seed=9)
     state = _muon_state(model, opt, sched)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     sched.load_state_dict(state["sched"])
-    _train(model, opt, sched, data, [SAVE_AT], 0, 1)
+    train_steps(model, opt, sched, data, [SAVE_AT], 0, 1)
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     worst_mf = _compare(msd, osd["state"], snap[SAVE_AT + 1], "mf at 1 rank")
 
@@ -358,7 +358,7 @@ def test_init_step_of_torch_helpers_is_exact(world1):
     """torch's helpers create a fresh optimizer's state by one step with zero gradients and lr
     0: on mf.Muon it changes no parameter and gives the state torch.optim.Muon + AdamW get
     from the same step on one process (zeros; AdamW's step 1)."""
-    model, opt, _ = _build(1)
+    model, opt, _ = build_sharded(1)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ours = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import spawn
+from helpers.rank_pool import spawn
 
 from matrixfsdp.tensors.gather import gather_rows
 

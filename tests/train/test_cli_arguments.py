@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from _cli import run_cli
+from helpers.cli import run_cli
 
 import matrixfsdp.train.launch as ranks
 from benchmarks.harness.main import parse_args as bench_args

@@ -1,6 +1,6 @@
 """A rank that hangs inside torch.distributed.checkpoint, as seen from the command line: 4
 ranks, ``--timeout 5``, one rank stopped (SIGSTOP) by torch's own DCP classes, patched from
-outside the library (``tests/stop_in_dcp.py``), first in DCP's save planning, then in the
+outside the library (``tests/helpers/stop_in_dcp.py``), first in DCP's save planning, then in the
 resume's read. Each time every other rank says which rank did not arrive and where it was
 last seen, the launcher's one line names the stopped rank as the one that hung and no rank
 as failed, and the command exits non-zero at most 20 s after the stop (the issue's bound;
@@ -22,13 +22,14 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import HERE
 
 from matrixfsdp.train.outlock import lock_out
 
 if not sys.platform.startswith("linux"):
     pytest.skip("SIGSTOP, /proc", allow_module_level=True)
 
-HELPER = Path(__file__).with_name("stop_in_dcp.py")
+HELPER = HERE / "stop_in_dcp.py"
 TRAIN = ["train", "--ranks", "4", "--layers", "1", "--d-model", "32", "--heads", "2", "--mlp", "64",
          "--seq", "32", "--batch", "2", "--timeout", "5"]
 EXIT_BOUND_S = 20.0  # the issue's bound, from the stop to the launcher's exit

@@ -22,6 +22,7 @@ import threading
 import time
 
 import pytest
+from helpers.processes import child_pids, rank_pids, session_processes, still_alive
 
 if not sys.platform.startswith("linux"):
     pytest.skip("reads /proc", allow_module_level=True)
@@ -29,40 +30,6 @@ if not sys.platform.startswith("linux"):
 END_LIMIT = 30.0  # seconds: see the module docstring
 TRAIN = ["train", "--ranks", "2", "--steps", "1000000", "--layers", "1", "--d-model", "32",
          "--heads", "2", "--mlp", "64", "--seq", "32", "--batch", "2"]
-
-
-def _session(sid: int) -> dict[int, str]:
-    """pid -> command line of every live process of session ``sid`` but its leader
-    (the launcher runs in a session of its own, so this is all it started, at any depth)."""
-    found = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == sid:
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{d}/cmdline") as f:
-                cmd = f.read().replace("\0", " ")
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found[int(d)] = cmd
-    return found
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return None
-
-
-def _ranks(sid: int) -> list[int]:
-    """The rank processes of launcher ``sid``: the children of its fork server."""
-    procs = _session(sid)
-    servers = {pid for pid, cmd in procs.items() if "forkserver" in cmd and _ppid(pid) == sid}
-    return sorted(pid for pid in procs if _ppid(pid) in servers)
 
 
 def _ignore_sigint() -> None:
@@ -95,8 +62,8 @@ class _Launcher:
             assert time.monotonic() < deadline, "training did not start"
             time.sleep(0.1)
         time.sleep(0.5)  # a few steps in
-        ranks = _ranks(self.proc.pid)
-        assert len(ranks) == 2, _session(self.proc.pid)
+        ranks = rank_pids(self.proc.pid)
+        assert len(ranks) == 2, session_processes(self.proc.pid)
         return ranks
 
     def finish(self, limit: float = END_LIMIT) -> int:
@@ -113,10 +80,10 @@ class _Launcher:
         for reader in self.readers:
             reader.join(limit)
         assert not any(r.is_alive() for r in self.readers), \
-            f"output still open {limit} s later; still running: {_session(self.proc.pid)}"
+            f"output still open {limit} s later; still running: {session_processes(self.proc.pid)}"
 
     def kill_all(self) -> None:
-        for pid in [self.proc.pid, *_session(self.proc.pid)]:
+        for pid in [self.proc.pid, *session_processes(self.proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -125,7 +92,7 @@ class _Launcher:
     def assert_nothing_left(self, limit: float = END_LIMIT) -> None:
         # multiprocessing's resource tracker leaves once the launcher and ranks are gone
         deadline = time.monotonic() + limit
-        while (left := _session(self.proc.pid)) and time.monotonic() < deadline:
+        while (left := session_processes(self.proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.1)
         if left:
             self.kill_all()
@@ -155,7 +122,7 @@ def test_sigterm_to_the_launcher_ends_every_rank_first(tmp_path):
         ranks = run.wait_training()
         os.kill(run.proc.pid, signal.SIGTERM)
         rc = run.finish()
-        alive = [pid for pid in ranks if pid in _session(run.proc.pid)]
+        alive = [pid for pid in ranks if pid in session_processes(run.proc.pid)]
         assert not alive, f"ranks {alive} outlived the launcher"
         assert rc == 128 + signal.SIGTERM, rc
         run.drain()
@@ -163,35 +130,6 @@ def test_sigterm_to_the_launcher_ends_every_rank_first(tmp_path):
         run.assert_nothing_left()
     finally:
         run.kill_all()
-
-
-def _alive(pids) -> list[int]:
-    """Those of ``pids`` not yet ended: ended is gone, or a zombie whose every thread has
-    left (a killed process's main thread is a zombie before its other threads have closed
-    its files, its locks with them)."""
-    alive = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z" or len(os.listdir(f"/proc/{pid}/task")) > 1:
-                    alive.append(pid)
-        except OSError:
-            pass
-    return alive
-
-
-def _children(pid: int) -> list[int]:
-    """The live child processes of ``pid``."""
-    found = []
-    for d in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(d))
-    return found
 
 
 def _committed(ckpts) -> list[str]:
@@ -213,7 +151,7 @@ def _sigkill_launcher(proc, ranks: list[int], out) -> float:
     os.kill(proc.pid, signal.SIGKILL)
     killed = time.monotonic()
     assert proc.wait(END_LIMIT) == -signal.SIGKILL
-    while (alive := _alive(ranks)) and time.monotonic() - killed < 20:
+    while (alive := still_alive(ranks)) and time.monotonic() - killed < 20:
         time.sleep(0.01)
     gone_s = time.monotonic() - killed
     assert not alive, f"ranks {alive} still run {gone_s:.1f} s after their launcher was SIGKILLed"
@@ -233,8 +171,8 @@ def test_sigkill_to_the_launcher_ends_every_rank_and_nothing_is_committed_after(
     run = _Launcher(tmp_path, "--steps", "400", "--save-every", "10", ignore_sigint=True)
     try:
         _first_checkpoint(run.proc, tmp_path / "checkpoints", run.err)
-        ranks = _ranks(run.proc.pid)
-        assert len(ranks) == 2, _session(run.proc.pid)
+        ranks = rank_pids(run.proc.pid)
+        assert len(ranks) == 2, session_processes(run.proc.pid)
         _sigkill_launcher(run.proc, ranks, tmp_path)
         run.drain()
         run.assert_nothing_left()
@@ -257,11 +195,11 @@ def test_sigkill_to_torchrun_ends_its_ranks(tmp_path):
     ranks: list[int] = []
     try:
         _first_checkpoint(proc, tmp_path / "checkpoints", err)
-        ranks = _children(proc.pid)
+        ranks = child_pids(proc.pid)
         assert len(ranks) == 2, ranks
         _sigkill_launcher(proc, ranks, tmp_path)
     finally:
-        for pid in [proc.pid, *_alive(ranks)]:
+        for pid in [proc.pid, *still_alive(ranks)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 import pytest
-from _cli import run_cli
-from inject_faults import train as train_with_faults
+from helpers.cli import run_cli
+from helpers.inject_faults import train as train_with_faults
 
 from matrixfsdp.__main__ import main
 from matrixfsdp.state.files import is_complete

@@ -15,8 +15,8 @@ import warnings
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from _cli import run_cli
-from inject_faults import train as train_with_faults
+from helpers.cli import run_cli
+from helpers.inject_faults import train as train_with_faults
 
 import matrixfsdp as mf
 from matrixfsdp.state.files import COMPLETE, is_complete

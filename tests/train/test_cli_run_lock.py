@@ -18,10 +18,10 @@ import subprocess
 import sys
 import time
 
-import inject_faults
 import pytest
-from _cli import run_cli
-from test_cli_launch import _alive, _ranks
+from helpers import inject_faults
+from helpers.cli import run_cli
+from helpers.processes import rank_pids, still_alive
 
 from matrixfsdp.state.files import is_complete
 from matrixfsdp.state.integrity import verify_checkpoint
@@ -148,12 +148,12 @@ def test_resume_beside_a_live_run_is_refused_then_allowed_once_it_is_killed(tmp_
         assert _tree(out) == before
 
         # 3. the first run's launcher SIGKILLed: its ranks die with it, the kernel releases the lock
-        ranks = _ranks(first.pid)
+        ranks = rank_pids(first.pid)
         assert len(ranks) == 2, ranks
         os.kill(first.pid, signal.SIGKILL)
         assert first.wait(60) == -signal.SIGKILL
         deadline = time.monotonic() + 20  # a hang guard: they end at once
-        while (alive := _alive(ranks)) and time.monotonic() < deadline:
+        while (alive := still_alive(ranks)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive, f"ranks {alive} outlived their SIGKILLed launcher"
     finally:

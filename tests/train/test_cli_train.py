@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from _cli import run_cli
+from helpers.cli import run_cli
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
