@@ -7,7 +7,7 @@ command that produces it, so that no figure outlives its command.
 from those outputs to ``docs/figures/NAME.md``: the commands first, then the date, the
 machine (:func:`~matrixfsdp.train.machine.machine_line`) and the wall time, then the tables. A page shows a
 figure between the markers ``<!-- figure NAME -->`` and ``<!-- /figure NAME -->``, whose
-content this command replaces with the file's (``tests/test_docs_figures.py`` checks that
+content this command replaces with the file's (``tests/docs/test_docs_figures.py`` checks that
 every block equals its file, and re-renders the figures whose raw results are kept
 beside them, ``docs/figures/NAME.json``, with the code's own renderers).
 

@@ -1,6 +1,6 @@
 """Recording one training step's collectives, per rank, for the byte benches
 (:mod:`.tp`, :mod:`.ep`): torch.distributed's collective functions are wrapped for the
-measured step (FSDP2 and the runtime look them up at call time, as ``tests/test_scale.py``
+measured step (FSDP2 and the runtime look them up at call time, as ``tests/runtime/test_most_loaded_rank.py``
 relies on), each call charged by NCCL's algorithms
 (:func:`charge`), and MatrixFSDP's calls tagged with the unit pass they serve
 (:func:`tagging`). The analysis of the records is :mod:`.tp_report`'s."""

@@ -1,4 +1,4 @@
-"""The model of ``matrixfsdp bench --ep`` (:mod:`.ep`), also tests/ep_models.py's: a small MoE
+"""The model of ``matrixfsdp bench --ep`` (:mod:`.ep`), also tests/helpers/ep_models.py's: a small MoE
 with torchtitan's GroupedExperts shapes, expert parallelism for it, and the bench's config.
 
 Experts hold ``w1 (E, H, D)``, ``w2 (E, D, H)``, ``w3 (E, H, D)``; :func:`apply_ep` makes them

@@ -14,7 +14,7 @@ ranks, in the same run and on the same data:
 Each system trains ``--warmup`` steps (lazy initialisation), then one measured step
 (forward, backward, ``optimizer.step()``) during which every call a rank makes to
 ``torch.distributed``'s collectives is recorded (:func:`.record.recording`: the functions
-are wrapped, as ``tests/test_scale.py`` does; FSDP2 and the runtime look them up at call
+are wrapped, as ``tests/runtime/test_most_loaded_rank.py`` does; FSDP2 and the runtime look them up at call
 time), with its process group. Each call is charged by NCCL's algorithms, the model of
 :mod:`matrixfsdp.layout.units` (and of the main
 bench's critical-path table): ring all-gather / reduce-scatter ``(P-1)/P`` of the buffer per

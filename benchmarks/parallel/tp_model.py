@@ -1,4 +1,4 @@
-"""The model of ``matrixfsdp bench --tp`` (:mod:`.tp`): tests/tp_models.py's Llama with
+"""The model of ``matrixfsdp bench --tp`` (:mod:`.tp`): tests/helpers/tp_models.py's Llama with
 torchtitan's TP plan, sized by a config, and the bench's config."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ KINDS = ("gather", "reduce")  # what a collective is for (the table's columns)
 MIB = 2 ** 20
 
 
-# ---- the model: tests/tp_models.py's Llama, sized by a config --------------------------------
+# ---- the model: tests/helpers/tp_models.py's Llama, sized by a config --------------------------------
 @dataclass(frozen=True)
 class LlamaConfig:
     d_model: int = 256

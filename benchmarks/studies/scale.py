@@ -11,7 +11,7 @@ of tensors handed to one call.
 
     python -m benchmarks.studies.scale --ranks 16384 [--rank R] [--iterations 3]
 
-prints one JSON line. ``tests/test_scale_ranks.py`` runs it at P = 64 and P = 16384.
+prints one JSON line. ``tests/runtime/test_16384_ranks.py`` runs it at P = 64 and P = 16384.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every name torch does not document as public that this package uses goes through this
 module: what it does for us, and why no public API does it. Checked against torch 2.13.0
 (the version the Makefile installs; the package asks for ``torch>=2.9``, whose other
-versions were not installed here). ``tests/test_compat.py`` checks each entry against the
+versions were not installed here). ``tests/package/test_compat.py`` checks each entry against the
 installed torch, and that no other module of the package names a private torch attribute.
 
 Not counted as private: ``nn.Module``'s own registries (``_parameters``, ``_buffers``,

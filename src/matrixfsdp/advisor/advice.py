@@ -61,7 +61,7 @@ def assumptions(st: Setting, s: Search) -> list[str]:
         "broadcasts at the next forward (a unit's prefetch waits for its own)",
         f"memory per rank: the planner's owners (stored {_DTYPE.get(d.storage, d.storage)}: "
         "segments with padding and alignment, the gradient buffers .grad keeps, Muon "
-        "momentum and AdamW moments, exactly as tests/test_plan_model.py checks on 8 ranks) + "
+        "momentum and AdamW moments, exactly as tests/advisor/test_plan_model.py checks on 8 ranks) + "
         f"gather buffers ({_DTYPE.get(d.gather)}: the root, the unit computing, the next, "
         f"its unsharded gradients) and two reduce buffers ({_DTYPE.get(d.reduce)}) + "
         "activations (bf16: each block matrix's input and output per token, or the block "

@@ -6,7 +6,7 @@ bucket size searched, its buffers counted and its refusals kept.
 ``_zeropower_via_newtonschulz``: ``X = G.bfloat16()``, transposed when tall, normalised,
 then per iteration ``A = X @ X.T``, ``B = addmm(A, A, A)``, ``X = addmm(X, B, X)``), one
 matrix after the other, each op a collective of its own that DTensor's sharding
-propagation issues (traced under torch's fake process group, ``tests/test_plan_peers.py``
+propagation issues (traced under torch's fake process group, ``tests/advisor/test_plan_peers.py``
 holds these lists against it). ``a = min(rows, cols)``, ``b = max``, over ``S`` shard and
 ``T`` tp ranks (FSDP2 + TP places a colwise matrix ``(_StridedShard(0), Shard(0))``, a
 rowwise one ``(Shard(0), Shard(1))``; HSDP's replicate dim is ``Replicate``, so every

@@ -6,7 +6,7 @@ The model may live on the meta device. It is planned exactly as ``fully_shard`` 
 runtime's layout and counters are redone over the plan
 (:mod:`~matrixfsdp.layout.traffic`), so the prediction equals, to the byte, what
 ``matrixfsdp.comm_stats(model).summary()`` reads on each rank after one training step and
-what each rank holds (``tests/test_plan_model.py`` checks it at 8 ranks, 1-D and HSDP).
+what each rank holds (``tests/advisor/test_plan_model.py`` checks it at 8 ranks, 1-D and HSDP).
 
 :func:`matrixfsdp.advisor.costs.plan_summary` (a :class:`~matrixfsdp.layout.types.Plan`
 in, max / mean summaries out: the same plan costed as ``matrixfsdp plan`` costs a layout) is

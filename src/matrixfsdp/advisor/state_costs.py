@@ -2,7 +2,7 @@
 :func:`~matrixfsdp.layout.traffic.rank_held` counts rank by rank (segments, the gradient
 buffers the shards' ``.grad`` keep alive, Muon momentum and AdamW moments), summed from
 difference arrays over the shard ranks plus the ranks that hold pieces, so a 16384-rank
-plan costs milliseconds (``tests/test_plan_search.py`` holds it against ``rank_held``)."""
+plan costs milliseconds (``tests/advisor/test_plan_search.py`` holds it against ``rank_held``)."""
 
 from __future__ import annotations
 

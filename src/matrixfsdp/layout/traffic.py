@@ -7,7 +7,7 @@ package). This module walks the same layouts and ops over a plan, charging each 
 planner's own load functions (:meth:`~matrixfsdp.layout.units.Call.load`), so that
 ``matrixfsdp plan`` and :func:`matrixfsdp.plan_costs` predict, to the byte, the op and the
 launch, per rank and per collective kind, what one training step issues, and the bytes each
-rank holds; ``tests/test_plan_model.py`` runs 8 ranks on gloo and on NCCL's coalesced path
+rank holds; ``tests/advisor/test_plan_model.py`` runs 8 ranks on gloo and on NCCL's coalesced path
 (grouped_gloo) and compares.
 
 One steady training step with ``micro_batches`` forward/backward passes (each reducing, the

@@ -21,7 +21,7 @@ from ..runtime.param import placement_of, sharded_param, waiting_for
 
 # The one home of the defaults: torch.optim.Muon's (plus ns_dtype) and torch.optim.AdamW's
 # (matrixfsdp.Muon's adamw_ keywords). Muon's signature and muon_param_groups read them,
-# and the benchmark; tests/test_optim.py checks them against torch's signatures.
+# and the benchmark; tests/optim/test_muon_vs_torch.py checks them against torch's signatures.
 MUON_DEFAULTS = dict(lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
                      ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
                      adjust_lr_fn=None, ns_dtype=torch.bfloat16, num_heads=None,

@@ -101,7 +101,7 @@ class Muon(torch.optim.Optimizer):
     """
 
     # Every default is read from MUON_DEFAULTS / ADAMW_DEFAULTS (optim/groups.py), their one
-    # home; tests/test_optim.py checks those against torch.optim.Muon's and AdamW's own.
+    # home; tests/optim/test_muon_vs_torch.py checks those against torch.optim.Muon's and AdamW's own.
     def __init__(self, params: Iterable[dict], *,
                  lr: float | torch.Tensor = MUON_DEFAULTS["lr"],
                  weight_decay: float = MUON_DEFAULTS["weight_decay"],

@@ -1,0 +1,87 @@
+"""FSDP2 arguments and habits that MatrixFSDP does not support raise a clear error, on one
+gloo rank (each error is raised before any collective, identically on every rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+import matrixfsdp as mf
+from matrixfsdp.train.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=32, seq_len=8)
+
+
+def _mesh():
+    return init_device_mesh("cpu", (1,))
+
+
+def test_offload_policy_is_refused_naming_what_to_use(world1):
+    """Before: a TypeError (unknown keyword). FSDP2's default OffloadPolicy() is accepted."""
+    model = GPT(CFG)
+    with pytest.raises(NotImplementedError, match=r"CPUOffloadPolicy.*not supported.*Mixed"):
+        mf.fully_shard(model.layers[0], mesh=_mesh(), offload_policy=CPUOffloadPolicy())
+    mf.fully_shard(model.layers[0], mesh=_mesh(), offload_policy=OffloadPolicy())
+
+
+@pytest.mark.parametrize("value", [2, 0])
+def test_reshard_after_forward_as_int_is_refused(world1, value):
+    """Before: 2 was silently taken as True (FSDP2: reshard to a group of 2)."""
+    model = GPT(CFG)
+    with pytest.raises(ValueError, match=rf"reshard_after_forward={value}.*True, False or None"):
+        mf.fully_shard(model.layers[0], mesh=_mesh(), reshard_after_forward=value)
+    mf.fully_shard(model.layers[0], mesh=_mesh())
+    with pytest.raises(ValueError, match=rf"reshard_after_forward={value}"):
+        model.layers[0].set_reshard_after_forward(value)
+
+
+def test_shard_slice_beside_a_size_1_replicate_dim_is_accepted(world1):
+    """A size-1 replicate dim is one replica: nothing to average (before: refused, while
+    FSDP2 trains torchtitan's (pp=1, dp_replicate=1, fsdp=N, tp=1) mesh['fsdp']). A slice
+    that leaves out a replicate dim of size > 1 is refused (tests/runtime/test_meshes.py, 4 ranks;
+    test_debug_mode.py); a pipeline stage's (pp, dp) slice is accepted."""
+    mesh2d = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    mf.fully_shard(GPT(CFG), mesh=mesh2d["shard"])
+    mf.fully_shard(GPT(CFG), mesh=mesh2d["shard"], independent_replicas=True)
+    pp = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "dp"))
+    mf.fully_shard(GPT(CFG), mesh=pp["dp"])
+
+
+def test_submodule_called_outside_forward_names_module_and_fix(world1):
+    """Before: the embedding computed with this rank's rows (wrong rows on rank > 0)."""
+    model = GPT(CFG)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=_mesh())
+    mf.fully_shard(model, mesh=_mesh())
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(RuntimeError, match=r"Embedding 'embed' was called outside the forward of "
+                                           r"its unit '<root>'.*register_fsdp_forward_method"):
+        model.embed(ids)
+    with pytest.raises(RuntimeError, match=r"Linear 'layers.1.mlp.fc'.*unit 'layers.1'"):
+        model.layers[1].mlp.fc(torch.randn(2, 16))
+    model.loss(ids[:, :-1], ids[:, 1:]).backward()  # inside forward: fine
+    model.unshard()
+    assert model.embed(ids).shape == (2, 8, 16)
+    model.reshard()
+
+
+def test_fsdp_module_class(world1):
+    """isinstance and FSDP2's method names on every fully_shard module (before: none)."""
+    model = GPT(CFG)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=_mesh())
+    mf.fully_shard(model, mesh=_mesh())
+    assert isinstance(model, mf.FSDPModule) and isinstance(model, GPT)
+    assert type(model).__name__ == "FSDPGPT" and not isinstance(model.embed, mf.FSDPModule)
+    for name in ("unshard", "reshard", "set_requires_gradient_sync", "set_reshard_after_forward",
+                 "set_reshard_after_backward", "set_is_last_backward",
+                 "set_modules_to_forward_prefetch", "set_modules_to_backward_prefetch"):
+        assert callable(getattr(model.layers[0], name)), name
+    model.set_modules_to_forward_prefetch([model.layers[0]])
+    model.layers[0].set_modules_to_backward_prefetch([])
+    model.set_is_last_backward(True)
+    ids = torch.randint(0, 64, (2, 9))
+    model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    assert all(p.grad is not None for p in model.parameters())
