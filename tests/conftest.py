@@ -49,7 +49,8 @@ LONGEST_FIRST = ("test_torchtitan_full_trainer.py", "test_run_failures_named.py"
                  "test_pipelining.py", "test_tp_compose.py", "test_bench.py", "test_cli_run_lock.py",
                  "test_16384_ranks.py", "test_pip_install.py", "test_parity.py",
                  "test_torchtitan_pieces.py", "test_plan_search.py", "test_matrix_optimizers.py",
-                 "test_hsdp.py", "test_device_memory.py", "test_checkpoint.py", "test_imports.py",
+                 "test_hsdp.py", "test_tp_group.py", "test_device_memory.py", "test_checkpoint.py",
+                 "test_imports.py",
                  "test_training_features.py", "test_cli_train.py", "test_plan_model.py",
                  "test_cli_never_destroys_work.py")
 # a name here that no test file has any more (renamed, moved away) would silently stop

@@ -15,42 +15,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _dist import spawn
-from reference import assert_params_close, reference_ns_fp32
-from test_parity import ADAMW, MUON, _groups
+from helpers.parity import ADAMW, MUON, muon_groups
+from helpers.rank_pool import spawn
+from helpers.reference import assert_params_close
+from helpers.tp_models import apply_tp, build_llama
+from helpers.tp_training import CLIP, PER, tp_data, tp_reference
 from torch.distributed.device_mesh import init_device_mesh
-from tp_models import VOCAB, apply_tp, build_llama
 
 import matrixfsdp as mf
-
-STEPS, PER, SEQ, CLIP = 3, 2, 16, 0.5
-
-
-def _is_muon(name: str, p: torch.Tensor) -> bool:
-    return name.startswith("layers.") and p.dim() == 2
-
-
-def _data(dp: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (dp * PER, SEQ + 1), generator=g) for _ in range(STEPS)]
-
-
-def _reference(data) -> list[dict[str, torch.Tensor]]:
-    """One process: the parameters after each step."""
-    model = build_llama()
-    named = list(model.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if _is_muon(n, p)], **MUON)
-    adamw = torch.optim.AdamW([p for n, p in named if not _is_muon(n, p)], **ADAMW)
-    after = []
-    with reference_ns_fp32():
-        for x in data:
-            model.loss(x[:, :-1], x[:, 1:]).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            for opt in (muon, adamw):
-                opt.step()
-                opt.zero_grad()
-            after.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return after
 
 
 def _model(mesh, ownership: str):
@@ -59,7 +31,7 @@ def _model(mesh, ownership: str):
     for block in model.layers:
         mf.fully_shard(block, mesh=dp)
     mf.fully_shard(model, mesh=dp, tp_ownership=ownership)
-    return model, mf.Muon(_groups(model, MUON, ADAMW, torch.float32))
+    return model, mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
 
 
 def _train(model, opt, data, dp_rank: int, step_calls: dict) -> None:
@@ -80,7 +52,7 @@ def _run(mesh, ownership: str, ckpt: str, load_from: str | None) -> dict:
     """Steps 1-2 from the seed (or, ``load_from``, step 2's checkpoint of another
     placement), a checkpoint, step 3."""
     dp_rank = mesh["replicate", "shard"]._flatten().get_local_rank()
-    data = _data(4)
+    data = tp_data(4)
     model, opt = _model(mesh, ownership)
     seed = {"model": model.state_dict()}  # the one-process init (FSDP2's way to load it)
     dcp.load(seed, checkpoint_id=f"{ckpt}/seed")
@@ -115,7 +87,7 @@ def test_group_owned_matrices_match_one_process(tmp_path):
     torch.manual_seed(0)
     dcp.save({"model": build_llama().state_dict()}, checkpoint_id=str(tmp_path / "seed"), no_dist=True)
     spawn(_worker, 8, str(tmp_path))
-    ref = _reference(_data(4))
+    ref = tp_reference(tp_data(4))
     plain = build_llama(seed=9)
     state = {"model": plain.state_dict()}
     dcp.load(state, checkpoint_id=str(tmp_path / "group"), no_dist=True)
