@@ -9,13 +9,19 @@ batch, with torch's clipping:
 * forward and backward move nothing inside the tp groups (no tp hop: ``tp_all_to_all`` /
   ``tp_grad_all_to_all`` never issued), the step's only collectives are the tp groups'
   Newton-Schulz all-reduces (``tp_step_allreduce``), none on a data-parallel group;
-* "rank" (the tp hop) and "group" give the same parameters."""
+* "rank" (the tp hop) and "group" give the same parameters, and each loads the other's DCP
+  checkpoint (model and optimizer state: the group's column slices are placed in the whole
+  matrix);
+* per-head Muon on group-owned q, k, v equals torch.optim.Muon on each head's rows;
+  ``mf.matrix_params`` (other matrix optimizers) refuses a slice, naming it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers.parity import ADAMW, MUON, muon_groups
+from helpers.per_head import per_head_reference
 from helpers.rank_pool import spawn
 from helpers.reference import assert_params_close
 from helpers.tp_models import apply_tp, build_llama
@@ -23,6 +29,7 @@ from helpers.tp_training import CLIP, PER, tp_data, tp_reference
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
+from matrixfsdp.optim.groups import head_blocks
 
 
 def _model(mesh, ownership: str):
@@ -34,12 +41,13 @@ def _model(mesh, ownership: str):
     return model, mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32))
 
 
-def _train(model, opt, data, dp_rank: int, step_calls: dict) -> None:
+def _train(model, opt, data, dp_rank: int, step_calls: dict, clip: bool = True) -> None:
     stats = mf.comm_stats(model)
     for x in data:
         x = x[dp_rank * PER:(dp_rank + 1) * PER]
         model.loss(x[:, :-1], x[:, 1:]).backward()
-        mf.clip_grad_norm_(model.parameters(), CLIP)
+        if clip:
+            mf.clip_grad_norm_(model.parameters(), CLIP)
         before = dict(stats.calls)
         opt.step()
         for k, n in stats.calls.items():
@@ -71,12 +79,28 @@ def _run(mesh, ownership: str, ckpt: str, load_from: str | None) -> dict:
                 calls=dict(mf.comm_stats(model).counts), step_calls=step_calls)
 
 
+def _per_head(mesh) -> dict[str, torch.Tensor]:
+    """Per-head Muon on group-owned q, k, v (whole heads in each tp rank's row slice): two
+    steps without clipping."""
+    dp = mesh["replicate", "shard"]
+    model = apply_tp(build_llama(), mesh["tp"], True)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=dp)
+    mf.fully_shard(model, mesh=dp, tp_ownership="group")
+    opt = mf.Muon(muon_groups(model, MUON, ADAMW, torch.float32, per_head=True))
+    with pytest.raises(ValueError, match=r"'layers.0.attention.wq.weight' \(32, 32\) is owned by "
+                                         r"its tp group.*tp_ownership=\"rank\""):
+        mf.matrix_params(model)  # a matrix optimizer would step a slice as a matrix
+    _train(model, opt, tp_data(4)[:2], dp._flatten().get_local_rank(), {}, clip=False)
+    return mf.full_state_dict(model)
+
+
 def _worker(rank, world, out):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     res = {"group": _run(mesh, "group", out, None), "rank": _run(mesh, "rank", out, None),
            "group<-rank": _run(mesh, "group", out, "rank"),
            "rank<-group": _run(mesh, "rank", out, "group")}
-    torch.save(res, f"{out}/rank{rank}.pt")
+    torch.save(dict(runs=res, per_head=_per_head(mesh)), f"{out}/rank{rank}.pt")
 
 
 def test_group_owned_matrices_match_one_process(tmp_path):
@@ -93,8 +117,13 @@ def test_group_owned_matrices_match_one_process(tmp_path):
     dcp.load(state, checkpoint_id=str(tmp_path / "group"), no_dist=True)
     plain.load_state_dict(state["model"])
     assert_params_close(dict(plain.named_parameters()), ref[1], what="plain model ")
+    model = build_llama()
+    heads = per_head_reference(model, tp_data(4)[:2], head_blocks(model),
+                               loss=lambda m, x: m.loss(x[:, :-1], x[:, 1:]))
     for r in range(8):
-        res = torch.load(tmp_path / f"rank{r}.pt")
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert_params_close(got["per_head"], heads, what=f"rank {r} per-head ")
+        res = got["runs"]
         for name, run in res.items():
             assert_params_close(run["after2"], ref[1], what=f"rank {r} {name} step 2 ")
             assert_params_close(run["params"], ref[2], what=f"rank {r} {name} step 3 ")

@@ -50,7 +50,8 @@ def matrix_params(model: nn.Module) -> list[nn.Parameter]:
     Expert stacks ``(experts, m, n)`` are split by experts over the ranks, so an optimizer
     that treats a 3-D tensor as one (SOAP, Shampoo) would differ from one process: refused
     with a ``ValueError`` naming the stack (step them with ``matrixfsdp.Muon``, which
-    treats each expert as its own matrix)."""
+    treats each expert as its own matrix); so is a matrix its tp group owns (each tp rank
+    holds a slice: ``tp_ownership="group"``)."""
     out = []
     for unit in get_root(model).units:
         for p in unit.sharded:
@@ -63,6 +64,13 @@ def matrix_params(model: nn.Module) -> list[nn.Parameter]:
                     f"matrixfsdp.matrix_params: '{spec.name}' {spec.shape} is an expert stack, "
                     "split by experts over the ranks; a matrix optimizer would precondition "
                     "this rank's slice as one tensor. Step expert stacks with matrixfsdp.Muon")
+            if info.placement.tp_group:
+                raise ValueError(
+                    f"matrixfsdp.matrix_params: '{spec.name}' {spec.shape} is owned by its tp "
+                    f"group, each tp rank holding a slice of it (tp_ownership=\"group\"); a "
+                    "matrix optimizer would step one slice as a matrix. Shard with "
+                    "tp_ownership=\"rank\" (each matrix whole on one rank), or step it with "
+                    "matrixfsdp.Muon, which runs its Newton-Schulz over the group")
             if info.steps_here() and p.numel():
                 out.append(p)
     return out
