@@ -19,14 +19,20 @@ the suite's samples.
     with counted.during("step"):
         opt.step()
     assert counted["step"] == 0 and counted["forward"] > 0
+
+A window does not close while the library's collectives issued in it are still in flight
+(:func:`_settled`): it waits for them to complete, or fails naming them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import Counter
 
 from torch.profiler import ProfilerActivity, profile
+
+from matrixfsdp.runtime.collectives import in_flight
 
 PREFIXES = ("gloo:", "nccl:", "c10d::", "record_param_comms")
 
@@ -43,11 +49,28 @@ class Collectives(Counter):
     """Collectives counted per named stretch of code (0 for a name never counted)."""
 
     @contextlib.contextmanager
-    def during(self, name: str, counting: bool = True):
-        """Count the collectives of the ``with`` body under ``name`` (when ``counting``)."""
+    def during(self, name: str, counting: bool = True, settle_s: float = 10.0):
+        """Count the collectives of the ``with`` body under ``name`` (when ``counting``);
+        the library's collectives issued in it must complete within ``settle_s`` after it."""
         if not counting:
             yield
             return
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             yield
+            _settled(name, settle_s)
         self[name] += count(prof)
+
+
+def _settled(name: str, limit_s: float = 10.0) -> None:
+    """Before a window closes: the library's collectives issued in it have completed (they
+    are given ``limit_s``), or this fails naming them. torch's profiler stopped while one
+    was in flight (QK-clip's gloo all-reduce) corrupted a rank's heap: gloo's worker thread
+    wrote the op's profiler record after the profiler had stopped (docs/design.md)."""
+    deadline = time.monotonic() + limit_s
+    while (left := in_flight()) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if left:
+        raise AssertionError(
+            f"the profiler window {name!r} closes while the library's collectives {left} are "
+            "still in flight: end it after they are waited for (torch's profiler stopping "
+            "while gloo's worker thread records them corrupts the process)")

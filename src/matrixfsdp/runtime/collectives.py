@@ -30,6 +30,7 @@ Every rank knows every size, so this needs no communication.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +109,18 @@ class CommStats:
         return {k: dict(self.counts[k]) for k in sorted(self.counts)}
 
 
+_IN_FLIGHT: weakref.WeakSet = weakref.WeakSet()  # Pendings whose launch is not waited for
+
+
+def in_flight() -> list[str]:
+    """The collectives this process's library issued that have not completed yet, by kind
+    or phase (a diagnostic: the tests' profiler windows refuse to close over them, as
+    torch's profiler stopped while gloo's worker thread still recorded one corrupted a
+    rank's heap: docs/design.md, "QK-clip's all-reduce"). Never blocks."""
+    return sorted(p.label for p in list(_IN_FLIGHT)
+                  if p._work is not None and not p._work.is_completed())
+
+
 class Pending:
     """An in-flight collective; :meth:`wait` finishes it, then runs its epilogues in order.
 
@@ -119,12 +132,15 @@ class Pending:
     (:mod:`matrixfsdp.diagnosis.arrival`).
     """
 
-    def __init__(self, work=None, epilogue=None, keep: tuple = (), watch=None):
+    def __init__(self, work=None, epilogue=None, keep: tuple = (), watch=None, label: str = ""):
         self._work = work
         self._epilogues = [epilogue] if epilogue is not None else []
         self._keep = keep
         self._parts: list[Pending] = []  # see :meth:`all`
         self.watch = watch
+        self.label = label  # what it is (its kind or phase), for :func:`in_flight`
+        if work is not None:
+            _IN_FLIGHT.add(self)
 
     def then(self, epilogue) -> Pending:
         """Run ``epilogue()`` after the collective and the earlier epilogues."""
@@ -141,6 +157,7 @@ class Pending:
         if self._work is not None:  # a launch holding ``parts`` (a coalesced batch) first
             arrival.wait(self._work, self.watch)
             self._work = None
+            _IN_FLIGHT.discard(self)
         for p in parts:
             p.wait()
         epilogues, self._epilogues, self._keep = self._epilogues, [], ()
@@ -148,10 +165,11 @@ class Pending:
             epilogue()
 
     @classmethod
-    def all(cls, pendings: list[Pending], epilogue=None, work=None, watch=None) -> Pending:
+    def all(cls, pendings: list[Pending], epilogue=None, work=None, watch=None,
+            label: str = "") -> Pending:
         """One :class:`Pending` that finishes ``work`` (a launch holding them all, if any),
         then ``pendings`` in order, then ``epilogue``."""
-        pending = cls(work, epilogue, watch=watch)
+        pending = cls(work, epilogue, watch=watch, label=label)
         pending._parts = list(pendings)
         return pending
 
@@ -193,7 +211,8 @@ class Comm:
             self._batching = False
         self.stats.launches[phase] += 1
         return Pending.all(parts, work=works[0],
-                           watch=arrival.issued(self.group, f"{self.prefix}{phase}"))
+                           watch=arrival.issued(self.group, f"{self.prefix}{phase}"),
+                           label=f"{self.prefix}{phase}")
 
     def _issue(self, kind: str, nbytes: int, work, epilogue=None, keep: tuple = (),
                root: int | None = None) -> Pending:
@@ -203,7 +222,7 @@ class Comm:
         self._issued += 1
         if self._batching:  # the batch's launch is waited for; this op's own work is not
             return Pending(None, epilogue, keep)
-        return Pending(work, epilogue, keep, watch=arrival.issued(self.group, name))
+        return Pending(work, epilogue, keep, watch=arrival.issued(self.group, name), label=name)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Pending:
         """``out`` (``P x inp``) = every rank's ``inp``, rank-major."""
@@ -249,7 +268,7 @@ class Comm:
         kind = self.prefix + "all_to_all"
         self.stats.add(kind, _nbytes(out), Load(me[0] * es, me[1] * es, critical, mean))
         self.stats.launches[PHASE_OF[kind]] += 1
-        return Pending(work, keep=(out, inp), watch=arrival.issued(self.group, kind))
+        return Pending(work, keep=(out, inp), watch=arrival.issued(self.group, kind), label=kind)
 
     def broadcast(self, t: torch.Tensor, root: int) -> Pending:
         """``t`` = group rank ``root``'s ``t`` on every rank (in place)."""
