@@ -5,7 +5,8 @@ sequence parallelism: ColwiseParallel q, k, v, w1, w3 sliced by rows, RowwisePar
 by columns), against one process running torch.optim.Muon (fp32 NS) + AdamW on the whole
 batch, with torch's clipping:
 
-* the parameters after 3 steps within the parity bound (1e-5);
+* the parameters after 3 steps within the parity bound (1e-5); torch's norm of the list of
+  gradients (what torchtitan's clip takes) is the global norm, mf.clip_grad_norm_'s;
 * forward and backward move nothing inside the tp groups (no tp hop: ``tp_all_to_all`` /
   ``tp_grad_all_to_all`` never issued), the step's only collectives are the tp groups'
   Newton-Schulz all-reduces (``tp_step_allreduce``), none on a data-parallel group;
@@ -46,8 +47,11 @@ def _train(model, opt, data, dp_rank: int, step_calls: dict, clip: bool = True) 
     for x in data:
         x = x[dp_rank * PER:(dp_rank + 1) * PER]
         model.loss(x[:, :-1], x[:, 1:]).backward()
-        if clip:
-            mf.clip_grad_norm_(model.parameters(), CLIP)
+        if clip:  # torch's norm of the list (torchtitan's clip) is the global norm under TP too
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            listed = torch.nn.utils.get_total_norm(grads, foreach=True).full_tensor()
+            ours = mf.clip_grad_norm_(model.parameters(), CLIP)
+            torch.testing.assert_close(listed, ours, rtol=1e-6, atol=0)
         before = dict(stats.calls)
         opt.step()
         for k, n in stats.calls.items():

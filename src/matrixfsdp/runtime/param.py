@@ -26,6 +26,7 @@ rebound to a view of the unit's storage), so a parameter list read at any time i
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .._compat import FOREACH_NORM, norm_partial, plain_torch_function
+from .._compat import FOREACH_NORM, norm_partial, plain_torch_function, root_mesh
 from ..layout.types import Placement
 from .tp import TPParam, TPSplit
 
@@ -207,31 +208,51 @@ def _replicated(a: Any) -> Any:
     return a
 
 
-_NORM_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> 1-D mesh
+_NORM_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> its mesh
 
 
 def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
-    """A 1-D mesh over every rank of the model (its world group, HSDP's replicas included):
-    where the partial norms reduce. Made once per model, from the group, no collective.
-    Every rank joins the reduction, one that holds no element of any parameter included:
-    each parameter some rank has a gradient for has one on every rank (an empty one where
-    the rank holds nothing of it, :func:`~matrixfsdp.runtime.reduce.attach_grads`), so
-    every rank's list has the same length and its norms are partial DTensors too."""
+    """The mesh over every rank of the model where the partial norms reduce: its world group
+    (HSDP's replicas included), and under tensor parallelism the data-parallel dims with
+    the tp dim, sliced from their common parent mesh (no group made). Made once per model,
+    no collective. Every rank joins the reduction, one that holds no element of any
+    parameter included: each parameter some rank has a gradient for has one on every rank
+    (an empty one where the rank holds nothing of it,
+    :func:`~matrixfsdp.runtime.reduce.attach_grads`), so every rank's list has the same
+    length and its norms are partial DTensors too."""
     mesh = _NORM_MESHES.get(root)
     if mesh is None:
         if len({id(u.domain) for u in root.units}) > 1:
             raise RuntimeError("matrixfsdp: the norms of gradients of units on several meshes "
                                f"(expert parallelism) do not reduce over one. {_USE_OURS}")
-        mesh = _NORM_MESHES[root] = DeviceMesh.from_group(root.groups.world, device_type)
+        if root.tp is None:
+            mesh = DeviceMesh.from_group(root.groups.world, device_type)
+        else:
+            mesh = _dp_tp_mesh(root.mesh, root.tp.mesh)
+        _NORM_MESHES[root] = mesh
     return mesh
+
+
+def _dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
+    """The data-parallel dims and the tp dim of one parent mesh, as one mesh."""
+    parent = root_mesh(dp)
+    names = (*(dp.mesh_dim_names or ()), *(tp.mesh_dim_names or ()))
+    if root_mesh(tp) is not parent or len(names) != dp.ndim + tp.ndim:
+        raise RuntimeError(
+            "matrixfsdp: the norms of a list of gradients under tensor parallelism reduce over "
+            "the data-parallel and tp dims of one named mesh; the fully_shard mesh "
+            f"{dp.mesh_dim_names} and the tp mesh {tp.mesh_dim_names} are not two named dims "
+            f"of one parent. {_USE_OURS}")
+    return parent[names]
 
 
 def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     """``torch._foreach_norm`` over sharded gradients, as over FSDP2's: each norm a DTensor of
     this rank's piece's norm, placed ``_NormPartial(ord)`` over the model's ranks. A piece
-    the model holds alike on several ranks (HSDP's replicas of a row shard) counts on
-    replica 0 only; a matrix counts on the rank that steps it (elsewhere its gradient is
-    empty, or under HSDP a copy of zeros)."""
+    the model holds alike on several ranks counts once: HSDP's replicas of a row shard on
+    replica 0 only, a tp-replicated piece (a plain or ``Replicate`` parameter under tensor
+    parallelism) as ``1/tp`` of its ``p``-th power on each tp rank; a matrix counts on the
+    rank that steps it (elsewhere its gradient is empty, or under HSDP a copy of zeros)."""
     grads = list(tensors)
     plain = next((g for g in grads if not isinstance(g, ShardedGrad)), None)
     if plain is not None:
@@ -239,9 +260,8 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
             f"matrixfsdp: the norms of a list mixing sharded and plain gradients (one of shape "
             f"{tuple(plain.shape)}): a plain gradient would count once per rank. {_USE_OURS}")
     roots = {id(g.info.root): g.info.root for g in grads}
-    if len(roots) > 1 or any(r.tp is not None for r in roots.values()):
-        whose = "several models" if len(roots) > 1 else "a model under tensor parallelism"
-        raise RuntimeError(f"matrixfsdp: the norms of gradients of {whose} (e.g. "
+    if len(roots) > 1:
+        raise RuntimeError(f"matrixfsdp: the norms of gradients of several models (e.g. "
                            f"'{grads[0].param_name}') do not reduce over one group. {_USE_OURS}")
     if not grads:
         return []
@@ -255,10 +275,11 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
         some = FOREACH_NORM([grads[i].as_subclass(torch.Tensor) for i in counted], ord,
                             dtype=dtype) if counted else []  # a rank holding nothing: zeros
         norms = [torch.zeros((), dtype=dtype or g.dtype, device=g.device) for g in grads]
+    share = root.tp.size ** (-1.0 / p) if root.tp is not None and math.isfinite(p) else 1.0
     for i, n in zip(counted, some):
-        norms[i] = n
-    placement = norm_partial(p)
-    return [DTensor.from_local(n, mesh, [placement], run_check=False) for n in norms]
+        norms[i] = n * share if share != 1.0 and grads[i].info.tp_replicated else n
+    placements = [norm_partial(p)] * mesh.ndim
+    return [DTensor.from_local(n, mesh, placements, run_check=False) for n in norms]
 
 
 def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
