@@ -230,7 +230,6 @@ def _muon_filter(groups: list[tuple[str, bool]]) -> Callable[[str, torch.Tensor]
 
 def _unsupported(parallel_dims: Any, parallelism: Any, training: Any) -> str | None:
     checks = [("pipeline parallelism", parallel_dims.pp_enabled),
-              ("tensor parallelism", parallel_dims.tp_enabled),
               ("context parallelism", parallel_dims.cp_enabled),
               ("expert parallelism", parallel_dims.ep_enabled),
               ("training.enable_cpu_offload", training.enable_cpu_offload),
@@ -259,16 +258,20 @@ class _InitOnShards:
 
 def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
                 compile_config: Any, ac_config: Any, dump_folder: str,
-                muon_groups: tuple[tuple[str, bool], ...] = ()) -> nn.Module:
+                muon_groups: tuple[tuple[str, bool], ...] = (),
+                tp_ownership: str = "auto") -> nn.Module:
     """torchtitan's ``parallelize_fn`` for a decoder (``tok_embeddings``, ``layers``,
-    ``norm``, ``lm_head``), on MatrixFSDP: activation checkpointing, then compile (each block
-    in place), then ``mf.fully_shard`` on the embedding, every block, the output head (a unit
+    ``norm``, ``lm_head``), on MatrixFSDP: torchtitan's tensor parallelism
+    (``model.parallelize``, as its ``parallelize_llama``), activation checkpointing, then
+    compile (each block in place; refused with TP), then ``mf.fully_shard`` on the
+    embedding, every block, the output head (a unit
     of its own: torchtitan's ``ChunkedLossWrapper`` calls it outside the model's forward) and
     the root, over torchtitan's data-parallel mesh (``fsdp``, or ``dp_replicate x fsdp``
     for HSDP), with its mixed precision and reshard policy. Gradients are summed, not
     averaged (divide factor 1, as torchtitan sets for FSDP2: its loss is divided by the
     global token count). ``muon_groups``: ``(pattern, is_muon)`` of the optimizer's param
-    groups in order (:func:`convert` binds them), which decide the plan's Muon matrices."""
+    groups in order (:func:`convert` binds them), which decide the plan's Muon matrices;
+    ``tp_ownership``: ``fully_shard``'s, who owns a tp-split matrix."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torchtitan.config import TORCH_DTYPE_MAP
     from torchtitan.distributed.compile import apply_compile
@@ -277,10 +280,20 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
     what = _unsupported(parallel_dims, parallelism, training)
     if what is not None:
         raise NotImplementedError(f"matrixfsdp.integrations.torchtitan: {what} is not supported "
-                                  "yet (data parallelism, FSDP or HSDP, with AC and compile is)")
+                                  "yet (data parallelism, FSDP or HSDP, with tensor parallelism, "
+                                  "AC and compile is)")
+    compiled = compile_config.enable and "model" in compile_config.components
+    if parallel_dims.tp_enabled:
+        if compiled:
+            raise NotImplementedError(
+                "matrixfsdp.integrations.torchtitan: compile (--compile.enable) with tensor "
+                "parallelism: on torch 2.13 a compiled block fed the TP plan's pending "
+                "collective results computes wrong gradients (1e-4 off one process, measured; "
+                "docs/compile.md); train TP runs eagerly")
+        model.parallelize(parallel_dims)  # torchtitan's own TP (its modules' sharding_config)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
-    if compile_config.enable and "model" in compile_config.components:
+    if compiled:
         apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
     names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
     mesh = parallel_dims.get_mesh(names)
@@ -301,7 +314,8 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
         # between them (the optimizer step reshards), one gather per step, as torchtitan
         # arranges for FSDP2's lm_head
         model.lm_head.set_reshard_after_backward(last)
-    fully_shard(model, mesh=mesh, mp_policy=mp, muon_filter=_muon_filter(list(muon_groups)))
+    fully_shard(model, mesh=mesh, mp_policy=mp, muon_filter=_muon_filter(list(muon_groups)),
+                tp_ownership=tp_ownership)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -315,13 +329,15 @@ def _with_init_on_shards(cls: type) -> type:
 
 
 # ---- the switch -------------------------------------------------------------------------------
-def convert(config: Any) -> Any:
+def convert(config: Any, *, tp_ownership: str = "auto") -> Any:
     """``config`` (torchtitan's ``Trainer.Config``) on MatrixFSDP: a copy with the model
     spec's ``parallelize_fn`` replaced by :func:`parallelize` and the optimizer by
     :class:`MatrixOptimizersContainer` over the same param groups, options and factory
     arguments (DistMuon groups become Muon groups, AdamW stays AdamW). Its SPMD backend
     becomes ``"partial_dtensor"`` (DTensor for model-parallel axes only), the one whose
-    data parallelism is a ``fully_shard`` call; everything else is left as it is."""
+    data parallelism is a ``fully_shard`` call; everything else is left as it is.
+    ``tp_ownership`` goes to ``fully_shard`` (under tensor parallelism, whether a tp-split
+    matrix is owned by one tp rank, its tp group, or whichever is cheaper)."""
     config = copy.deepcopy(config)
     spec, opt = config.model_spec, config.optimizer
     if spec is None:
@@ -336,7 +352,8 @@ def convert(config: Any) -> Any:
     fields = {f.name: getattr(opt, f.name) for f in dataclasses.fields(OptimizersContainer.Config)}
     config.optimizer = MatrixOptimizersContainer.Config(**fields)
     groups = tuple((g.pattern, g.optimizer_name in MUON_NAMES) for g in opt.param_groups)
-    spec.parallelize_fn = functools.partial(parallelize, muon_groups=groups)
+    spec.parallelize_fn = functools.partial(parallelize, muon_groups=groups,
+                                            tp_ownership=tp_ownership)
     config.parallelism.spmd_backend = "partial_dtensor"
     return config
 
@@ -354,9 +371,9 @@ def _registered(name: str, module: str) -> Callable[[], Any]:
     return config_fn
 
 
-# torchtitan's llama3 configs that fit (its 70B and 405B set tensor parallelism, not yet here;
-# its float8 / nvfp4 / varlen variants need CUDA kernels)
+# torchtitan's llama3 configs (its float8 / nvfp4 / varlen variants need CUDA kernels)
 _LLAMA3 = "torchtitan.models.llama3.config_registry"
-for _name in ("llama3_debugmodel", "llama3_debugmodel_ce_loss", "llama3_8b"):
+for _name in ("llama3_debugmodel", "llama3_debugmodel_ce_loss", "llama3_8b", "llama3_70b",
+              "llama3_405b"):
     globals()[_name] = _registered(_name, _LLAMA3)
     __all__.append(_name)

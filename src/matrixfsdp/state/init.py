@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from .._compat import tensor_version
 from ..runtime.module import get_root
@@ -209,7 +210,13 @@ def _visit(module: nn.Module, fn: InitFn, root: Root, names: dict[int, str],
     new_buffers: dict[str, torch.Tensor] = {}
     for attr, b in meta_buffers.items():
         fill = float("nan") if b.is_floating_point() or b.is_complex() else 0
-        new_buffers[attr] = torch.full(b.shape, fill, dtype=b.dtype, device=root.units[0].local.device)
+        device = root.units[0].local.device
+        if isinstance(b, DTensor):  # a tensor-parallel buffer (a RoPE cache): a DTensor still
+            local = torch.full(b.to_local().shape, fill, dtype=b.dtype, device=device)
+            new_buffers[attr] = DTensor.from_local(local, b.device_mesh, b.placements,
+                                                   run_check=False, shape=b.shape, stride=b.stride())
+        else:
+            new_buffers[attr] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
     module._buffers.update(new_buffers)
     written = [f for _, f, _ in shards.values()] + list(new_buffers.values())
     before = {id(t): tensor_version(t) for t in written}
