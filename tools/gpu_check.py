@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="say what a GPU run would measure; run "
                    "the CPU-capable checks (default without CUDA)")
     p.add_argument("--out", default="runs/gpu-check", help="output folder (default: runs/gpu-check)")
-    p.add_argument("--record", action="store_true", help="also write the table into docs/benchmarks.md (default: off)")
+    p.add_argument("--record", action="store_true",
+                   help="also write the table into docs/benchmarks.md (default: off)")
     a = p.parse_args(argv)
     device = _setup()
     dry = a.dry_run or device.type != "cuda"
