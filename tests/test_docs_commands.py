@@ -22,6 +22,8 @@ COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)"
                      r"|python -m (?:benchmarks|tools|matrixfsdp)\.[\w.]+)"
                      r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+# a misspelt flag the pages show refused: "matrixfsdp train: error: unrecognized arguments: --step 5"
+REFUSED = re.compile(r"matrixfsdp (train|plan): error: unrecognized arguments: ([^\n`|]+)")
 
 
 def _code(text: str) -> list[str]:
@@ -42,15 +44,23 @@ def _which(cmd: str, args: str) -> str:
     return cmd.removeprefix("matrixfsdp ").removeprefix("python -m ")
 
 
+def refused() -> list[tuple[str, str, str]]:
+    """(page, subcommand, arguments) of every misspelt flag a page shows refused."""
+    return [(page.name, m.group(1), m.group(2).strip()) for page in PAGES
+            for m in REFUSED.finditer(page.read_text())]
+
+
 def documented() -> dict[str, dict[str, str]]:
-    """{command: {flag: where it is documented}}."""
+    """{command: {flag: where it is documented}} (the misspelt flags shown refused are not)."""
+    wrong = {(f"matrixfsdp {cmd}", flag) for _, cmd, args in refused() for flag in FLAG.findall(args)}
     found: dict[str, dict[str, str]] = {}
     for page in PAGES:
         for code in _code(page.read_text()):
             for m in COMMAND.finditer(code):
                 args = m.group(2)
                 for flag in FLAG.findall(args):
-                    found.setdefault(_which(m.group(1), args), {}).setdefault(flag, page.name)
+                    if (m.group(1), flag) not in wrong:
+                        found.setdefault(_which(m.group(1), args), {}).setdefault(flag, page.name)
     return found
 
 
@@ -116,6 +126,21 @@ def test_resume_without_checkpoint_names_the_directory_once(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--resume: no complete checkpoint in {out}/checkpoints (" in err, err
     assert "checkpoints/checkpoints" not in err
+
+
+def test_a_misspelt_flag_is_refused_as_the_pages_say(capsys):
+    """troubleshooting.md's misspelt flag (``--step 5``): refused by the subcommand's own
+    parser, exit 2, with the line the page quotes; never taken for ``--steps`` (argparse's
+    abbreviations are off)."""
+    shown = refused()
+    assert ("troubleshooting.md", "train", "--step 5") in shown, shown
+    for page, cmd, args in shown:
+        with pytest.raises(SystemExit) as stop:
+            main([cmd, *args.split()])
+        assert stop.value.code == 2, (page, cmd, args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[0].startswith(f"usage: matrixfsdp {cmd} ")
+        assert err[-1] == f"matrixfsdp {cmd}: error: unrecognized arguments: {args}", (page, err[-1])
 
 
 def _anchors(text: str) -> set[str]:
