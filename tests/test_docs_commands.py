@@ -27,7 +27,9 @@ REFUSED = re.compile(r"matrixfsdp (train|plan): error: unrecognized arguments: (
 
 
 def _code(text: str) -> list[str]:
-    """The pages' code: fenced blocks and inline spans, each as one line."""
+    """The pages' code: fenced blocks and inline spans, each as one line (not architecture.md's
+    file map, which quotes the modules' docstrings, not commands)."""
+    text = re.sub(r"<!-- file map: .*?<!-- /file map -->", "", text, flags=re.S)
     blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
     rest = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.S | re.M)
     spans = re.findall(r"`([^`]+)`", rest)
