@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 muon-fsdp2==0.3.0
 
-.PHONY: demo test lint bench plan gpu-check docs-figures clean
+.PHONY: demo test lint bench plan gpu-check docs-figures docs-map clean
 
 # --no-compile: no bytecode for all of torch at install (some 15 s here); what the suite
 # and the demo import is compiled once, at first import.
@@ -46,6 +46,11 @@ gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(BIN)/.installed)
 # an hour on 2 cores. One or a few: `make docs-figures FIGURES="ep tp"`.
 docs-figures: $(BIN)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/python -m tools.docs_figures $(FIGURES)
+
+# docs/architecture.md's file map, one entry per module, from the modules' docstrings
+# (tests/test_docs_file_map.py fails when it drifts from the tree). Needs no environment.
+docs-map:
+	$(PY) -m tools.file_map
 
 plan: $(BIN)/.installed
 	$(BIN)/matrixfsdp plan --model paper --ranks 8

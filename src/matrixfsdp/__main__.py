@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="matrixfsdp", description=__doc__, allow_abbrev=False)
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = add_train_args(sub)
-    add_plan_args(sub)
+    pl = add_plan_args(sub)
     bp = sub.add_parser("bench", help="benchmark against FSDP2 peers, from a checkout (see --help)",
                         add_help=False)
     sub.add_parser("calibrate", help="measure this machine's constants for plan --constants "
@@ -58,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             bp.error(problem)
         return _benchmarks_main()(rest)
-    if rest:
-        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:  # a misspelt flag (abbreviations are off): refused by its subcommand's parser
+        (tr if args.cmd == "train" else pl).error(f"unrecognized arguments: {' '.join(rest)}")
     if args.cmd == "train":
         run_train(tr, args, sys.argv[1:] if argv is None else argv)
     else:

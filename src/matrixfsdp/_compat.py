@@ -199,7 +199,16 @@ def calling_pipeline_stage(module: nn.Module, depth: int = 18) -> Any:
     return None
 
 
-# ---- processes and profiling -------------------------------------------------------------------
+# ---- processes, profiling and the machine ------------------------------------------------------
+def amx_tile_supported() -> bool:
+    """Whether torch can use this CPU's AMX tiles (bf16 matmuls through oneDNN), as the
+    machine descriptions of the benchmarks and ``matrixfsdp calibrate`` record it:
+    ``torch.cpu._is_amx_tile_supported`` (False where this torch has no such query). No
+    public query exists; ``torch.backends.cpu.get_cpu_capability`` names the vector ISA only."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+
+
+
 def run_exit_handlers() -> None:
     """Run the ``atexit`` handlers now (before ``os._exit``): ``atexit._run_exitfuncs``,
     CPython's own exit path minus interpreter finalization."""

@@ -190,3 +190,24 @@ def test_calibrated_constants_drive_the_model(tmp_path, capsys):
     assert any("measured by matrixfsdp calibrate" in a for a in out["assumptions"])
     with pytest.raises(SystemExit, match="cannot read"):
         main(["plan", "--model", "bench-cpu", "--constants", str(tmp_path / "none.json")])
+
+
+def test_the_busiest_owner_s_ns_is_one_figure_under_its_label():
+    """plan.md gave the busiest owner's NS as 0.825 s in the advice and 0.834 s in the
+    table, both under "the busiest owner's NS": the table's figure was the whole optimizer
+    step. Now the label carries the NS alone everywhere, and the optimizer step's column
+    says its total and what it is made of."""
+    from matrixfsdp.advisor.advice import _optimizer_term, _s, bound_rows
+
+    shapes = _shapes()
+    w = Workload(seq=8, tflops=1e12, ns_tflops=1e5)
+    s = search(shapes, 8, 1e15, workload=w, global_batch=8, tp=[1], pp=[1],
+               checkpointing=(False,))
+    e = peers_best(s, 1e15)["matrixfsdp"]
+    x = explain(e, "matrixfsdp", s.floor)
+    assert x.overhead == x.bound == _optimizer_term(e, "matrixfsdp")
+    assert x.overhead_s == e.step.ns  # the NS alone, as the advice's bullet gives it
+    row = next(r for r in bound_rows(s, 1e15) if r.startswith("| MatrixFSDP |"))
+    step_cell = row.rstrip(" |").rsplit(" | ", 1)[1]
+    assert step_cell == (f"{_s(e.step.ns + e.step.optimizer_other)} s: {x.bound} {_s(e.step.ns)} s, "
+                         f"the rest {_s(e.step.optimizer_other)} s"), step_cell

@@ -7,18 +7,18 @@ three ranks, rank 2 never issues the fourth all-reduce."""
 from __future__ import annotations
 
 import os
+import pickle
 
+import pytest
 from helpers.rank_pool import spawn
 
-from matrixfsdp.diagnosis.flight import hung_ranks, read_dumps, recorder_env
+from matrixfsdp.diagnosis.flight import hung_ranks, main, read_dumps, recorder_env
 
 
 def _records(rank, world_size, folder, init_file):
     """Three ranks with torch's flight recorder on (read when a group is made); rank 2 writes
     its record before it issues the fourth all-reduce, the others after: what NCCL's
     watchdog writes when rank 2 never issues it."""
-    import pickle
-
     import torch
     import torch._C._distributed_c10d as c10d
     import torch.distributed as dist
@@ -70,3 +70,32 @@ def test_records_that_agree_name_nobody_and_the_launcher_sets_what_the_user_did_
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env  # the user's own setting stands
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == os.path.join(str(tmp_path), "rank_")
+
+
+def test_the_command_refuses_a_directory_with_nothing_to_read(tmp_path, capsys):
+    """``python -m matrixfsdp.diagnosis.flight DIR``: a directory that does not exist, one with
+    no dump and one whose dumps cannot be read are refused (exit 2, saying what is missing),
+    never called a hang-free run; records that agree exit 0 saying how many were read."""
+    def refused(folder) -> str:
+        with pytest.raises(SystemExit) as stop:
+            main([str(folder)])
+        assert stop.value.code == 2
+        out, err = capsys.readouterr()
+        assert "every rank issued the same collectives" not in out + err
+        return err
+
+    assert f"{tmp_path / 'nonexistent'} is not a directory: nothing to read" in refused(
+        tmp_path / "nonexistent")
+    assert f"no flight-recorder dump in {tmp_path}: no file named rank_<rank>" in refused(tmp_path)
+    (tmp_path / "rank_0").write_bytes(b"not a pickle")
+    assert f"none of the 1 dumps in {tmp_path} (rank_0) could be read" in refused(tmp_path)
+    entry = {"process_group": ("0", "default_pg"), "collective_seq_id": 7,
+             "profiling_name": "nccl:all_reduce", "is_p2p": False}
+    for rank in (0, 1):
+        (tmp_path / f"rank_{rank}").write_bytes(pickle.dumps({"entries": [entry]}))
+    assert main([str(tmp_path)]) == 0
+    assert "every rank issued the same collectives in every group (2 dumps read: ranks 0, 1)" \
+        in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0 and "Exit status" in capsys.readouterr().out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers.docs_pages import PAGES, documented, help_options, help_text
+from helpers.docs_pages import PAGES, documented, help_options, help_text, refused
 
 from matrixfsdp.__main__ import main
 
@@ -45,6 +45,21 @@ def test_resume_without_checkpoint_names_the_directory_once(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"--resume: no complete checkpoint in {out}/checkpoints (" in err, err
     assert "checkpoints/checkpoints" not in err
+
+
+def test_a_misspelt_flag_is_refused_as_the_pages_say(capsys):
+    """troubleshooting.md's misspelt flag (``--step 5``): refused by the subcommand's own
+    parser, exit 2, with the line the page quotes; never taken for ``--steps`` (argparse's
+    abbreviations are off)."""
+    shown = refused()
+    assert ("troubleshooting.md", "train", "--step 5") in shown, shown
+    for page, cmd, args in shown:
+        with pytest.raises(SystemExit) as stop:
+            main([cmd, *args.split()])
+        assert stop.value.code == 2, (page, cmd, args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[0].startswith(f"usage: matrixfsdp {cmd} ")
+        assert err[-1] == f"matrixfsdp {cmd}: error: unrecognized arguments: {args}", (page, err[-1])
 
 
 def _anchors(text: str) -> set[str]:

@@ -3,6 +3,8 @@ gloo rank (each error is raised before any collective, identically on every rank
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -85,3 +87,48 @@ def test_fsdp_module_class(world1):
     ids = torch.randint(0, 64, (2, 9))
     model.loss(ids[:, :-1], ids[:, 1:]).backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_an_optimizer_before_fully_shard_torch_s_works_mf_muon_s_is_refused(world1):
+    """fsdp2.md: torch's optimizers over ``model.parameters()`` may be built before or after
+    ``fully_shard`` (each parameter object becomes its shard); ``mf.Muon``'s groups need the
+    plan, so built before the root's ``fully_shard`` they raise, naming the order to follow."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)  # before: holds the shards after
+    for block in model.layers:
+        mf.fully_shard(block, mesh=_mesh())
+    mf.fully_shard(model)
+    x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len + 1))
+    model.loss(x[:, :-1], x[:, 1:]).backward()
+    adamw.step()
+    early = GPT(CFG)
+    for block in early.layers:
+        mf.fully_shard(block, mesh=_mesh())
+    with pytest.raises(ValueError, match=r"GPT is not a fully_shard unit; call "
+                                         r"matrixfsdp.fully_shard on its blocks and then on it"):
+        mf.Muon(mf.muon_param_groups(early))
+
+
+def test_a_model_with_no_muon_matrix_says_it_trains_as_adamw_only(world1):
+    """Sharded by the root's call alone, a model has no Muon matrix (they are the 2-D weights
+    inside the units below the root): ``mf.Muon`` over it warns, naming the model and the fix,
+    instead of training as AdamW without a word; the same model with its blocks sharded does
+    not warn."""
+    root_only = GPT(CFG)
+    mf.fully_shard(root_only, mesh=_mesh())
+    with pytest.warns(UserWarning, match=r"matrixfsdp.Muon: none of its \d+ parameters is stepped "
+                                         r"by Muon, so it trains as AdamW only: the plan of FSDPGPT "
+                                         r"holds no Muon matrix.*fully_shard on each block"):
+        mf.Muon(mf.muon_param_groups(root_only))
+    model = GPT(CFG)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=_mesh())
+    mf.fully_shard(model, mesh=_mesh())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        groups = mf.muon_param_groups(model)
+        mf.Muon(groups)
+    everything = [p for g in groups for p in g["params"]]
+    with pytest.warns(UserWarning, match=r"FSDPGPT's \d+ Muon matrices \(layers.0.attn.q.weight"):
+        mf.Muon([dict(params=[], use_muon=True), dict(params=everything, use_muon=False)])

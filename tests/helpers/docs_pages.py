@@ -21,10 +21,14 @@ COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)"
                      r"|python -m (?:benchmarks|tools|matrixfsdp)\.[\w.]+)"
                      r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+# a misspelt flag the pages show refused: "matrixfsdp train: error: unrecognized arguments: --step 5"
+REFUSED = re.compile(r"matrixfsdp (train|plan): error: unrecognized arguments: ([^\n`|]+)")
 
 
 def code_lines(text: str) -> list[str]:
-    """The pages' code: fenced blocks and inline spans, each as one line."""
+    """The pages' code: fenced blocks and inline spans, each as one line (not architecture.md's
+    file map, which quotes the modules' docstrings, not commands)."""
+    text = re.sub(r"<!-- file map: .*?<!-- /file map -->", "", text, flags=re.S)
     blocks = re.findall(r"^```[a-z]*\n(.*?)^```", text, re.S | re.M)
     rest = re.sub(r"^```[a-z]*\n.*?^```", "", text, flags=re.S | re.M)
     spans = re.findall(r"`([^`]+)`", rest)
@@ -41,15 +45,23 @@ def which_parser(cmd: str, args: str) -> str:
     return cmd.removeprefix("matrixfsdp ").removeprefix("python -m ")
 
 
+def refused() -> list[tuple[str, str, str]]:
+    """(page, subcommand, arguments) of every misspelt flag a page shows refused."""
+    return [(page.name, m.group(1), m.group(2).strip()) for page in PAGES
+            for m in REFUSED.finditer(page.read_text())]
+
+
 def documented() -> dict[str, dict[str, str]]:
-    """{command: {flag: where it is documented}}."""
+    """{command: {flag: where it is documented}} (the misspelt flags shown refused are not)."""
+    wrong = {(f"matrixfsdp {cmd}", flag) for _, cmd, args in refused() for flag in FLAG.findall(args)}
     found: dict[str, dict[str, str]] = {}
     for page in PAGES:
         for code in code_lines(page.read_text()):
             for m in COMMAND.finditer(code):
                 args = m.group(2)
                 for flag in FLAG.findall(args):
-                    found.setdefault(which_parser(m.group(1), args), {}).setdefault(flag, page.name)
+                    if (m.group(1), flag) not in wrong:
+                        found.setdefault(which_parser(m.group(1), args), {}).setdefault(flag, page.name)
     return found
 
 

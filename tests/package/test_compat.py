@@ -29,11 +29,31 @@ PRIVATE_ATTRIBUTES = {
 }
 ROOTS = {"torch", "dist", "nn", "sys", "atexit", "F"}  # module aliases an attribute chain starts at
 ALLOWED = {"_compat.py"}  # at most two files may hold torch's private names
+ACCESSORS = {"getattr", "hasattr", "setattr", "delattr"}  # a private name may hide in a string
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _torch_names(tree: ast.AST) -> set[str]:
+    """The names a module binds to torch's modules and objects (``import torch.x as y``,
+    ``from torch.x import y``): an attribute chain starting at one reaches into torch."""
+    names = set(ROOTS)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names
+                      if a.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
+            names |= {a.asname or a.name for a in node.names}
+    return names
 
 
 def _private_uses(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    roots = _torch_names(tree)
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "torch":
             names = node.module.split(".") + [a.name for a in node.names]
             if any(n.startswith("_") for n in names):
@@ -48,9 +68,19 @@ def _private_uses(path: Path) -> list[str]:
                 chain.append(value.attr)
                 value = value.value
             root = value.id if isinstance(value, ast.Name) else None
-            if node.attr in PRIVATE_ATTRIBUTES or (
-                    root in ROOTS and any(a.startswith("_") and not a.startswith("__") for a in chain)):
+            if node.attr in PRIVATE_ATTRIBUTES or (root in roots and any(_private(a) for a in chain)):
                 found.append(f"{path.name}:{node.lineno} .{node.attr}")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ACCESSORS and len(node.args) >= 2
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+              and _private(node.args[1].value)):
+            # getattr(torch.cpu, "_is_amx_tile_supported", ...): a private name as a string
+            target = node.args[0]
+            while isinstance(target, ast.Attribute):
+                target = target.value
+            if node.args[1].value in PRIVATE_ATTRIBUTES or (
+                    isinstance(target, ast.Name) and target.id in roots):
+                found.append(f"{path.name}:{node.lineno} {node.func.id}(..., {node.args[1].value!r})")
     return found
 
 
@@ -59,6 +89,31 @@ def test_no_module_but_compat_names_torch_private_api():
             if p.name not in ALLOWED and (u := _private_uses(p))}
     assert not uses, uses
     assert _private_uses(PACKAGE / "_compat.py"), "the scan finds nothing in _compat.py itself"
+
+
+def test_the_scan_sees_private_names_behind_aliases_and_in_strings(tmp_path):
+    """What the scan must catch, each written as a library module could: an attribute chain
+    from a name imported from torch, and a private name handed to getattr as a string."""
+    cases = {
+        "alias.py": "import torch.distributed.checkpoint as dcp\nx = dcp.state_dict_saver._x\n",
+        "from_import.py": "from torch.distributed import distributed_c10d as c10d\nc10d._world\n",
+        "string.py": "import torch\namx = getattr(torch.cpu, '_is_amx_tile_supported', None)\n",
+        "private_module.py": "from torch.distributed.tensor._dtensor_spec import DTensorSpec\n",
+        "public.py": ("import torch\nclass A:\n    def f(self):\n"
+                      "        return self._x, getattr(self, '_y', 0)\n"),
+    }
+    for name, code in cases.items():
+        (tmp_path / name).write_text(code)
+        assert bool(_private_uses(tmp_path / name)) == (name != "public.py"), name
+
+
+def test_benchmarks_and_tools_use_torch_privates_only_through_compat():
+    """The repository's own code outside the package (benchmarks/, tools/) reaches torch's
+    private API through ``matrixfsdp._compat`` too, so one module says what is private."""
+    root = PACKAGE.parent.parent
+    uses = {str(p.relative_to(root)): u for folder in ("benchmarks", "tools")
+            for p in sorted((root / folder).rglob("*.py")) if (u := _private_uses(p))}
+    assert not uses, uses
 
 
 def test_autograd_entries():
@@ -129,6 +184,10 @@ def test_distributed_entries(world1):
     with pytest.raises(RuntimeError, match="does not implement startCoalescing"):
         with _compat.coalescing(dist.group.WORLD, torch.device("cpu")):
             pass
+
+
+def test_machine_entries():
+    assert isinstance(_compat.amx_tile_supported(), bool)
 
 
 @pytest.mark.parametrize("name", ["run_exit_handlers"])

@@ -128,3 +128,26 @@ def test_keep_last_and_a_full_disk(tmp_path):
     for step in (2, 3):
         assert is_complete(checkpoint_dir(tmp_path, step))
         assert mf.verify_checkpoint(checkpoint_dir(tmp_path, step))
+
+
+def test_a_plain_dcp_save_gets_its_own_diagnosis_and_fix(world1, tmp_path):
+    """The README saves with plain ``dcp.save``: ``mf.load_checkpoint`` of that directory says
+    what it is and how to load it (before: "no COMPLETE file (a save that did not finish, or
+    a damaged directory)"), and the fix it names loads it, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _model()
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    dcp.save(mf.get_state_dict(model, opt), checkpoint_id=str(tmp_path / "plain"))
+    other, other_opt = _model(seed=1)
+    with pytest.raises(CheckpointError) as refused:
+        mf.load_checkpoint(other, other_opt, tmp_path / "plain")
+    text = str(refused.value)
+    assert "it is a plain torch.distributed.checkpoint save" in text, text
+    assert "dcp.load(state, checkpoint_id=" in text and "mf.set_state_dict(model, optimizer, state)" in text
+    assert "damaged" not in text and "did not finish" not in text
+    state = mf.get_state_dict(other, other_opt)
+    dcp.load(state, checkpoint_id=str(tmp_path / "plain"))
+    mf.set_state_dict(other, other_opt, state)
+    for n, p in other.named_parameters():
+        assert torch.equal(p, want[n]), n

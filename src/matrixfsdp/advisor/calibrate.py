@@ -1,7 +1,8 @@
 """``matrixfsdp calibrate``: measure, on the machine it runs on, the constants the step-time
 model of ``matrixfsdp plan`` uses, and write them to a file ``plan --constants FILE`` reads
-(:class:`~matrixfsdp.advisor.constants.Constants`). On a GPU node or a cluster it is the
-first command to run; here it runs on CPU ranks over gloo.
+(:class:`~matrixfsdp.advisor.constants.Constants`). On a GPU node or a cluster, run it after
+``make gpu-check`` (docs/gpu.md: the first command there) and before ``matrixfsdp plan
+--constants FILE``; without a GPU it runs on CPU ranks over gloo.
 
 Every rank measures at once, doing the same work, so a rank's rate is what it gets while
 its peers run too (on a shared CPU: its share of the cores), as in training:

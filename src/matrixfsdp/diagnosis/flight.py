@@ -16,6 +16,7 @@ Under torchrun, set the same variables and read the dumps with
 
 from __future__ import annotations
 
+import argparse
 import os
 import pickle
 import re
@@ -83,12 +84,37 @@ def hung_ranks(dumps: dict[int, list[dict]]) -> tuple[list[int], str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m matrixfsdp.diagnosis.flight DIR [PREFIX]", file=sys.stderr)
-        return 2
-    found = hung_ranks(read_dumps(args[0], *args[1:2]))
-    print(found[1] if found else "every rank issued the same collectives in every group")
+    """``python -m matrixfsdp.diagnosis.flight DIR [PREFIX]``: the ranks a hang waited for,
+    from the dumps in ``DIR``. Exit 1 with the sentence naming them; 0 when every rank got as
+    far in every group; 2, naming what is missing, when there is nothing to read (no such
+    directory, no dump in it, or none readable): an empty read is not a verdict."""
+    ap = argparse.ArgumentParser(
+        prog="python -m matrixfsdp.diagnosis.flight", allow_abbrev=False,
+        description="Name the ranks an NCCL hang waited for, from the flight-recorder dumps "
+                    "NCCL's watchdog wrote (TORCH_NCCL_DUMP_ON_TIMEOUT=1, "
+                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=DIR/rank_). Exit status: 1 ranks named, "
+                    "0 every rank issued the same collectives, 2 nothing to read.")
+    ap.add_argument("dir", metavar="DIR", help="the folder holding the dumps")
+    ap.add_argument("prefix", metavar="PREFIX", nargs="?", default=PREFIX,
+                    help=f"the dumps' file names before the rank (default: {PREFIX})")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    folder = Path(args.dir)
+    if not folder.is_dir():
+        ap.error(f"{folder} is not a directory: nothing to read (the dumps are where "
+                 "TORCH_NCCL_DEBUG_INFO_TEMP_FILE points)")
+    named = sorted(p.name for p in folder.glob(f"{args.prefix}*")
+                   if re.fullmatch(re.escape(args.prefix) + r"\d+", p.name))
+    dumps = read_dumps(folder, args.prefix)
+    if not dumps:
+        ap.error(f"no flight-recorder dump in {folder}: no file named {args.prefix}<rank>"
+                 if not named else
+                 f"none of the {len(named)} dumps in {folder} ({', '.join(named[:3])}"
+                 f"{', ...' if len(named) > 3 else ''}) could be read as a flight record")
+    unread = len(named) - len(dumps)
+    found = hung_ranks(dumps)
+    print(found[1] if found else
+          f"every rank issued the same collectives in every group ({len(dumps)} dumps read"
+          f"{f', {unread} unreadable' if unread else ''}: {ranks_text(sorted(dumps))})")
     return 1 if found else 0
 
 

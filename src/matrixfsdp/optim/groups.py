@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from ..runtime.module import get_root
-from ..runtime.param import placement_of, sharded_param, waiting_for
+from ..runtime.param import placement_of, root_of, sharded_param, waiting_for
 
 # The one home of the defaults: torch.optim.Muon's (plus ns_dtype) and torch.optim.AdamW's
 # (matrixfsdp.Muon's adamw_ keywords). Muon's signature and muon_param_groups read them,
@@ -134,6 +135,34 @@ def check_planned_together(params: list[torch.Tensor]) -> None:
             f"(in {type(unit.module).__name__}) is sharded. Call "
             "matrixfsdp.fully_shard on every block and then on the root module, then build "
             "the optimizer from matrixfsdp.muon_param_groups(model)")
+
+
+def warn_adamw_only(groups: list[dict]) -> None:
+    """Say it when an ``mf.Muon`` over a sharded model steps no matrix with Muon (it would
+    train as AdamW alone, silently): most often a model whose blocks were never given their
+    own ``fully_shard`` (the plan's Muon matrices are the 2-D weights inside the units below
+    the root), so the plan holds no Muon matrix. Decided from the plan, alike on every rank."""
+    placed = [(p, pl) for g in groups for p in g["params"] if (pl := placement_of(p)) is not None]
+    in_muon = {id(p) for g in groups if g.get("use_muon") for p in g["params"]}
+    if not placed or any(pl.spec.muon for p, pl in placed if id(p) in in_muon):
+        return
+    root = root_of(placed[0][0])
+    model = type(root.module).__name__ if root is not None else "the model"
+    matrices = [] if root is None else [
+        placement_of(p).spec.name for u in root.units for p in u.sharded if placement_of(p).spec.muon]
+    if matrices:
+        why = (f"{model}'s {len(matrices)} Muon matrices ({', '.join(matrices[:3])}"
+               f"{', ...' if len(matrices) > 3 else ''}) are in none of its use_muon=True groups "
+               "(frozen, or put in the AdamW group); build the groups with "
+               "matrixfsdp.muon_param_groups(model)")
+    else:
+        why = (f"the plan of {model} holds no Muon matrix: Muon matrices are the trainable 2-D "
+               "weights inside the fully_shard units below the root, so call "
+               "matrixfsdp.fully_shard on each block before the root (matrixfsdp.shard_model "
+               "does for transformers models), or select them with fully_shard(root, "
+               "muon_filter=...)")
+    warnings.warn(f"matrixfsdp.Muon: none of its {len(placed)} parameters is stepped by Muon, so "
+                  f"it trains as AdamW only: {why}", UserWarning, stacklevel=3)
 
 
 # Projections split per head, by child name: those of one head_dim-sized block per head

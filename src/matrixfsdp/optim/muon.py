@@ -40,6 +40,7 @@ from .groups import (
     check_planned_together,
     muon_param_groups,
     split_named,
+    warn_adamw_only,
 )
 from .newton_schulz import newton_schulz_, newton_schulz_split_, zeropower_via_newtonschulz
 from .plan_stamp import PLAN_KEYS, check_loadable, plan_digest, world_size
@@ -147,6 +148,7 @@ class Muon(torch.optim.Optimizer):
         self.defaults = {**self._kind_defaults[True],
                          **{f"adamw_{k}": v for k, v in self._kind_defaults[False].items()}}
         check_same_optimizer(self)  # every rank's groups alike, before any step
+        warn_adamw_only(self.param_groups)  # a model with no Muon matrix says so
         self.register_load_state_dict_pre_hook(_checked_for_load)
         # its step pre-hook and torch's state-dict behaviour on a sharded model; a subclass
         # may step otherwise, so it goes through the element-wise check (register_elementwise)

@@ -12,12 +12,13 @@ k rows of the kv up-projection by ``eta ** (1 - alpha)``; the shared rope key st
 Where the work runs: each attention forward reduces its per-head maxima over the model's
 data-parallel ranks with one all-reduce (MAX) of ``heads`` floats, issued and waited for in
 forward (on NCCL an enqueue on the stream, no host wait), so ``optimizer.step()`` stays free
-of collectives. Not left in flight until the step: on gloo, an all-reduce on the world group
-left in flight across backward (issued in forward, waited for by the step's post-hook)
-corrupted a rank's heap now and then under HSDP 2x2 (``malloc(): unsorted double linked
-list corrupted``, 1 job in 5 to 8 on a loaded 2-core machine; 0 in 30 waited at once). The
-cause is not understood (docs/design.md, "QK-clip's all-reduce") The
-rescaling is element-wise on whatever rows of W_q / W_k a rank holds: the whole matrix on
+of collectives. It was once left in flight until the step's post-hook, and a gloo rank's
+heap was corrupted now and then under HSDP 2x2 (``malloc(): unsorted double linked list
+corrupted``). The cause was torch's profiler, not this code: the tests' profiler window
+closed while this gloo all-reduce was still in flight, and gloo's worker thread then wrote
+the op's profiler record after the profiler had stopped (docs/design.md, "QK-clip's
+all-reduce"). Waiting in forward costs nothing measurable and stays. The rescaling is
+element-wise on whatever rows of W_q / W_k a rank holds: the whole matrix on
 its owner, its rows of a row-sharded one, nothing elsewhere; under HSDP the replica that
 stepped a matrix scales it and the broadcast before its next gather carries that.
 

@@ -39,6 +39,7 @@ from .dcp_io import SavePlanner, SaveWriter, Watched
 from .integrity import (
     CHECKSUMS,
     COMPLETE,
+    METADATA,
     CheckpointError,
     gather_digests,
     write_checksums,
@@ -338,12 +339,24 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     return [(n, d) for d in root.iterdir() if d.is_dir() and (n := _step_of(d)) is not None]
 
 
+def is_plain_dcp(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is what a plain ``dcp.save`` writes (DCP's ``.metadata``, neither the
+    ``COMPLETE`` marker nor ``CHECKSUMS.json`` of :func:`save_checkpoint`): a save that
+    finished, not a damaged one."""
+    path = Path(path)
+    return ((path / METADATA).is_file() and not (path / COMPLETE).exists()
+            and not (path / CHECKSUMS).exists())
+
+
 def why_incomplete(path: str | os.PathLike) -> str | None:
     """Why ``path`` is not a complete checkpoint (None if it is)."""
     path = Path(path)
     if not path.is_dir():
         return "it is not a directory"
-    missing = [name for name in (COMPLETE, ".metadata") if not (path / name).is_file()]
+    if is_plain_dcp(path):
+        return ("it is a plain torch.distributed.checkpoint save (DCP's .metadata, without the "
+                "COMPLETE marker and CHECKSUMS.json that matrixfsdp.save_checkpoint writes)")
+    missing = [name for name in (COMPLETE, METADATA) if not (path / name).is_file()]
     if missing:
         return (f"it has no {' and no '.join(missing)} file (a save that did not finish, or a "
                 "damaged directory)")
@@ -406,6 +419,13 @@ def load_checkpoint(model: nn.Module, optimizer=None, path: str | os.PathLike = 
 
     path = Path(path)
     why = why_incomplete(path)
+    if why is not None and is_plain_dcp(path):
+        raise CheckpointError(
+            f"checkpoint {path} cannot be loaded by matrixfsdp.load_checkpoint: {why}, so there "
+            "is nothing to check it against. Load it as it was saved: state = "
+            f"mf.get_state_dict(model, optimizer); dcp.load(state, checkpoint_id={str(path)!r}); "
+            "mf.set_state_dict(model, optimizer, state). Save with mf.save_checkpoint(state, "
+            "path) for checkpoints that load_checkpoint checks (docs/checkpoint.md)")
     if why is not None:
         raise CheckpointError(f"checkpoint {path} cannot be loaded: {why}")
     state = get_state_dict(model, optimizer)

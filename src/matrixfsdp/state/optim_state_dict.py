@@ -116,9 +116,11 @@ def refuse_unloadable(opt: torch.optim.Optimizer) -> None:
         raise ValueError(
             f"matrixfsdp: heavyball's {cls.__name__} cannot be checkpointed: its state does not "
             "load back (heavyball keeps it beside an is_initialized set that no state dict "
-            "carries: a resumed step fails inside heavyball). Its steps are exact; to save a "
-            "run, use an optimizer whose state round-trips (torch's, pytorch-optimizer's, "
-            "emerging-optimizers'), or save the model alone: mf.get_state_dict(model)")
+            "carries: a resumed step fails inside heavyball). To save a run, use an optimizer "
+            "whose state round-trips (torch's, pytorch-optimizer's, emerging-optimizers'), or "
+            "save the model alone: mf.get_state_dict(model). Whether its steps equal one "
+            "process's depends on the optimizer: heavyball's SOAP does, its PSGD (Kron, PRO), "
+            "Muon and Scion do not (docs/optimizers.md#how-to-choose)")
 
 
 def optim_state_dict(optimizers: list[torch.optim.Optimizer], root: Any) -> dict[str, Any]:

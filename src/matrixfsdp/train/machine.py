@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._compat import amx_tile_supported
+
 
 def _cpuinfo() -> tuple[str | None, set[str]]:
     """The CPU model name and flags from ``/proc/cpuinfo`` (Linux; else ``(None, set())``)."""
@@ -35,7 +37,7 @@ def machine_info() -> dict[str, Any]:
     (the CPU has ``amx_bf16`` and torch can use its tiles, via oneDNN), the threads of this
     rank (``torch.get_num_threads``, ``OMP_NUM_THREADS``), the logical CPUs, and the GPU."""
     model, flags = _cpuinfo()
-    amx_tiles = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    amx_tiles = amx_tile_supported()
     amx_flag = "amx_bf16" in flags if flags else None
     return {
         "cpu_model": model or platform.processor() or platform.machine(),
