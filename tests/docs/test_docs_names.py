@@ -226,8 +226,10 @@ def test_the_rule_sees_what_it_should():
                  "runtime/unit.py", "src/matrixfsdp/fully_shard.py", "layout/", "exit.py",
                  "benchmarks/harness/main.py", "python -m tools.docs_figures", "_compat.coalescing",
                  "torch/optim/_muon.py", "DTensor.from_local", "fully_shard.state(m)._state_ctx",
-                 "chainable.py", "tests/runtime/test_tp_group.py", "RowShard.__reduce_ex__"]
-    must_fail = ["tests/test_gone.py", "mf.no_such_function(x)", "matrixfsdp.planning.layout", "UnitLayout.subset",
+                 "chainable.py", "tests/runtime/test_tp_group.py",
+                 "RowShard.__reduce_ex__"]
+    must_fail = ["tests/test_gone.py", "mf.no_such_function(x)", "matrixfsdp.planning.layout",
+                 "UnitLayout.subset",
                  "runtime/fully_shard.py", "sharding.py", "shards/", "planning.layout.calls",
                  "runtime/fully_shard.make_unit", "python -m benchmarks.no_such", "Root.no_such",
                  "matrixfsdp/shards/row_shard.py"]
