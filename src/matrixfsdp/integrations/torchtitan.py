@@ -250,10 +250,25 @@ class _InitOnShards:
         def own(m: nn.Module) -> None:
             if isinstance(m, Module):
                 m._init_self_parameters()
-                m._init_self_buffers(buffer_device=buffer_device)
+                _init_buffers(m, buffer_device)
             elif m._parameters and callable(getattr(m, "reset_parameters", None)):
                 m.reset_parameters()
         init_weights(self, init_fn=own)
+
+
+def _init_buffers(m: nn.Module, buffer_device: torch.device | None) -> None:
+    """torchtitan's ``_init_self_buffers`` of one module, its tensor-parallel buffers (a
+    RoPE cache under TP) DTensors again afterwards, as torchtitan's own ``init_states`` keeps
+    them: the init recomputes a buffer whole, which goes back to its placements."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    placed = {name: (b.device_mesh, b.placements) for name, b in m._buffers.items()
+              if isinstance(b, DTensor)}
+    m._init_self_buffers(buffer_device=buffer_device)
+    for name, (mesh, placements) in placed.items():
+        new = m._buffers.get(name)
+        if new is not None and not isinstance(new, DTensor):
+            m.register_buffer(name, distribute_tensor(new, mesh, list(placements)),
+                              persistent=name not in m._non_persistent_buffers_set)
 
 
 def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,

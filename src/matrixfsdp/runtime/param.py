@@ -32,10 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .._compat import FOREACH_NORM, norm_partial, plain_torch_function, root_mesh
+from .._compat import FOREACH_NORM, norm_partial, plain_torch_function
 from ..layout.types import Placement
 from .tp import TPParam, TPSplit
 
@@ -212,10 +213,10 @@ _NORM_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root ->
 
 
 def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
-    """The mesh over every rank of the model where the partial norms reduce: its world group
-    (HSDP's replicas included), and under tensor parallelism the data-parallel dims with
-    the tp dim, sliced from their common parent mesh (no group made). Made once per model,
-    no collective. Every rank joins the reduction, one that holds no element of any
+    """A 1-D mesh over every rank of the model's data-parallel group (its world group, HSDP's
+    replicas included): where the partial norms reduce (under tensor parallelism, after
+    :func:`_partial_norms` summed them over the tp group). Made once per model, from the
+    group, no collective. Every rank joins the reduction, one that holds no element of any
     parameter included: each parameter some rank has a gradient for has one on every rank
     (an empty one where the rank holds nothing of it,
     :func:`~matrixfsdp.runtime.reduce.attach_grads`), so every rank's list has the same
@@ -225,25 +226,8 @@ def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
         if len({id(u.domain) for u in root.units}) > 1:
             raise RuntimeError("matrixfsdp: the norms of gradients of units on several meshes "
                                f"(expert parallelism) do not reduce over one. {_USE_OURS}")
-        if root.tp is None:
-            mesh = DeviceMesh.from_group(root.groups.world, device_type)
-        else:
-            mesh = _dp_tp_mesh(root.mesh, root.tp.mesh)
-        _NORM_MESHES[root] = mesh
+        mesh = _NORM_MESHES[root] = DeviceMesh.from_group(root.groups.world, device_type)
     return mesh
-
-
-def _dp_tp_mesh(dp: DeviceMesh, tp: DeviceMesh) -> DeviceMesh:
-    """The data-parallel dims and the tp dim of one parent mesh, as one mesh."""
-    parent = root_mesh(dp)
-    names = (*(dp.mesh_dim_names or ()), *(tp.mesh_dim_names or ()))
-    if root_mesh(tp) is not parent or len(names) != dp.ndim + tp.ndim:
-        raise RuntimeError(
-            "matrixfsdp: the norms of a list of gradients under tensor parallelism reduce over "
-            "the data-parallel and tp dims of one named mesh; the fully_shard mesh "
-            f"{dp.mesh_dim_names} and the tp mesh {tp.mesh_dim_names} are not two named dims "
-            f"of one parent. {_USE_OURS}")
-    return parent[names]
 
 
 def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
@@ -251,7 +235,7 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     this rank's piece's norm, placed ``_NormPartial(ord)`` over the model's ranks. A piece
     the model holds alike on several ranks counts once: HSDP's replicas of a row shard on
     replica 0 only, a tp-replicated piece (a plain or ``Replicate`` parameter under tensor
-    parallelism) as ``1/tp`` of its ``p``-th power on each tp rank; a matrix counts on the
+    parallelism) once over its tp group (:func:`_over_tp`); a matrix counts on the
     rank that steps it (elsewhere its gradient is empty, or under HSDP a copy of zeros)."""
     grads = list(tensors)
     plain = next((g for g in grads if not isinstance(g, ShardedGrad)), None)
@@ -275,11 +259,26 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
         some = FOREACH_NORM([grads[i].as_subclass(torch.Tensor) for i in counted], ord,
                             dtype=dtype) if counted else []  # a rank holding nothing: zeros
         norms = [torch.zeros((), dtype=dtype or g.dtype, device=g.device) for g in grads]
-    share = root.tp.size ** (-1.0 / p) if root.tp is not None and math.isfinite(p) else 1.0
     for i, n in zip(counted, some):
-        norms[i] = n * share if share != 1.0 and grads[i].info.tp_replicated else n
-    placements = [norm_partial(p)] * mesh.ndim
-    return [DTensor.from_local(n, mesh, placements, run_check=False) for n in norms]
+        norms[i] = n
+    if root.tp is not None and norms:  # each norm over its tp group first
+        norms = list(_over_tp(torch.stack(norms), grads, root.tp, p).unbind())
+    placement = norm_partial(p)
+    return [DTensor.from_local(n, mesh, [placement], run_check=False) for n in norms]
+
+
+def _over_tp(norms: torch.Tensor, grads: list, tp: Any, p: float) -> torch.Tensor:
+    """Tensor parallelism: each of this rank's piece norms as the norm over its tp group's
+    pieces (one all-reduce of the list over the tp group: every tp rank's list is alike),
+    a piece every tp rank holds alike (a plain or ``Replicate`` parameter) counted once."""
+    if math.isinf(p):
+        dist.all_reduce(norms, op=dist.ReduceOp.MAX, group=tp.step.group)
+        return norms
+    powers = norms.pow(p)
+    same = torch.tensor([g.info.tp_replicated for g in grads], device=norms.device)
+    powers = torch.where(same, powers / tp.size, powers)
+    dist.all_reduce(powers, op=dist.ReduceOp.SUM, group=tp.step.group)
+    return powers.pow(1.0 / p)
 
 
 def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
