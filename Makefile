@@ -6,7 +6,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 PEERS   := torchtitan==0.3.0 spmd_types==0.2.3 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1 muon-fsdp2==0.3.0
 
-.PHONY: demo test lint bench plan gpu-check docs-figures docs-map clean
+.PHONY: demo test test-heavy lint bench plan gpu-check docs-figures docs-map clean
 
 # --no-compile: no bytecode for all of torch at install (some 15 s here); what the suite
 # and the demo import is compiled once, at first import.
@@ -25,6 +25,10 @@ demo: $(BIN)/.installed
 # fresh interpreters and many more rank processes that import the package and tests.
 test: $(BIN)/.installed lint
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
+
+# The heavier comparisons (pytest marker `heavy`): one case per feature stays in `make test`.
+test-heavy: $(BIN)/.installed
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m heavy tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check src tests benchmarks tools examples
