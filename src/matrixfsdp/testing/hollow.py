@@ -105,12 +105,12 @@ class Hollow(dist.ProcessGroup):
         return self._count("reduce_scatter", len(inps) if uneven else 1, len(inps))
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        output.copy_(input.view(self.n, -1)[self.me])
+        output.copy_(input.reshape(self.n, -1)[self.me].view(output.shape))
         return self._count("reduce_scatter")
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         for o, i in zip(outputs, inputs):
-            o.copy_(i.view(self.n, -1)[self.me])
+            o.copy_(i.reshape(self.n, -1)[self.me].view(o.shape))
         return self._count("reduce_scatter", len(outputs), len(outputs))
 
     all_gather_single = _allgather_base
