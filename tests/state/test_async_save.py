@@ -154,6 +154,12 @@ def test_a_failed_async_save_is_raised_and_leaves_no_checkpoint(world1, tmp_path
 
 
 # ---- the values at the time of the call, despite the steps after it (2 ranks) --------------------
+def _staging_buffers() -> dict:
+    """The host buffers the asynchronous saves stage into (the save group's pool), by address."""
+    from matrixfsdp.state import files
+    return {k: (t.data_ptr(), t.shape) for pool in files._POOLS.values() for k, t in pool.items()}
+
+
 def _at_call_worker(rank, world, tmp):
     data = batches(6, 1, GLOBAL, SEQ)
     model, opt, sched = build_sharded(world, tweak=tie_and_freeze)
@@ -172,9 +178,11 @@ def _at_call_worker(rank, world, tmp):
         assert not first.done() and not is_complete(first.path)  # two steps trained, still in flight
         release.set()
         want4 = _snapshot(model, opt, sched)
+        buffers = _staging_buffers()
         second = mf.save_checkpoint(checkpoint_state(model, opt, sched), os.path.join(tmp, "step_4"),
                                     async_save=True)
         assert first.done()  # the second save waited for the first (never two commits at once)
+        assert buffers and _staging_buffers() == buffers  # staged into the first's buffers
         assert log == ["returned", "trained", "commit"], log
     _perturb(opt)
     train_steps(model, opt, sched, data, range(4, 5), rank, world)
@@ -192,7 +200,8 @@ def _at_call_worker(rank, world, tmp):
 def test_async_checkpoint_holds_the_values_at_the_call(tmp_path):
     """2 ranks, a tied head and a frozen parameter: async save, then at once every parameter
     and optimizer state tensor changed in place and two more optimizer steps, a second async
-    save (which first waits for the first), more changes. Each checkpoint, loaded into a model
+    save (which first waits for the first, and stages into its host buffers: allocated, and
+    on an accelerator pinned, once), more changes. Each checkpoint, loaded into a model
     with other weights, equals the parameters, Muon momentum, AdamW moments and steps and the
     lr schedule captured at its call, bit for bit."""
     spawn(_at_call_worker, 2, str(tmp_path))

@@ -21,6 +21,7 @@ import re
 import shutil
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -285,6 +286,16 @@ def save_checkpoint(state: dict[str, Any], path: str | os.PathLike, *, process_g
     return _in_flight
 
 
+_POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # save group -> staging pool
+_POOL: dict = {}  # without a process group
+
+
+def _staging_pool(group) -> dict:
+    """The host buffers an asynchronous save on ``group`` stages into, kept for the next one
+    (pinned once, not at every save); each save waits for the one in flight first."""
+    return _POOL if group is None else _POOLS.setdefault(group, {})
+
+
 def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
                 keep_last: int | None, t0: float) -> AsyncCheckpoint:
     """Stage ``state`` and start DCP's asynchronous write into ``tmp``; the write's end and
@@ -295,7 +306,8 @@ def _save_async(state: dict[str, Any], tmp: Path, path: Path, process_group,
     watched = Watched(group, str(path))
     written = dcp.async_save(state, storage_writer=SaveWriter(tmp, watched, per_thread_copy_ahead=0),
                              planner=SavePlanner(watched), process_group=group,
-                             async_stager=RowShardStager(), no_dist=not dist.is_initialized())
+                             async_stager=RowShardStager(_staging_pool(group)),
+                             no_dist=not dist.is_initialized())
     blocking = time.perf_counter() - t0
 
     def finish() -> SavedCheckpoint:

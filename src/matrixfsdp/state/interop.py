@@ -155,8 +155,8 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, **kwarg
     """Write a Hugging Face checkpoint directory (config, safetensors) of a sharded
     ``transformers`` model, loadable with ``from_pretrained`` in a plain process.
 
-    A collective (the full tensors are gathered with ``full_state_dict(cpu_offload=True)``
-    on every rank: a unit at a time on the device); rank 0 writes with
+    A collective (the full tensors are gathered with ``full_state_dict(cpu_offload=True)``:
+    a unit at a time on the device, kept on rank 0 only); rank 0 writes with
     ``model.save_pretrained(save_directory, state_dict=full, **kwargs)``, so tied weights,
     sharding of large files and the config are handled by transformers.
     """

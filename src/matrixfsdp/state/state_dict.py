@@ -30,24 +30,32 @@ from .optim_state_dict import Optimizers, as_list, load_optim_state, optim_state
 
 
 @torch.no_grad()
-def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
-    """Parameter name -> full tensor (and buffers), on every rank.
+def full_state_dict(model: nn.Module, *, cpu_offload: bool = False,
+                    every_rank: bool = False) -> dict[str, torch.Tensor]:
+    """Parameter name -> full tensor (and buffers).
 
     A collective: every rank must call it (under HSDP it first broadcasts the matrices
     stepped since the last forward, so every replica returns the same). Names are those of
     the unsharded model, so the result loads into a plain ``nn.Module`` with
-    ``load_state_dict``. ``cpu_offload`` (torch's ``StateDictOptions`` name): each unit's
-    full tensors move to the CPU as soon as they are gathered, so the device holds one
-    unit's at a time, never the whole model (an export from GPUs); else they stay on the
-    device they were gathered on.
+    ``load_state_dict``. Without ``cpu_offload`` every rank gets the full tensors on the
+    device they were gathered on. With ``cpu_offload`` (torch's ``StateDictOptions`` name,
+    and its meaning with ``full_state_dict=True``) each unit's full tensors move to the CPU
+    as soon as they are gathered, so the device holds one unit's at a time, never the whole
+    model (an export from GPUs), and only the model's rank 0 keeps them: the others return
+    an empty dict, so a node of 8 ranks holds one host copy of the model, not 8
+    (``every_rank=True``: every rank keeps its copy).
     """
     root = get_root(model)
     root.sync_replicas()  # HSDP: every replica holds the stepped matrices (no-op otherwise)
+    keep = not cpu_offload or every_rank or root.groups.world_rank == 0
     out: dict[str, torch.Tensor] = {}
     for unit in root.units:
         for pl, full in zip(unit.layout.placements,
                             unit.storage.full_tensors(unit.domain.comm, unit.tp_params)):
-            out[pl.spec.name] = full.cpu() if cpu_offload else full
+            if keep:
+                out[pl.spec.name] = full.cpu() if cpu_offload else full
+    if not keep:  # gathered with the others (a collective), dropped at once
+        return {}
     # The module's order and names, tied parameters under each of their names (as
     # ``model.state_dict()`` holds them). Found by the parameter itself, not by name: a
     # ``torch.compile(block)`` wrapper registered after fully_shard adds ``_orig_mod.`` to
