@@ -106,8 +106,9 @@ def test_a_module_added_after_sharding_is_refused(world1):
 
 
 def _diverging(rank: int, case: str):
-    """Shard the test GPT on 2 ranks with one thing set up differently on rank 1."""
-    torch.manual_seed(0)
+    """Shard the test GPT on 2 ranks with one thing set up differently on rank 1 (synced:
+    the parameters too)."""
+    torch.manual_seed(rank if case == "buffer synced" else 0)
     cfg = GPTConfig(**{**CFG.__dict__, "d_mlp": 32 if case == "width" and rank else CFG.d_mlp})
     model = GPT(cfg)
     if case == "float64" and rank:
@@ -133,7 +134,10 @@ def _divergence_worker(rank, world, out_dir):
         try:
             model = _diverging(rank, case)
             if case == "buffer synced":
-                results[case] = f"synced {model.scale.tolist()}"
+                torch.manual_seed(0)
+                full, rank0 = mf.full_state_dict(model, every_rank=True), GPT(CFG).state_dict()
+                same = all(torch.equal(full[k], v) for k, v in rank0.items())
+                results[case] = f"synced {model.scale.tolist()} parameters as rank 0's: {same}"
                 continue
             lr = 0.04 if case == "muon lr" and rank else 0.02
             wd = 0.0 if case == "weight decay" and rank else 0.1
@@ -184,4 +188,5 @@ def test_every_divergent_set_up_is_named_on_every_rank_before_anything_moves(tmp
     for case, text in expect.items():
         assert text in r0[case], (case, r0[case])
         assert "initial values" not in r0[case], (case, r0[case])
-    assert r0["buffer synced"] == "synced [1.0, 1.0, 1.0]"
+    assert r0["buffer synced"] == r1["buffer synced"] == \
+        "synced [1.0, 1.0, 1.0] parameters as rank 0's: True"

@@ -93,23 +93,79 @@ def test_mallinfo_sees_an_untouched_allocation():
     del t
 
 
-def test_a_model_built_on_another_device_moves_to_the_meshs_with_its_objects():
-    """FSDP2 moves a model built on CPU to its mesh's device (a CUDA mesh) before anything
-    else; so does ``plan_and_shard`` (``lazy_init.move_states``, before the set-up checks'
-    collectives use the tensors). CPU is the only device here, so the meta device stands in
-    for the mesh's: every parameter and buffer of a transformers Llama ends there, each the
-    same object (an optimizer or hook made before still holds it), ``requires_grad`` kept."""
-    import torch
-    import transformers
+MOVES = r"""
+import json, sys, weakref
+import torch, torch.distributed as dist, transformers
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+import matrixfsdp as mf
+from matrixfsdp import testing
+from matrixfsdp.runtime import lazy_init
 
-    from matrixfsdp.runtime.lazy_init import move_states
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
-    before = {n: (t, t.requires_grad) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    move_states(model, torch.device("meta"))
-    after = dict([*model.named_parameters(), *model.named_buffers()])
-    assert after.keys() == before.keys() and len(after) > 20
-    for name, (t, grad) in before.items():
-        assert after[name] is t and t.device.type == "meta" and t.requires_grad == grad, name
+# CPU is the only device here: the meta device stands in for the mesh's (a CUDA mesh), so
+# every byte that reaches "the device" at set-up passes through lazy_init.to_device (the
+# model's tensors) or is a shard (the units' storage, allocated there).
+lazy_init.mesh_device = lambda mesh: torch.device("meta")
+alive, peak, moved_total = [0], [0], [0]
+to_device = lazy_init.to_device
+def counted(t, device):
+    out = to_device(t, device)
+    if isinstance(t, nn.Parameter) and out.device != t.device:
+        n = out.numel() * out.element_size()
+        alive[0] += n; moved_total[0] += n; peak[0] = max(peak[0], alive[0])
+        weakref.finalize(out, lambda: alive.__setitem__(0, alive[0] - n))
+    return out
+lazy_init.to_device = counted
+
+testing.register("hollow")
+dist.init_process_group("hollow", store=dist.HashStore(), rank=7, world_size=8)
+mesh = init_device_mesh("cpu", (8,))
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    tie_word_embeddings=False))
+model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+before = {n: (t, t.requires_grad) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+nbytes = lambda ps: sum(p.numel() * p.element_size() for p in ps)
+model_bytes = nbytes(model.parameters())
+unit_bytes = [nbytes(b.parameters()) for b in model.model.layers]
+unit_bytes.append(nbytes(model.parameters()) - sum(unit_bytes))
+for block in model.model.layers:
+    mf.fully_shard(block, mesh=mesh)
+mf.fully_shard(model, mesh=mesh, sync_module_states=sys.argv[1] == "sync")
+root = mf.get_root(model)
+after = dict([*model.named_parameters(), *model.named_buffers()])
+kept = all(after[n] is t and t.device.type == "meta" and t.requires_grad == g
+           for n, (t, g) in before.items())
+shards = sum(u.storage.local.numel() * u.storage.local.element_size() for u in root.units)
+print(json.dumps({"model": model_bytes,
+                  "largest_unit": max(unit_bytes), "shards": shards, "peak_moved": peak[0],
+                  "moved": moved_total[0], "alive_after": alive[0], "kept": kept,
+                  "count": len(before)}))
+"""
+
+
+@pytest.mark.parametrize("sync", ["sync", "no sync"])
+def test_a_model_built_on_another_device_moves_there_one_unit_at_a_time(sync):
+    """A transformers Llama built on CPU, sharded as rank 7 of 8 over a mesh on another
+    device (the meta device stands in for CUDA's): its parameters reach the device one unit
+    at a time, inside sharding. Without ``sync_module_states`` only this rank's rows cross
+    (copied into its shards from where they are: 0 bytes moved besides the shards); with it,
+    a unit's parameters move for rank 0's broadcast and die before the next unit moves: the
+    most bytes moved and alive at once is the largest unit (was: the whole model, moved
+    before the first unit was sharded). Every parameter and buffer ends on the device as the
+    same object, ``requires_grad`` kept (an optimizer or hook made before still holds it)."""
+    import json
+    out = subprocess.run([sys.executable, "-c", MOVES, sync], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    print(got)
+    assert got["kept"] and got["count"] > 30, got
+    assert got["alive_after"] == 0, got
+    assert got["peak_moved"] <= got["largest_unit"] < got["model"] / 3, got
+    if sync == "sync":
+        assert got["moved"] == got["model"], got  # every parameter once, one unit at a time
+    else:
+        assert got["moved"] == 0 and got["shards"] < got["model"] / 4, got

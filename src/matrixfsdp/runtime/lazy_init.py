@@ -112,9 +112,14 @@ def _tp_mesh(units: list[Unit], specs: list, mesh: DeviceMesh) -> DeviceMesh | N
 
 
 def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], root: Root,
-               device: torch.device) -> None:
+               device: torch.device, sync: bool = False) -> None:
     """Give unit ``u`` its storage, its unsharded parameters, and turn each original
-    parameter into this rank's shard (registered at every place it was)."""
+    parameter into this rank's shard (registered at every place it was).
+
+    A parameter on another device than the mesh's (a model built on CPU) is copied into
+    the shard from where it is: only this rank's rows cross, FSDP2's one-call-at-a-time
+    set-up at a finer grain. With ``sync`` (``sync_module_states``) the unit's parameters
+    first move to the mesh's device for rank 0's broadcast, one unit alive at a time."""
     T, tp_rank = (root.tp.size, root.tp.rank) if root.tp else (1, 0)
     u.layout, u.root = unit_layout(u.domain.plan, ui, T, tp_rank), root
     dtype = params[0].dtype if params else torch.float32
@@ -124,7 +129,12 @@ def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], root: Root,
     # filled later by ``matrixfsdp.init_weights``: no rank ever holds the full model.
     u.needs_init = any(p.device.type == "meta" for p in params)
     if not u.needs_init:
-        u.storage.copy_in(params)
+        values = [to_device(p, device) for p in params] if sync else params
+        if sync:  # rank 0's values, over the unit's own domain (the experts' differ across ep)
+            check_same_init([(f"{u.name}[{i}]", v.to_local() if isinstance(v, DTensor) else v)
+                             for i, v in enumerate(values)], u.domain.groups.world, sync=True)
+        u.storage.copy_in(values)
+        del values  # a unit's moved copies die here, before the next unit moves
     u.sharded, u.unsharded = [], []
     for i, (p, info) in enumerate(zip(params, u.tp_params)):
         view = u.storage.unsharded_view(i)
@@ -150,20 +160,28 @@ def shard_unit(u: Unit, ui: int, params: list[nn.Parameter], root: Root,
                              f"{buf.device}, the mesh on {device}; move the model first")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The one place set-up moves a tensor of the model to the mesh's device (a copy when
+    it is elsewhere; the tensor itself otherwise): parameters and buffers that are not
+    sharded here, and a unit's parameters under ``sync_module_states``."""
+    if t.device == device or t.is_meta or isinstance(t, DTensor):
+        return t.detach()
+    return t.detach().to(device)
+
+
 @torch.no_grad()
-def move_states(module: nn.Module, device: torch.device) -> None:
-    """FSDP2's rule: ``module``'s parameters and buffers that are on another device than the
-    mesh's (a model built on CPU, sharded over a CUDA mesh) move there, each object kept
-    (``torch.utils.swap_tensors``: optimizers and hooks made before still see it); meta
-    tensors (initialised later, on the mesh's device) and DTensors (on their own mesh) stay."""
-    for t in [*module.parameters(), *module.buffers()]:
-        if t.device == device or t.is_meta or isinstance(t, DTensor):
-            continue
-        moved = t.detach().to(device)
-        info = dict(t.__dict__)
-        torch.utils.swap_tensors(t, nn.Parameter(moved, requires_grad=t.requires_grad)
-                                 if isinstance(t, nn.Parameter) else moved)
-        t.__dict__.update(info)
+def move_buffers(module: nn.Module, device: torch.device) -> None:
+    """FSDP2's rule for what it does not shard: ``module``'s buffers on another device than
+    the mesh's (a model built on CPU, sharded over a CUDA mesh) move there, each object kept
+    (``torch.utils.swap_tensors``: a reference taken before still sees it); meta tensors
+    (initialised later, on the mesh's device) and DTensors (on their own mesh) stay. The
+    parameters move one unit at a time, into their shards (:func:`shard_unit`)."""
+    for t in module.buffers():
+        moved = to_device(t, device)
+        if moved.device != t.device:
+            info = dict(t.__dict__)
+            torch.utils.swap_tensors(t, moved)
+            t.__dict__.update(info)
 
 
 def rebind(p: nn.Parameter, data: torch.Tensor) -> None:
@@ -312,7 +330,7 @@ def plan_and_shard(root_unit: Unit) -> Root:
     except (ValueError, NotImplementedError, TypeError) as e:
         problem = e
     agree_on_local_checks(problem, mesh)  # every rank stops here, naming the rank, or none
-    move_states(root_unit.module, mesh_device(mesh))  # before the checks' collectives use them
+    move_buffers(root_unit.module, mesh_device(mesh))  # before the checks' collectives use them
     if not sliced_from_named_world(mesh):
         _warn_partial_mesh(mesh.size() * (tp_mesh.size() if tp_mesh is not None else 1))
     for u in units:  # the default, resolved anew: a unit that was a root before (a method of
@@ -337,12 +355,13 @@ def plan_and_shard(root_unit: Unit) -> Root:
                                  buffer_values=not sync), world, "the model")
     if sync:
         sync_buffers(root_unit.module, world)
-    domain_of = {spec.name: units[spec.unit].domain for spec in collected.specs}
-    for d in domains:  # each over its own ranks: the experts differ across the ep dim
-        check_same_init([(n, t) for n, t in named if domain_of[n] is d], d.groups.world, sync=sync)
+    if not sync:  # digests where the tensors are (sync_module_states broadcasts per unit)
+        domain_of = {spec.name: units[spec.unit].domain for spec in collected.specs}
+        for d in domains:  # each over its own ranks: the experts differ across the ep dim
+            check_same_init([(n, t) for n, t in named if domain_of[n] is d], d.groups.world)
     device = mesh_device(mesh)
     for ui, u in enumerate(units):
-        shard_unit(u, ui, collected.params[ui], root, device)
+        shard_unit(u, ui, collected.params[ui], root, device, sync=sync)
     return root
 
 
