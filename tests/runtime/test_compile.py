@@ -110,3 +110,27 @@ def test_compiled_blocks_train_like_eager(name, tmp_path):
     assert res["dynamo"] == {"graphs": 1, "breaks": 0, "frames": 1}, res["dynamo"]
     assert list(res["ours"]) == list(res["ref"]), "parameter names changed under compile"
     assert_params_close(res["ours"], res["ref"], tol)
+
+
+def test_a_forward_inside_a_cuda_graph_capture_is_refused_naming_the_unit(world1, monkeypatch):
+    """CUDA graphs replay fixed addresses; a unit's parameters are allocated at each gather.
+    A forward while the device's stream captures raises naming the unit and the compile
+    modes to use (CPU has no capture: CUDA's probe, ``is_current_stream_capturing``, is
+    stood in for on the CPU module); without a capture the same model runs."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import matrixfsdp as mf
+    from matrixfsdp.train.models import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab_size=64, d_model=16, n_heads=2, n_layers=2, d_mlp=32, seq_len=8))
+    mesh = init_device_mesh("cpu", (1,))
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh)
+    mf.fully_shard(model, mesh=mesh)
+    x = torch.randint(0, 64, (2, 8))
+    monkeypatch.setattr(torch.cpu, "is_current_stream_capturing", lambda: True, raising=False)
+    with pytest.raises(RuntimeError, match=r"unit '<root>' ran inside a CUDA graph capture.*"
+                                           r"max-autotune-no-cudagraphs"):
+        model(x)
+    monkeypatch.setattr(torch.cpu, "is_current_stream_capturing", lambda: False)
+    model(x).sum().backward()

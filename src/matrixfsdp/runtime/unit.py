@@ -54,6 +54,13 @@ def _tensors_requiring_grad(obj: Any) -> list[torch.Tensor]:
     return [t for t in tensors_in(obj) if t.requires_grad]
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is capturing a graph (CUDA graphs; False on a
+    device type without graphs)."""
+    probe = getattr(getattr(torch, device.type, None), "is_current_stream_capturing", None)
+    return bool(probe is not None and probe())
+
+
 def refuse_torch_pipeline_stage(module: nn.Module) -> None:
     """Raise if torch's own ``PipelineStage`` runs this root's forward.
 
@@ -259,6 +266,13 @@ class Unit:
         if self.needs_init:
             raise RuntimeError(f"matrixfsdp: unit '{self.name}' was built on the meta device and "
                                "its shards are not initialised; call matrixfsdp.init_weights(model)")
+        if not torch.compiler.is_compiling() and _capturing(self.local.device):
+            raise RuntimeError(
+                f"matrixfsdp: unit '{self.name}' ran inside a CUDA graph capture "
+                "(torch.cuda.graph, or torch.compile(mode='reduce-overhead') with its hooks in the "
+                "graph): CUDA graphs are not supported, each gather allocates the unit's "
+                "parameters anew and a graph replays fixed addresses. Compile with mode='default' "
+                "or 'max-autotune-no-cudagraphs' (docs/compile.md)")
         if root.tp is not None and compiled_in_place(module):
             refuse_compiled(f"unit '{self.name}' was compiled (module.compile())")
         if root.step_failed(self):
