@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..layout.assign import gram_side, ns_flops
+from ..layout.loads import op_load
 from ..layout.traffic import Dtypes, reduce_layouts
 from ..layout.types import Plan
 from ..layout.units import Segment, UnitLayout, calls
@@ -344,25 +345,45 @@ def generic_name(name: str) -> str:
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
-def split_ns_comm(slices: dict[tuple[int, ...], int], g_of: dict[tuple[int, ...], int],
-                  ns_steps: int, tp: GroupCost, gram_itemsize: int = 4) -> tuple[float, int]:
-    """Seconds and ops of the all-reduces one tp group runs for the matrices it owns, as
-    ``Muon`` steps them (:func:`~matrixfsdp.optim.newton_schulz.newton_schulz_split_`):
+SplitKey = tuple[tuple[int, ...], tuple[int, int], int]  # (slice shape, whole shape, dim)
+
+
+def split_ns_ops(slices: dict[SplitKey, int], ns_steps: int, gram_itemsize: int = 4
+                 ) -> list[int]:
+    """The bytes of each all-reduce one tp group runs for the matrices it owns, as ``Muon``
+    steps them (``Muon._split_step``, :func:`~matrixfsdp.optim.newton_schulz.newton_schulz_split_`):
     same-shaped slices batched (``BATCH_NS_NUMEL`` elements a batch), per batch one
-    all-reduce of the squares' sums (a float per matrix) and ``ns_steps`` of the batch's
-    ``g x g`` Grams, summed in float32 (``gram_itemsize``); each op in a launch of its own."""
-    secs, ops = 0.0, 0
-    for shape, count in slices.items():
-        per = max(1, BATCH_NS_NUMEL // math.prod(shape))
-        full, rest = divmod(count, per)
-        for k, times in ((per, full), (rest, 1 if rest else 0)):
-            if times:
-                g = g_of[shape]
-                one = tp.all_reduce(4.0 * k) + ns_steps * tp.all_reduce(
-                    float(k * g * g * gram_itemsize))
-                secs += times * one
-                ops += times * (1 + ns_steps)
-    return secs, ops
+    all-reduce of the squares' sums (a float32 per matrix), then ``ns_steps`` of the
+    batch's ``g x g`` Grams (:func:`~matrixfsdp.layout.assign.gram_side`), summed in
+    float32 (``gram_itemsize``) whatever the NS dtype; each op a launch of its own."""
+    out: list[int] = []
+    for (sl, shape, dim), count in slices.items():
+        per = max(1, BATCH_NS_NUMEL // math.prod(sl))
+        g = gram_side(shape, dim)
+        for at in range(0, count, per):
+            k = min(per, count - at)
+            out += [4 * k] + [k * g * g * gram_itemsize] * ns_steps
+    return out
+
+
+def split_slices(plan: Plan, owner: int) -> dict[SplitKey, int]:
+    """The matrices ``owner``'s tp group owns, by :data:`SplitKey`: how many of each."""
+    out: dict[SplitKey, int] = defaultdict(int)
+    for pl in plan.placements.values():
+        if pl.spec.muon and pl.owner == owner and pl.tp_group:
+            out[(pl.spec.slice_shape, tuple(pl.spec.shape), pl.spec.tp_dim)] += 1
+    return out
+
+
+def step_counts(plan: Plan, owner: int, T: int, tp_rank: int = 0) -> dict[str, dict[str, float]]:
+    """What a rank of ``owner``'s tp group (``T`` ranks) issues in the optimizer step, as its
+    ``CommStats`` reads it (phase ``step``: the split Newton-Schulz's all-reduces): launches,
+    ops and critical bytes; empty where its tp group owns no matrix."""
+    ops = split_ns_ops(split_slices(plan, owner), plan.ns_steps)
+    if not ops or T == 1:
+        return {}
+    crit = sum(op_load("all_reduce", b, T, tp_rank).critical for b in ops)
+    return {"step": {"launches": len(ops), "calls": len(ops), "critical_bytes": float(crit)}}
 
 
 def ns_loads(plan: Plan, T: int, rate: float | None = None, tp: GroupCost | None = None
@@ -376,8 +397,7 @@ def ns_loads(plan: Plan, T: int, rate: float | None = None, tp: GroupCost | None
     loaded rank's whole matrices, then the shared part and its all-reduces."""
     whole: dict[tuple[int, int], float] = defaultdict(float)  # (owner, tp rank): FLOPs
     shared: dict[int, float] = defaultdict(float)  # owner: FLOPs of its group-owned share
-    slices: dict[int, dict[tuple[int, ...], int]] = defaultdict(lambda: defaultdict(int))
-    g_of: dict[tuple[int, ...], int] = {}
+    slices: dict[int, dict[SplitKey, int]] = defaultdict(lambda: defaultdict(int))
     top: dict[int, tuple[float, str, tuple[int, int]]] = {}
     costs, numel, shapes, units, dims = [], [], [], [], []
     placed: dict[str, int] = defaultdict(int)
@@ -407,9 +427,7 @@ def ns_loads(plan: Plan, T: int, rate: float | None = None, tp: GroupCost | None
             continue
         if pl.tp_group:
             shared[pl.owner] += here
-            sl = pl.spec.slice_shape
-            slices[pl.owner][sl] += 1
-            g_of[sl] = gram_side(shape, pl.spec.tp_dim)
+            slices[pl.owner][(pl.spec.slice_shape, shape, pl.spec.tp_dim)] += 1
         else:
             whole[(pl.owner, pl.tp_owner or 0)] += here
         if here > top.get(pl.owner, (-1.0,))[0]:
@@ -423,8 +441,8 @@ def ns_loads(plan: Plan, T: int, rate: float | None = None, tp: GroupCost | None
         flops = {w: first[w] + shared[w] for w in set(first) | set(shared)}
     else:
         flops = dict(enumerate(plan.rank_cost))
-    comm = {w: split_ns_comm(slices[w], g_of, plan.ns_steps, tp)[0] if tp is not None else 0.0
-            for w in slices}
+    comm = {w: sum(tp.all_reduce(float(b)) for b in split_ns_ops(slices[w], plan.ns_steps))
+            if tp is not None else 0.0 for w in slices}
 
     def seconds(w: int) -> float:
         return flops.get(w, 0.0) / rate + comm.get(w, 0.0) if rate else flops.get(w, 0.0)
