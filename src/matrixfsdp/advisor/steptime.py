@@ -278,6 +278,7 @@ def simulate_pass(units: Sequence[UnitComm], cf: Sequence[float], cb: Sequence[f
         t = comp(start[0], start[1], cb[k], tp_b[k])
         if reduce and rd[k]:
             ends.append(_reduce(shard, rep, t, units[k], reps[k]))
+    ends.append(t)  # backward's last compute (where nothing is reduced after it)
     if reduce and rd[0]:
         ends.append(_reduce(shard, rep, t, units[0], reps[0]))
     rep.flush(float("inf"))
