@@ -251,24 +251,27 @@ def _runtime_lines(e: Evaluated, s: Search) -> list[str]:
         out.append(f"* activation checkpointing: none of the {e.blocks} blocks (it fits "
                    "without)")
     m = e.micro_batches
-    if e.keep != "each":
-        keep = [f"the root (embedding, head, norms){' and the first block' if e.keep == 'edges' else ''}"
-                f" gathered once per step of {m} micro-batch(es) and reduced once" if m > 1 else
-                "the first block kept gathered from its forward to its backward"]
-        told = ["`model.set_reshard_after_backward(False, recurse=False)`"] if m > 1 else []
-        if e.keep == "edges":
-            told.append("`model.layers[0].set_reshard_after_forward(False)` and "
-                        "`.set_reshard_after_backward(False)`" if m > 1 else
-                        "`model.layers[0].set_reshard_after_forward(False)`")
-            keep.append("the last block kept gathered from its forward to its backward (not "
-                        "gathered again)")
-            told.append("`model.layers[-1].set_reshard_after_forward(False)`")
-        sync = (" and `set_requires_gradient_sync(False, recurse=False)` on "
-                + ("the root and the first block" if e.keep == "edges" else "the root")
-                + " before every micro-batch but the last (True before the last), which "
-                "accumulates their gradients unreduced (in the reduce dtype, counted in the "
-                "buffers)") if m > 1 else ""
-        out.append(f"* {'; '.join(keep)}: tell the runtime {', '.join(told)}{sync}")
+    if e.keep != "each" and m == 1:  # "edges": the first and last blocks not gathered again
+        out.append("* the first and last blocks kept gathered from their forward to their "
+                   "backward (not gathered again in backward): tell the runtime "
+                   "`model.layers[0].set_reshard_after_forward(False)` and "
+                   "`model.layers[-1].set_reshard_after_forward(False)`")
+    elif e.keep != "each":
+        edges = e.keep == "edges"
+        told = ["`model.set_reshard_after_backward(False, recurse=False)`"]
+        if edges:
+            told += ["`model.layers[0].set_reshard_after_forward(False)` and "
+                     "`.set_reshard_after_backward(False)`",
+                     "`model.layers[-1].set_reshard_after_forward(False)`"]
+        out.append(f"* the root (embedding, head, norms){' and the first block' if edges else ''}"
+                   f" gathered once per step of {m} micro-batches and reduced once"
+                   + ("; the last block kept gathered from its forward to its backward"
+                      if edges else "")
+                   + f": tell the runtime {', '.join(told)}, and "
+                   "`set_requires_gradient_sync(False, recurse=False)` on "
+                   + ("the root and the first block" if edges else "the root")
+                   + " before every micro-batch but the last (True before the last): their "
+                   "gradients accumulate unreduced in the reduce dtype (counted in the buffers)")
     elif e.layout.pp == 1:
         out.append("* every unit gathered and reduced each micro-batch (the runtime's "
                    "default): keeping the root or the edge blocks gathered does not fit or "
@@ -281,10 +284,17 @@ def _runtime_lines(e: Evaluated, s: Search) -> list[str]:
                  "rank": "whole on one tp rank (slices hop to it)"}
         parts = [f"{e.tp_placements.get(kind, 0)} {where[kind]} ({', '.join(names.get(kind, []))})"
                  for kind in ("group", "rank") if e.tp_placements.get(kind)]
-        agree = ("`fully_shard(..., tp_ownership=\"auto\")` (its default) places them alike"
-                 if e.runtime_default_agrees else
-                 "`fully_shard`'s own auto (its default rates) would place some otherwise: pass "
-                 f"tp_ownership=\"{s.tp_ownership}\" and check the plan")
+        kinds = [k for k in ("group", "rank") if e.tp_placements.get(k)]
+        if s.tp_ownership != "auto":
+            agree = f"`fully_shard(..., tp_ownership=\"{s.tp_ownership}\")` places them so"
+        elif e.runtime_default_agrees:
+            agree = "`fully_shard(..., tp_ownership=\"auto\")` (its default) places them alike"
+        elif len(kinds) == 1:
+            agree = (f"`fully_shard`'s own auto weighs one micro-batch and would place some "
+                     f"otherwise: pass `tp_ownership=\"{kinds[0]}\"`")
+        else:
+            agree = ("`fully_shard`'s own auto weighs one micro-batch and would place some "
+                     "otherwise, and it takes no rates: the runtime cannot place them so")
         out.append(f"* tensor parallelism, tp_ownership=\"{s.tp_ownership}\": the tp-split "
                    f"matrices {'; '.join(parts)}; {agree}")
     return out
@@ -393,6 +403,8 @@ def search_json(name: str, n_params: int, s: Search, st: Setting,
             "tp_ownership": s.tp_ownership,
             "assumptions": assumptions(st, s),
             "recommended": s.recommended.record() if s.recommended else None,
+            "runtime_settings": [line[2:] for line in _runtime_lines(s.recommended, s)]
+            if s.recommended else [],
             "best_per_system": {k: e.record() if e else None
                                 for k, e in peers_best(s, st.device_memory).items()},
             "tflops_sensitivity": [r.record(s.peak) for r in rates],
