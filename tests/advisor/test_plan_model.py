@@ -22,7 +22,7 @@ from helpers.rank_pool import spawn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
-from matrixfsdp.advisor.layout_costs import rank_counts
+from matrixfsdp.advisor.layout_costs import rank_counts, step_counts
 from matrixfsdp.advisor.links import Links
 from matrixfsdp.advisor.model_shapes import shapes_of
 from matrixfsdp.advisor.predict import default_units
@@ -114,15 +114,15 @@ def test_plan_predicts_every_collective_and_every_byte_held(shape, bf16, micro_b
     spawn(_worker, 8, shape, bf16, micro_batches, backend == "grouped_gloo", backend=backend)
 
 
-def _tp_worker(rank, world_size, dp, tp, coalesced):
+def _tp_worker(rank, world_size, dp, tp, coalesced, ownership="auto"):
     from helpers.tp_models import TINY, VOCAB, Llama, apply_tp, build_llama
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     model = apply_tp(build_llama(0), mesh["tp"])
     for block in model.layers:
-        mf.fully_shard(block, mesh=mesh["dp"])
-    mf.fully_shard(model, mesh=mesh["dp"])
+        mf.fully_shard(block, mesh=mesh["dp"], tp_ownership=ownership)
+    mf.fully_shard(model, mesh=mesh["dp"], tp_ownership=ownership)
     opt = mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=1e-3))
     stats = mf.comm_stats(model)
     g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
@@ -135,14 +135,71 @@ def _tp_worker(rank, world_size, dp, tp, coalesced):
         opt.zero_grad()
     with torch.device("meta"):
         twin = Llama(TINY)
-    units = _searched(twin, list(twin.layers), (1, 1, dp, tp), Dtypes(), coalesced)
-    assert rank_counts(units, rank // tp, rank % tp, 1) == _phases(stats), rank
+    (_, plan, costs), = cost_path(shapes_of(twin, list(twin.layers)), 1, dp, tp,
+                                  dtypes=Dtypes(), links=Links(coalesced=coalesced),
+                                  tp_ownership=ownership)
+    predicted = rank_counts(costs.units, rank // tp, rank % tp, 1)
+    predicted.update(step_counts(plan, rank // tp, tp, rank % tp))  # the split NS's all-reduces
+    assert predicted == _phases(stats), (rank, predicted, _phases(stats))
+    if ownership == "group":  # nothing hops inside the tp group; the step's ops stay in it
+        assert not {"tp_all_to_all", "tp_grad_all_to_all"} & set(stats.counts)
+        assert predicted["step"]["calls"] > 0
 
 
-@pytest.mark.parametrize("dp, tp, backend", [(4, 2, "grouped_gloo"), (2, 4, "gloo")],
-                         ids=["dp4-tp2-coalesced", "dp2-tp4"])
-def test_search_counts_tensor_parallel_ops_as_the_runtime(dp, tp, backend):
-    spawn(_tp_worker, 8, dp, tp, backend == "grouped_gloo", backend=backend)
+@pytest.mark.parametrize("dp, tp, backend, ownership",
+                         [(4, 2, "grouped_gloo", "auto"), (2, 4, "gloo", "auto"),
+                          (2, 4, "gloo", "group")],
+                         ids=["dp4-tp2-coalesced", "dp2-tp4", "dp2-tp4-group"])
+def test_search_counts_tensor_parallel_ops_as_the_runtime(dp, tp, backend, ownership):
+    """The search's cost path, rank by rank, against the runtime's counters at dp x tp:
+    every phase's launches, ops and critical bytes, with matrices held whole on one tp rank
+    (the tiny model's "auto") or owned by their tp group (no tp hop in forward and backward;
+    the optimizer step's split Newton-Schulz all-reduces over the tp group, batched by
+    shape: ``layout_costs.step_counts``)."""
+    spawn(_tp_worker, 8, dp, tp, backend == "grouped_gloo", ownership, backend=backend)
+
+
+def _keep_worker(rank, world_size, micro_batches):
+    """HSDP 2 x 4 (bf16 gathers), the root and the first block gathered once per step and
+    reduced once (FSDP2's methods), the last block not gathered again in backward: the
+    runtime's counts against the search's ``keep="edges"``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=mesh, mp_policy=mp)
+    mf.fully_shard(model, mesh=mesh, mp_policy=mp)
+    first, last = model.layers[0], model.layers[-1]
+    model.set_reshard_after_backward(False, recurse=False)
+    first.set_reshard_after_forward(False)
+    first.set_reshard_after_backward(False)
+    last.set_reshard_after_forward(False)
+    opt = mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=1e-3))
+    stats = mf.comm_stats(model)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        if step == 1:
+            stats.reset()
+        for mb in range(micro_batches):
+            sync = mb == micro_batches - 1
+            model.set_requires_gradient_sync(sync, recurse=False)
+            first.set_requires_gradient_sync(sync)
+            x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
+            model.loss(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.device("meta"):
+        twin = GPT(CFG)
+    units = _searched(twin, list(twin.layers), (1, 2, 4, 1), Dtypes(4, 2, 4), True)
+    assert rank_counts(units, rank % 4, 0, micro_batches, keep="edges") == _phases(stats), rank
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_search_counts_the_units_kept_gathered_as_the_runtime(micro_batches):
+    spawn(_keep_worker, 8, micro_batches, backend="grouped_gloo")
 
 
 def _pp_worker(rank, world_size):

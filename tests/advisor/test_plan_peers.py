@@ -142,21 +142,26 @@ def test_default_batch_is_llama3s_16m_tokens_in_whole_micro_batches(capsys):
 
 
 def test_the_table_names_what_bounds_each_step(capsys):
-    """With NS made slow, the busiest owner's NS bounds our step and names its matrix; the
-    floor is the step's model FLOPs over every rank."""
+    """With NS made slow, Newton-Schulz bounds our step (its critical path is nearly all NS)
+    and the largest term above the floor names the busiest owner's matrix; the floor is the
+    step's model FLOPs over every rank."""
     shapes = _shapes()
     w = Workload(seq=8, tflops=1e12, ns_tflops=1e5)
     s = search(shapes, 8, 1e15, workload=w, global_batch=8, tp=[1], pp=[1],
                checkpointing=(False,))
     e = peers_best(s, 1e15)["matrixfsdp"]
     x = explain(e, "matrixfsdp", s.floor)
-    assert x.bound.startswith("the busiest owner's NS (layers.") and "x" in x.bound
-    assert x.overhead == x.bound and x.over_floor == pytest.approx(e.step.total / s.floor)
+    assert x.bound == e.step.bound == "Newton-Schulz"
+    assert e.step.path["Newton-Schulz"] > 0.99 * e.step.total
+    assert sum(e.step.path.values()) == pytest.approx(e.step.total)
+    assert x.overhead.startswith("the busiest owner's NS (layers.") and "x" in x.overhead
+    assert x.over_floor == pytest.approx(e.step.total / s.floor)
     blocks, head = shapes.forward_flops_per_token(8)
     assert s.floor == pytest.approx(3 * (blocks + head) * 64 / (8 * 1e12))
     main(["plan", "--model", "llama3-8b", "--world-size", "1024"])
     text = capsys.readouterr().out
-    assert "| system | its best fitting layout | step s | vs compute floor | bound by |" in text
+    assert "| system | its best fitting layout | step s | vs compute floor | MFU | bound by " \
+        "(critical path) |" in text
     assert "x the compute floor" in text
 
 

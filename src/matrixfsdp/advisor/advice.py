@@ -3,14 +3,14 @@ DistMuon, the step-time breakdown, the layouts searched, the assumptions (text o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..layout.report import fmt_bytes, format_report
 from ..layout.traffic import Dtypes
 from .links import Links
-from .search import Evaluated, Search
-from .steptime import StepTime, Workload
+from .search import SYSTEMS, Evaluated, RateRow, Search, best_of, keep_text
+from .steptime import BOUNDS, StepTime, Workload
 
 _DTYPE = {2: "bf16", 4: "fp32"}
 _SHORT = {"1F1B": "1F1B", "interleaved 1F1B": "I1F1B", "interleaved zero bubble": "ZB"}
@@ -96,28 +96,37 @@ def _dm(e: Evaluated) -> float | None:
     return e.distmuon.total if e.distmuon else None
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def _layout_row(e: Evaluated) -> str:
     r = e.record()
     rep = r["replicate_bytes_vs_fsdp2_hsdp"]
     pp = f"{e.layout.pp} ({_SHORT[e.layout.schedule.name]})" if e.layout.pp > 1 else "1"
+    k = sum(e.checkpointed)
+    ac = "off" if not k else "on" if k == e.blocks else f"{k}/{e.blocks}"
+    tp = ", ".join(f"{n} {kind}" for kind, n in sorted(e.tp_placements.items())) or ""
     return (f"| {e.layout.replicate} | {e.layout.shard} | {e.layout.tp} | {pp} | "
-            f"{'on' if e.layout.checkpointing else 'off'} | {e.micro_batches} | "
+            f"{ac} | {e.keep} | {e.micro_batches} | {tp} | "
             f"{_gib(e.largest_rank_bytes)}{'' if e.fits else ' **no**'} | "
             f"{r['model_state_max_over_mean']:.2f} | {e.bytes_ratio:.3f} | {e.owner_floor:.3f} | "
             f"{'' if rep is None else f'{rep:.2f}'} | {r['ns_vs_bound']:.3f} | "
-            f"**{_s(e.step.total)}** | {_s(e.fsdp2.total)} | {_s(_dm(e))} |")
+            f"**{_s(e.step.total)}** | {e.step.total / e.floor:.3f}x | {_pct(e.mfu())} | "
+            f"{e.step.bound} | {_s(e.fsdp2.total)} | {_s(_dm(e))} |")
 
 
 LAYOUT_HEAD = [
-    "| replicate | shard | tp | pp | AC | micro-batches | largest rank | state max/mean | "
-    "bytes vs FSDP2 | owner floor | replicate vs FSDP2 HSDP | NS / bound | step s | "
-    "FSDP2 + Muon s | DistMuon s |",
-    "|" + "---:|" * 4 + "---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "| replicate | shard | tp | pp | AC blocks | kept gathered | micro-batches | tp placements | "
+    "largest rank | state max/mean | bytes vs FSDP2 | owner floor | replicate vs FSDP2 HSDP | "
+    "NS / bound | step s | vs floor | MFU | bound | FSDP2 + Muon s | DistMuon s |",
+    "|" + "---:|" * 4 + "---|---|---:|---|" + "---:|" * 9 + "---|---:|---:|",
 ]
 
 
 def _breakdown(e: Evaluated) -> list[str]:
     rows = [("compute (forward, backward, recompute)", "compute"),
+            ("of it recompute (checkpointed blocks)", "recompute"),
             ("tensor-parallel all-reduces", "tp_comm"),
             ("data-parallel collectives not hidden", "exposed_comm"),
             ("pipeline bubble", "bubble"), ("pipeline sends", "p2p"),
@@ -128,6 +137,14 @@ def _breakdown(e: Evaluated) -> list[str]:
     for label, key in rows:
         vals = [getattr(x, key) if x else None for x in (e.step, e.fsdp2, e.distmuon)]
         out.append(f"| {label} | " + " | ".join(_s(v) for v in vals) + " |")
+    out.append("| blocks checkpointed | " + " | ".join(
+        f"{sum(e.checkpointed_of(k))}/{e.blocks}" if e.step_of(k) else "n/a" for k in SYSTEMS)
+        + " |")
+    for kind in BOUNDS:
+        vals = [x.path.get(kind, 0.0) if x else None for x in (e.step, e.fsdp2, e.distmuon)]
+        out.append(f"| critical path: {kind} | " + " | ".join(_s(v) for v in vals) + " |")
+    out.append("| **bound by** (the critical path's largest) | " + " | ".join(
+        x.bound if x else "n/a" for x in (e.step, e.fsdp2, e.distmuon)) + " |")
     return out
 
 
@@ -136,7 +153,7 @@ SYSTEM_LABELS = (("matrixfsdp", "MatrixFSDP"), ("fsdp2_torch_muon", "FSDP2 + tor
 
 
 def step_of(e: Evaluated, system: str) -> StepTime | None:
-    return {"matrixfsdp": e.step, "fsdp2_torch_muon": e.fsdp2, "distmuon": e.distmuon}[system]
+    return e.step_of(system)
 
 
 def _optimizer_term(e: Evaluated, system: str) -> str:
@@ -151,9 +168,9 @@ def _optimizer_term(e: Evaluated, system: str) -> str:
 
 @dataclass
 class Explained:
-    """What bounds one system's step at one layout: its largest term (compute, exposed
-    communication, pipeline bubble or the optimizer), the largest of what it spends above
-    the compute floor, and the step over the floor."""
+    """What bounds one system's step at one layout: the largest kind on the simulation's
+    critical path (:data:`~matrixfsdp.advisor.steptime.BOUNDS`), the largest of what it
+    spends above the compute floor, and the step over the floor."""
 
     step: float
     bound: str
@@ -170,55 +187,46 @@ def explain(e: Evaluated, system: str, floor: float) -> Explained | None:
         return None
     opt = _optimizer_term(e, system)  # its Newton-Schulz alone: the label says NS
     rest = "the rest of the optimizer step"
-    terms = {"compute": st.compute, "exposed communication": st.exposed_comm + st.tp_comm + st.p2p,
-             "pipeline bubble": st.bubble, opt: st.ns, rest: st.optimizer_other}
-    above = {"recompute" if e.layout.checkpointing else "compute above the floor":
-             st.compute - floor, "tensor-parallel all-reduces": st.tp_comm,
+    above = {"recompute": st.recompute,
+             "compute above the floor": st.compute - st.recompute - floor,
+             "tensor-parallel all-reduces": st.tp_comm,
              "exposed data-parallel communication": st.exposed_comm,
              "pipeline bubble": st.bubble, "pipeline sends": st.p2p,
              opt: st.ns, rest: st.optimizer_other}
     worst = max(above, key=above.get)
-    return Explained(st.total, max(terms, key=terms.get), worst, above[worst],
+    return Explained(st.total, st.bound, worst, above[worst],
                      st.total / floor if floor else 0.0)
 
 
-BOUND_HEAD = ["| system | its best fitting layout | step s | vs compute floor | bound by | "
-              "largest term above the floor | its optimizer step |",
-              "|---|---|---:|---:|---|---|---|"]
+BOUND_HEAD = ["| system | its best fitting layout | step s | vs compute floor | MFU | bound by "
+              "(critical path) | largest term above the floor | its optimizer step |",
+              "|---|---|---:|---:|---:|---|---|---|"]
 
 
 def bound_rows(s: Search, dm: float) -> list[str]:
-    """Per system its best fitting layout, the step, how far above the compute floor, the
-    term that bounds it and the largest above the floor."""
+    """Per system its best fitting layout, the step, how far above the compute floor, its
+    MFU, the kind that bounds it on its critical path and the largest term above the
+    floor."""
     out = []
     for key, label in SYSTEM_LABELS:
         e = peers_best(s, dm)[key]
         x = explain(e, key, s.floor) if e is not None else None
         if x is None:
-            out.append(f"| {label} | no layout it runs fits | | | | | |")
+            out.append(f"| {label} | no layout it runs fits | | | | | | |")
             continue
         extra = f", {e.distmuon_blocks} block(s) per bucket" if key == "distmuon" else ""
         st = step_of(e, key)
-        out.append(f"| {label} | {e.layout.label()}{extra} | {_s(x.step)} | "
-                   f"{x.over_floor:.3f}x ({100 * (x.over_floor - 1):+.1f}%) | {x.bound} | "
+        out.append(f"| {label} | {e.label(key)}{extra} | {_s(x.step)} | "
+                   f"{x.over_floor:.3f}x ({100 * (x.over_floor - 1):+.1f}%) | "
+                   f"{_pct(e.mfu(key))} | {x.bound} | "
                    f"{x.overhead} {_s(x.overhead_s)} s | {_s(st.ns + st.optimizer_other)} s: "
                    f"{_optimizer_term(e, key)} {_s(st.ns)} s, the rest {_s(st.optimizer_other)} s |")
     return out
 
 
-def _best(layouts: Sequence[Evaluated], fits: Callable[[Evaluated], bool],
-          secs: Callable[[Evaluated], float]) -> Evaluated | None:
-    pool = [e for e in layouts if fits(e)]
-    return min(pool, key=secs) if pool else None
-
-
 def peers_best(s: Search, dm: float) -> dict[str, Evaluated | None]:
     """Each system's fastest layout that it can run and that fits its own memory."""
-    return {"matrixfsdp": s.recommended if s.recommended and s.recommended.fits else None,
-            "fsdp2_torch_muon": _best(s.layouts, lambda e: e.fsdp2_memory <= dm,
-                                      lambda e: e.fsdp2.total),
-            "distmuon": _best(s.layouts, lambda e: e.distmuon_feasible
-                              and e.distmuon_memory <= dm, lambda e: e.distmuon.total)}
+    return {k: best_of(s, k, dm) for k in SYSTEMS}
 
 
 def _fewest_bytes(s: Search) -> list[str]:
@@ -229,8 +237,100 @@ def _fewest_bytes(s: Search) -> list[str]:
             f"{few.bytes_ratio:.3f}x FSDP2's, {_s(few.step.total)} s.", ""]
 
 
+def _runtime_lines(e: Evaluated, s: Search) -> list[str]:
+    """What the runtime must be told to run the advice as the model charges it."""
+    out = []
+    k = sum(e.checkpointed)
+    if k:
+        per = e.checkpointed
+        where = (f"blocks 0..{k - 1}" if len(per) == 1 else
+                 "in each pipeline stage its first " + ", ".join(str(n) for n in per) + " blocks")
+        out.append(f"* activation checkpointing: {k} of {e.blocks} blocks, the fewest that fit "
+                   f"({where}: wrap those blocks in torch's checkpoint before `fully_shard`); "
+                   f"recompute {_s(e.step.recompute)} s per step")
+    else:
+        out.append(f"* activation checkpointing: none of the {e.blocks} blocks (it fits "
+                   "without)")
+    m = e.micro_batches
+    if e.keep != "each" and m == 1:  # "edges": the first and last blocks not gathered again
+        out.append("* the first and last blocks kept gathered from their forward to their "
+                   "backward (not gathered again in backward): tell the runtime "
+                   "`model.layers[0].set_reshard_after_forward(False)` and "
+                   "`model.layers[-1].set_reshard_after_forward(False)`")
+    elif e.keep != "each":
+        edges = e.keep == "edges"
+        told = ["`model.set_reshard_after_backward(False, recurse=False)`"]
+        if edges:
+            told += ["`model.layers[0].set_reshard_after_forward(False)` and "
+                     "`.set_reshard_after_backward(False)`",
+                     "`model.layers[-1].set_reshard_after_forward(False)`"]
+        out.append(f"* the root (embedding, head, norms){' and the first block' if edges else ''}"
+                   f" gathered once per step of {m} micro-batches and reduced once"
+                   + ("; the last block kept gathered from its forward to its backward"
+                      if edges else "")
+                   + f": tell the runtime {', '.join(told)}, and "
+                   "`set_requires_gradient_sync(False, recurse=False)` on "
+                   + ("the root and the first block" if edges else "the root")
+                   + " before every micro-batch but the last (True before the last): their "
+                   "gradients accumulate unreduced in the reduce dtype (counted in the buffers)")
+    elif e.layout.pp == 1:
+        out.append("* every unit gathered and reduced each micro-batch (the runtime's "
+                   "default): keeping the root or the edge blocks gathered does not fit or "
+                   "does not pay")
+    if e.layout.tp > 1:
+        names: dict[str, list[str]] = {}
+        for name, kind in sorted(e.tp_by_name.items()):
+            names.setdefault(kind, []).append(name.rsplit(".weight", 1)[0].split(".")[-1])
+        where = {"group": "owned by their tp group (each tp rank its slice; NS over the group)",
+                 "rank": "whole on one tp rank (slices hop to it)"}
+        parts = [f"{e.tp_placements.get(kind, 0)} {where[kind]} ({', '.join(names.get(kind, []))})"
+                 for kind in ("group", "rank") if e.tp_placements.get(kind)]
+        kinds = [k for k in ("group", "rank") if e.tp_placements.get(k)]
+        if s.tp_ownership != "auto":
+            agree = f"`fully_shard(..., tp_ownership=\"{s.tp_ownership}\")` places them so"
+        elif e.runtime_default_agrees:
+            agree = "`fully_shard(..., tp_ownership=\"auto\")` (its default) places them alike"
+        elif len(kinds) == 1:
+            agree = (f"`fully_shard`'s own auto weighs one micro-batch and would place some "
+                     f"otherwise: pass `tp_ownership=\"{kinds[0]}\"`")
+        else:
+            agree = ("`fully_shard`'s own auto weighs one micro-batch and would place some "
+                     "otherwise, and it takes no rates: the runtime cannot place them so")
+        out.append(f"* tensor parallelism, tp_ownership=\"{s.tp_ownership}\": the tp-split "
+                   f"matrices {'; '.join(parts)}; {agree}")
+    return out
+
+
+def sensitivity_lines(rows: Sequence[RateRow], peak: float) -> list[str]:
+    """The kernel-rate sensitivity table: each system's best layout at each rate."""
+    if not rows:
+        return []
+    out = [f"Kernel-rate sensitivity (every matmul and Newton-Schulz at the rate; each system's "
+           f"best layout above, planned again; MFU against {peak / 1e12:g} TFLOP/s):", "",
+           "| TFLOP/s | compute floor s | MatrixFSDP s (vs floor, MFU, bound) | FSDP2 + "
+           "torch.optim.Muon s | DistMuon s | ours / FSDP2 + Muon | ours / DistMuon |",
+           "|---:|---:|---|---|---|---:|---:|"]
+    for r in rows:
+        cells, steps = [], {}
+        for k in SYSTEMS:
+            e = r.systems.get(k)
+            st = e.step_of(k) if e is not None else None
+            if st is None:
+                cells.append("n/a")
+                continue
+            steps[k] = st.total
+            cells.append(f"{_s(st.total)} ({st.total / r.floor:.3f}x, "
+                         f"{_pct(r.floor * r.tflops / (st.total * peak))}, {st.bound})")
+        ours = steps.get("matrixfsdp")
+        ratio = [f"{ours / steps[k]:.3f}" if ours and k in steps else "n/a"
+                 for k in SYSTEMS[1:]]
+        out.append(f"| {r.tflops / 1e12:g} | {_s(r.floor)} | " + " | ".join(cells) + " | "
+                   + " | ".join(ratio) + " |")
+    return out + [""]
+
+
 def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
-                  top: int = 12, max_rows: int = 16) -> str:
+                  top: int = 12, max_rows: int = 16, rates: Sequence[RateRow] = ()) -> str:
     """The full text for one model and world size."""
     dm = st.device_memory
     head = [f"{name}: {n_params / 1e9:.2f}B parameters, {blocks} blocks, {s.world_size} ranks: "
@@ -248,13 +348,18 @@ def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
     S = e.layout.shard
     x = explain(e, "matrixfsdp", s.floor)
     sched = f" ({e.layout.schedule.name})" if e.layout.pp > 1 else ""
+    k = sum(e.checkpointed)
+    path = e.step.path
     head += [
         f"{what}: **replicate {e.layout.replicate} x shard {S} x tp {e.layout.tp} x pp "
-        f"{e.layout.pp}{sched}**, activation checkpointing "
-        f"{'on' if e.layout.checkpointing else 'off'}, {e.micro_batches} micro-batch(es) per "
-        f"step of {s.global_batch} sequences",
+        f"{e.layout.pp}{sched}**, activation checkpointing {k} of {e.blocks} blocks, "
+        f"{keep_text(e.keep, e.micro_batches)}, {e.micro_batches} micro-batch(es) per step of "
+        f"{s.global_batch} sequences",
         f"* modelled step {_s(e.step.total)} s, {x.over_floor:.3f}x the compute floor "
-        f"({_s(s.floor)} s); bound by {x.bound}; largest above the floor: {x.overhead} "
+        f"({_s(s.floor)} s), MFU {_pct(e.mfu())} of the GPU's dense bf16 peak "
+        f"({s.peak / 1e12:g} TFLOP/s); bound by {x.bound} (its critical path: "
+        + ", ".join(f"{kind} {_s(path.get(kind, 0.0))} s" for kind in BOUNDS
+                    if path.get(kind)) + f"); largest above the floor: {x.overhead} "
         f"{_s(x.overhead_s)} s",
         f"* at the same layout FSDP2 + torch.optim.Muon {_s(e.fsdp2.total)} s, DistMuon "
         f"{_s(_dm(e))} s" + ("" if e.distmuon else " (torchtitan refuses tp > 1 and pp > 1)"),
@@ -267,11 +372,15 @@ def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
         f"the owner floor here {e.owner_floor:.3f}x (1-D floor P/(P-1) at {S} shard ranks: "
         f"{S / (S - 1) if S > 1 else 1:.3f})",
         f"* Newton-Schulz {e.ns_max / e.ns_bound if e.ns_bound else 1:.3f}x its bound: "
-        f"{_optimizer_term(e, 'matrixfsdp')} {_s(e.step.ns)} s", "",
+        f"{_optimizer_term(e, 'matrixfsdp')} {_s(e.step.ns)} s"
+        + (f" (of it the tp group's all-reduces {_s(e.ns_comm)} s)" if e.ns_comm else ""),
+        *_runtime_lines(e, s), "",
         *_breakdown(e), "",
         f"Each system at its best (its fastest layout that it runs and that fits its own "
-        f"memory); the compute floor {_s(s.floor)} s is the step's model FLOPs over all "
-        f"{s.world_size} ranks:", "", *BOUND_HEAD, *bound_rows(s, dm), "",
+        f"memory, each checkpointing the fewest blocks that fit it); the compute floor "
+        f"{_s(s.floor)} s is the step's model FLOPs over all {s.world_size} ranks:", "",
+        *BOUND_HEAD, *bound_rows(s, dm), "",
+        *sensitivity_lines(rates, s.peak),
         *_fewest_bytes(s),
         f"Layouts (the {top} fastest that fit, then the {min(top, 4)} smallest that do not):", "",
         *LAYOUT_HEAD]
@@ -285,30 +394,38 @@ def format_search(name: str, n_params: int, blocks: int, s: Search, st: Setting,
     return "\n".join(text)
 
 
-def search_json(name: str, n_params: int, s: Search, st: Setting) -> dict:
+def search_json(name: str, n_params: int, s: Search, st: Setting,
+                rates: Sequence[RateRow] = ()) -> dict:
     """The ``--json`` object for one model and world size."""
     return {"model": name, "parameters": n_params, "world_size": s.world_size,
             "global_batch": s.global_batch, "search_seconds": s.seconds,
             "layouts_searched": len(s.layouts), "layouts_fitting": len(s.fitting),
+            "compute_floor_seconds": s.floor, "peak_tflops": s.peak / 1e12,
+            "tp_ownership": s.tp_ownership,
             "assumptions": assumptions(st, s),
             "recommended": s.recommended.record() if s.recommended else None,
+            "runtime_settings": [line[2:] for line in _runtime_lines(s.recommended, s)]
+            if s.recommended else [],
             "best_per_system": {k: e.record() if e else None
                                 for k, e in peers_best(s, st.device_memory).items()},
+            "tflops_sensitivity": [r.record(s.peak) for r in rates],
             "layouts": [e.record() for e in s.layouts]}
 
 
 SUMMARY_HEAD = [
     "| model | ranks | advice (replicate x shard x tp x pp, AC) | fits | largest rank | step s | "
-    "FSDP2 + Muon s | DistMuon s | bytes vs FSDP2 | owner floor | layouts (fit) | search s |",
-    "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    "vs floor | MFU | bound | FSDP2 + Muon s | DistMuon s | bytes vs FSDP2 | owner floor | "
+    "layouts (fit) | search s |",
+    "|---|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
 ]
 
 
 def summary_row(name: str, s: Search) -> str:
     e = s.recommended
     if e is None:
-        return f"| {name} | {s.world_size} | none |" + " |" * 9
-    return (f"| {name} | {s.world_size} | {e.layout.label()} | {'yes' if e.fits else '**no**'} | "
-            f"{_gib(e.largest_rank_bytes)} | {_s(e.step.total)} | {_s(e.fsdp2.total)} | "
-            f"{_s(_dm(e))} | {e.bytes_ratio:.3f} | {e.owner_floor:.3f} | "
+        return f"| {name} | {s.world_size} | none |" + " |" * 12
+    return (f"| {name} | {s.world_size} | {e.label()} | {'yes' if e.fits else '**no**'} | "
+            f"{_gib(e.largest_rank_bytes)} | {_s(e.step.total)} | "
+            f"{e.step.total / s.floor:.3f}x | {_pct(e.mfu())} | {e.step.bound} | "
+            f"{_s(e.fsdp2.total)} | {_s(_dm(e))} | {e.bytes_ratio:.3f} | {e.owner_floor:.3f} | "
             f"{len(s.layouts)} ({len(s.fitting)}) | {s.seconds:.1f} |")

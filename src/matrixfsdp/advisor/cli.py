@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from ..layout.assign import TP_OWNERSHIPS
 from ..layout.traffic import Dtypes
 from ..train.cli import int_at_least
 from ..train.cluster import DTYPE_BYTES, parse_bytes
@@ -18,7 +19,7 @@ from .constants import Constants
 from .hf_config import config_path, meta_model
 from .links import Links
 from .model_shapes import ModelShapes, shapes_of
-from .search import LLAMA3_TOKENS, default_global_batch, search
+from .search import LLAMA3_TOKENS, default_global_batch, search, sensitivity
 from .steptime import Workload
 
 PLAN_PRESETS = sorted(PRESETS)
@@ -74,7 +75,7 @@ def run_plan(args) -> None:
                   args.latency_us * 1e-6, args.nvlink_hop_us * 1e-6, args.ib_hop_us * 1e-6,
                   constants=constants)
     dtypes = Dtypes(4, DTYPE_BYTES[args.param_dtype], DTYPE_BYTES[args.reduce_dtype])
-    checkpointing = {"auto": (False, True), "on": (True,), "off": (False,)}[
+    checkpointing = {"auto": ("fit",), "on": ("all",), "off": ("off",)}[
         args.activation_checkpointing]
     global_batch = args.global_batch or default_global_batch(args.seq, args.global_tokens)
     done = []
@@ -88,16 +89,20 @@ def run_plan(args) -> None:
                            workload=setting.workload, dtypes=setting.dtypes,
                            global_batch=global_batch, tp=args.tp, pp=args.pp,
                            shard=[args.shard_size] if args.shard_size else None,
-                           checkpointing=checkpointing)
-            done.append((label, n_params, shapes.blocks, found, setting))
+                           checkpointing=checkpointing, tp_ownership=args.tp_ownership,
+                           peak=args.peak_tflops * 1e12)
+            rates = [] if len(args.model) * len(args.world_size) > 1 else sensitivity(
+                shapes, found, args.device_memory, [r * 1e12 for r in args.sensitivity_tflops],
+                setting.workload, links=links, dtypes=dtypes)
+            done.append((label, n_params, shapes.blocks, found, setting, rates))
     if args.json:
-        out = [search_json(label, n, s, st) for label, n, _, s, st in done]
+        out = [search_json(label, n, s, st, r) for label, n, _, s, st, r in done]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=1))
     elif len(done) > 1:
-        print("\n".join([*SUMMARY_HEAD, *(summary_row(label, s) for label, _, _, s, _ in done)]))
+        print("\n".join([*SUMMARY_HEAD, *(summary_row(x[0], x[3]) for x in done)]))
     else:
-        label, n, blocks, s, st = done[0]
-        print(format_search(label, n, blocks, s, st, args.top, args.max_rows))
+        label, n, blocks, s, st, r = done[0]
+        print(format_search(label, n, blocks, s, st, args.top, args.max_rows, r))
 
 
 def add_plan_args(sub) -> argparse.ArgumentParser:
@@ -151,9 +156,19 @@ def add_plan_args(sub) -> argparse.ArgumentParser:
                          "(replace --tflops, --hbm-gbs and the latency and bandwidth of "
                          "groups inside a node)")
     pl.add_argument("--activation-checkpointing", choices=("auto", "on", "off"), default="auto",
-                    help="auto: search both")
+                    help="auto: per layout and system the fewest blocks that fit (none where "
+                         "the layout fits without); on: every block; off: none")
+    pl.add_argument("--tp-ownership", choices=TP_OWNERSHIPS[::-1], default="auto",
+                    help="who owns a tensor-parallel-split Muon matrix (fully_shard's "
+                         "tp_ownership): rank (whole on one tp rank), group (its tp group, "
+                         "each rank its slice), auto (the cheaper per matrix by the model)")
     pl.add_argument("--tflops", type=real, default=400.0,
                     help="bf16 TFLOP/s reached by the matmuls and Newton-Schulz (default 400)")
+    pl.add_argument("--peak-tflops", type=real, default=989.0,
+                    help="the GPU's dense bf16 peak, TFLOP/s, for MFU (default 989: H100 SXM)")
+    pl.add_argument("--sensitivity-tflops", type=real, nargs="*", default=[400.0, 700.0],
+                    metavar="TFLOPS", help="kernel rates of the sensitivity rows: each "
+                    "system's best layout again at each (default 400 700; none: no rows)")
     pl.add_argument("--hbm-gbs", type=real, default=3350.0,
                     help="memory bandwidth for the element-wise optimizer updates, GB/s")
     pl.add_argument("--gpus-per-node", type=pos, default=8)

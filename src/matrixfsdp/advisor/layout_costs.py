@@ -20,10 +20,12 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from ..layout.assign import ns_flops
+from ..layout.assign import gram_side, ns_flops
+from ..layout.loads import op_load
 from ..layout.traffic import Dtypes, reduce_layouts
 from ..layout.types import Plan
 from ..layout.units import Segment, UnitLayout, calls
+from ..optim.muon import BATCH_NS_NUMEL
 from .links import GroupCost, Mesh, MeshCost, Op
 from .state_costs import StateParts
 
@@ -97,6 +99,10 @@ class StageCosts:
     fsdp2_state: float  # FSDP2's model state per rank (padded shards: every rank alike)
     adamw_bytes: float  # bytes AdamW's element-wise update touches per step (7 per element)
     muon_bytes: float  # bytes Muon's momentum and update touch on the busiest rank (5 each)
+    ns_seconds: float | None = None  # the busiest GPU's NS, its tp group's all-reduces in
+    root_numel: int = 0  # elements of the root unit unsharded (its gradients kept unreduced)
+    first_numel: int = 0  # the first block's, unsharded
+    first_gathered: float = 0.0  # bytes of the first block's gather buffers
 
 
 def hop_elements(u: UnitLayout, T: int) -> dict[int, int]:
@@ -153,9 +159,13 @@ def unit_comm(u: UnitLayout, red: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtype
     hops = hop_elements(u, T)
     hop = max(hops.values(), default=0)
     c.hop = {r: (n * d.gather, n * d.reduce) for r, n in hops.items()}
-    whole = [pl.spec.numel for pl in u.placements if pl.spec.muon and pl.owner is not None]
-    largest, total = max(whole, default=0), sum(whole)
-    hop_floor = (T - 1) * largest / T if T > 1 else 0.0
+    mats = [pl for pl in u.placements if pl.spec.muon and pl.owner is not None]
+    # what one GPU holds of each matrix (a slice where its tp group owns it), and the
+    # matrices whose slices hop to one tp rank (held whole there)
+    per_gpu = [pl.spec.numel // pl.spec.tp if pl.tp_group else pl.spec.numel for pl in mats]
+    hopping = [pl.spec.numel for pl in mats if pl.spec.tp > 1 and not pl.tp_group]
+    largest, total = max(per_gpu, default=0), sum(pl.spec.numel for pl in mats)
+    hop_floor = (T - 1) * max(hopping, default=0) / T if T > 1 else 0.0
     pieces = sum(pc.numel for pc in u.pieces) if S > 1 else 0
     launches, ops, shard = [], [], []
     for lay, isz, attr in ((u, d.gather, "gather"), (red, d.reduce, "reduce")):
@@ -202,8 +212,8 @@ def unit_comm(u: UnitLayout, red: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtype
     return c
 
 
-def rank_counts(units: Sequence[UnitComm], shard_rank: int, tp_rank: int, m: int, pp: int = 1
-                ) -> dict[str, dict[str, float]]:
+def rank_counts(units: Sequence[UnitComm], shard_rank: int, tp_rank: int, m: int, pp: int = 1,
+                keep: str = "each") -> dict[str, dict[str, float]]:
     """What one rank (``shard_rank``, ``tp_rank``) issues over a step of a stage's units (the
     root's first; ``m`` micro-batches, as :func:`step_bytes` counts them), per phase as its
     ``CommStats`` reads it (``gather``: the shard group's gathers and the tp hop; ``reduce``:
@@ -218,7 +228,7 @@ def rank_counts(units: Sequence[UnitComm], shard_rank: int, tp_rank: int, m: int
             out[ph]["calls"] += times * ops
             out[ph]["critical_bytes"] += times * nbytes
     for i, u in enumerate(units):
-        gathers, reduces = (1, 1) if pp > 1 else (m * (1 if i == 0 else 2), m)
+        gathers, reduces = passes_of(i, m, pp, keep, len(units))
         hop = u.hop.get(shard_rank)
         for ph, times, (launches, ops, nbytes), k in (("gather", gathers, u.shard[0], 0),
                                                       ("reduce", reduces, u.shard[1], 1)):
@@ -257,16 +267,42 @@ def fsdp2_unit_comm(u: UnitLayout, mesh: Mesh, mc: MeshCost, d: Dtypes) -> UnitC
     return c
 
 
-def step_bytes(units: Sequence[UnitComm], m: int, pp: int = 1, prefix: str = ""
-               ) -> tuple[float, float]:
+#: Which units a step of several micro-batches keeps gathered (``fully_shard``'s FSDP2
+#: methods, docs/plan.md): ``"each"``: none, every unit gathered and reduced per micro-batch
+#: (the runtime's default); ``"root"``: the root gathered once and reduced once per step;
+#: ``"edges"``: the root and the first block so, and the last block kept gathered from its
+#: forward to its backward (no regather).
+KEEPS = ("each", "root", "edges")
+
+
+def passes_of(i: int, m: int, pp: int = 1, keep: str = "each", n: int = 0) -> tuple[int, int]:
+    """(gathers, reduces) of unit ``i`` of ``n`` (0: the root) per step of ``m``
+    micro-batches: each micro-batch a forward gather, a backward gather (not the root's,
+    kept to its backward) and a reduce; ``pp > 1`` one of each per step; ``keep``
+    (:data:`KEEPS`): the units kept gathered, gathered and reduced fewer times."""
+    if pp > 1:
+        return 1, 1
+    if i == 0:
+        return (m, m) if keep == "each" else (1, 1)
+    if keep == "edges":
+        if i == 1:
+            return 1, 1
+        if i == n - 1:
+            return m, m
+    return 2 * m, m
+
+
+def step_bytes(units: Sequence[UnitComm], m: int, pp: int = 1, prefix: str = "",
+               keep: str = "each") -> tuple[float, float]:
     """(critical-path bytes per step, of which across replicas) of a stage's units (the
     root's first): ``m`` micro-batches, each a forward gather, a backward gather (not the
     root's), a reduce and the replicate dim's reduce, then the replicate dim's broadcast
-    once; ``pp > 1``: every unit gathered and reduced once per step. ``prefix``
-    ``"floor_"``: the whole-matrix floor's."""
+    once; ``pp > 1``: every unit gathered and reduced once per step; ``keep``: units kept
+    gathered (:func:`passes_of`).
+    ``prefix`` ``"floor_"``: the whole-matrix floor's."""
     total = rep = 0.0
     for i, u in enumerate(units):
-        gathers, reduces = (1, 1) if pp > 1 else (m * (1 if i == 0 else 2), m)
+        gathers, reduces = passes_of(i, m, pp, keep, len(units))
         r = (reduces * getattr(u, prefix + "rep_reduce_bytes")
              + getattr(u, prefix + "rep_bcast_bytes"))
         total += (gathers * getattr(u, prefix + "gather_bytes")
@@ -277,10 +313,17 @@ def step_bytes(units: Sequence[UnitComm], m: int, pp: int = 1, prefix: str = ""
 
 @dataclass
 class NSLoads:
-    """A plan's Newton-Schulz: the busiest rank's FLOPs, the bound ``max(largest, total /
-    ranks)``, every matrix once, and per matrix (each expert counted) its FLOPs, elements,
-    shape, unit and tp split (0: rows, 1: columns, None: not split). ``busiest``: the
-    busiest rank's largest matrix (name, shape) and that matrix's FLOPs."""
+    """A plan's Newton-Schulz: the busiest GPU's FLOPs (where a tp group owns matrices: the
+    busiest tp group's, whose ranks wait for each other at every Gram all-reduce), the bound
+    ``max(largest, total / GPUs)`` (each matrix at its placement's FLOPs per GPU), every
+    matrix once (whole), and per matrix (each expert counted) its whole NS FLOPs, elements,
+    shape, unit and tp split (0: rows, 1: columns, None: not split): the peers' inputs.
+    ``busiest``: the busiest GPU's largest matrix (name, shape) and its FLOPs on that GPU.
+    ``seconds``: the busiest GPU's NS in seconds (its FLOPs at the NS rate, plus the Gram and
+    norm all-reduces of matrices its tp group owns), where :func:`ns_loads` was given a rate.
+    ``placements``: how many tp-split matrices each placement got (``"group"``: owned by a
+    tp group, ``"rank"``: whole on one tp rank), and per matrix name (block index as ``*``)
+    its placement."""
 
     max: float
     bound: float
@@ -291,14 +334,76 @@ class NSLoads:
     units: list[int] = field(default_factory=list)
     tp_dims: list[int | None] = field(default_factory=list)
     busiest: tuple[str, tuple[int, int], float] = ("", (0, 0), 0.0)
+    seconds: float | None = None
+    ns_comm: float = 0.0  # of ``seconds``: the busiest tp group's all-reduces
+    placements: dict[str, int] = field(default_factory=dict)
+    by_name: dict[str, str] = field(default_factory=dict)
 
 
-def ns_loads(plan: Plan, T: int) -> NSLoads:
-    """:class:`NSLoads` of a plan whose matrices may be tp-split (held by ``tp_owner``)."""
-    load: dict[tuple[int, int], float] = defaultdict(float)
-    top: dict[tuple[int, int], tuple[float, str, tuple[int, int]]] = {}
+def generic_name(name: str) -> str:
+    """A parameter's name with its block indices as ``*`` (``layers.*.mlp.fc.weight``)."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+SplitKey = tuple[tuple[int, ...], tuple[int, int], int]  # (slice shape, whole shape, dim)
+
+
+def split_ns_ops(slices: dict[SplitKey, int], ns_steps: int, gram_itemsize: int = 4
+                 ) -> list[int]:
+    """The bytes of each all-reduce one tp group runs for the matrices it owns, as ``Muon``
+    steps them (``Muon._split_step``, :func:`~matrixfsdp.optim.newton_schulz.newton_schulz_split_`):
+    same-shaped slices batched (``BATCH_NS_NUMEL`` elements a batch), per batch one
+    all-reduce of the squares' sums (a float32 per matrix), then ``ns_steps`` of the
+    batch's ``g x g`` Grams (:func:`~matrixfsdp.layout.assign.gram_side`), summed in
+    float32 (``gram_itemsize``) whatever the NS dtype; each op a launch of its own."""
+    out: list[int] = []
+    for (sl, shape, dim), count in slices.items():
+        per = max(1, BATCH_NS_NUMEL // math.prod(sl))
+        g = gram_side(shape, dim)
+        for at in range(0, count, per):
+            k = min(per, count - at)
+            out += [4 * k] + [k * g * g * gram_itemsize] * ns_steps
+    return out
+
+
+def split_slices(plan: Plan, owner: int) -> dict[SplitKey, int]:
+    """The matrices ``owner``'s tp group owns, by :data:`SplitKey`: how many of each."""
+    out: dict[SplitKey, int] = defaultdict(int)
+    for pl in plan.placements.values():
+        if pl.spec.muon and pl.owner == owner and pl.tp_group:
+            out[(pl.spec.slice_shape, tuple(pl.spec.shape), pl.spec.tp_dim)] += 1
+    return out
+
+
+def step_counts(plan: Plan, owner: int, T: int, tp_rank: int = 0) -> dict[str, dict[str, float]]:
+    """What a rank of ``owner``'s tp group (``T`` ranks) issues in the optimizer step, as its
+    ``CommStats`` reads it (phase ``step``: the split Newton-Schulz's all-reduces): launches,
+    ops and critical bytes; empty where its tp group owns no matrix."""
+    ops = split_ns_ops(split_slices(plan, owner), plan.ns_steps)
+    if not ops or T == 1:
+        return {}
+    crit = sum(op_load("all_reduce", b, T, tp_rank).critical for b in ops)
+    return {"step": {"launches": len(ops), "calls": len(ops), "critical_bytes": float(crit)}}
+
+
+def ns_loads(plan: Plan, T: int, rate: float | None = None, tp: GroupCost | None = None
+             ) -> NSLoads:
+    """:class:`NSLoads` of a plan whose matrices may be tp-split: held whole by one tp rank
+    (``tp_owner``) or by the owner's tp group (each tp rank its slice,
+    :func:`~matrixfsdp.layout.assign.ns_flops_split` on each). ``rate`` (FLOP/s) and ``tp``
+    (the tp group's costs): also the busiest GPU's seconds. A tp group steps the matrices its
+    ranks own whole first, then the ones it owns together (``Muon._muon_step``'s order),
+    whose all-reduces wait for every rank of the group: so a tp group's NS is its most
+    loaded rank's whole matrices, then the shared part and its all-reduces."""
+    whole: dict[tuple[int, int], float] = defaultdict(float)  # (owner, tp rank): FLOPs
+    shared: dict[int, float] = defaultdict(float)  # owner: FLOPs of its group-owned share
+    slices: dict[int, dict[SplitKey, int]] = defaultdict(lambda: defaultdict(int))
+    top: dict[int, tuple[float, str, tuple[int, int]]] = {}
     costs, numel, shapes, units, dims = [], [], [], [], []
-    work = 0
+    placed: dict[str, int] = defaultdict(int)
+    by_name: dict[str, str] = {}
+    work = 0.0  # FLOPs summed over every GPU that runs them
+    largest = 0.0
     for pl in plan.placements.values():
         if not pl.spec.muon:
             continue
@@ -310,23 +415,49 @@ def ns_loads(plan: Plan, T: int) -> NSLoads:
         shapes += [shape] * n
         units += [pl.spec.unit] * n
         dims += [pl.spec.tp_dim if pl.spec.tp > 1 else None] * n
-        work += f * n * (plan.replicas if pl.spec.is_experts else 1)
-        if pl.owner is not None:
-            key = (pl.owner, pl.tp_owner or 0)
-            load[key] += f
-            if f > top.get(key, (-1.0,))[0]:
-                top[key] = (float(f), pl.spec.name, shape)
+        here = pl.ns_cost(plan.ns_steps)  # on each GPU that runs it
+        gpus = pl.spec.tp if pl.tp_group else 1
+        work += here * gpus * n * (plan.replicas if pl.spec.is_experts else 1)
+        largest = max(largest, here)
+        if pl.spec.tp > 1 and pl.owner is not None:
+            kind = "group" if pl.tp_group else "rank"
+            placed[kind] += 1
+            by_name[generic_name(pl.spec.name)] = kind
+        if pl.owner is None:
+            continue
+        if pl.tp_group:
+            shared[pl.owner] += here
+            slices[pl.owner][(pl.spec.slice_shape, shape, pl.spec.tp_dim)] += 1
+        else:
+            whole[(pl.owner, pl.tp_owner or 0)] += here
+        if here > top.get(pl.owner, (-1.0,))[0]:
+            top[pl.owner] = (float(here), pl.spec.name, shape)
+    # per owner (a data-parallel rank and its tp group): its busiest tp rank's whole
+    # matrices, then the group's share; T == 1: the plan's own per-rank cost (experts too)
+    first: dict[int, float] = defaultdict(float)
+    for (w, _), f in whole.items():
+        first[w] = max(first[w], f)
     if T > 1:
-        busiest = max(load.values(), default=0)
-        key = max(load, key=load.get, default=None)
+        flops = {w: first[w] + shared[w] for w in set(first) | set(shared)}
     else:
-        busiest = max(plan.rank_cost, default=0)
-        ranks = [k for k in load if k[0] == plan.rank_cost.index(busiest)] if busiest else []
-        key = ranks[0] if ranks else None
-    named = ("", (0, 0), 0.0) if key is None else (top[key][1], top[key][2], top[key][0])
-    bound = max(max(costs, default=0.0), work / (plan.world_size * T))
+        flops = dict(enumerate(plan.rank_cost))
+    comm = {w: sum(tp.all_reduce(float(b)) for b in split_ns_ops(slices[w], plan.ns_steps))
+            if tp is not None else 0.0 for w in slices}
+
+    def seconds(w: int) -> float:
+        return flops.get(w, 0.0) / rate + comm.get(w, 0.0) if rate else flops.get(w, 0.0)
+    key = max(flops, key=lambda w: (seconds(w), flops[w], -w), default=None)
+    busiest = flops[key] if key is not None else 0.0
+    named = ("", (0, 0), 0.0) if key not in top else (top[key][1], top[key][2], top[key][0])
+    bound = max(largest, work / (plan.world_size * T))
     return NSLoads(float(busiest), float(bound), float(sum(costs)), costs, numel, shapes, units,
-                   dims, named)
+                   dims, named, seconds(key) if rate and key is not None else None,
+                   comm.get(key, 0.0) if key is not None else 0.0, dict(placed), by_name)
+
+
+def _gathered(u: UnitLayout) -> int:
+    """Elements of a unit's buffers while it is gathered."""
+    return u.copied_numel + (u.gathered_numel if u.keeps_gathered else 0)
 
 
 def _buffers(layouts: Sequence[UnitLayout], d: Dtypes, kept: bool) -> float:
@@ -334,7 +465,7 @@ def _buffers(layouts: Sequence[UnitLayout], d: Dtypes, kept: bool) -> float:
     rows), their unsharded gradients, the reduce buffers (two reduces in flight, reduce
     dtype). ``kept`` (pipeline stages): every unit stays gathered over the step and keeps
     its unsharded gradients (no-sync)."""
-    sizes = [u.copied_numel + (u.gathered_numel if u.keeps_gathered else 0) for u in layouts]
+    sizes = [_gathered(u) for u in layouts]
     if not sizes:
         return 0.0
     block = max(sizes[1:], default=0)
@@ -378,4 +509,7 @@ def stage_costs(plan: Plan, parts: Sequence[UnitsPart], mesh: Mesh, d: Dtypes,
                       ns.total, [c for p in parts for c in p.comm],
                       [c for p in parts for c in p.fsdp2], ns.numel,
                       sum(c.state_bytes for p in parts for c in p.fsdp2),
-                      7.0 * even * d.storage, 5.0 * max(busiest, 0) / max(T, 1) * d.storage)
+                      7.0 * even * d.storage, 5.0 * max(busiest, 0) / max(T, 1) * d.storage,
+                      ns.seconds, layouts[0].numel if layouts else 0,
+                      layouts[1].numel if len(layouts) > 1 else 0,
+                      _gathered(layouts[1]) * d.gather if len(layouts) > 1 else 0.0)

@@ -178,14 +178,43 @@ def distinct(stage_list: Sequence[Stage]) -> dict[tuple, list[int]]:
 
 
 def activation_bytes(shapes: ModelShapes, blocks: range, tokens: int, tp: int,
-                     checkpointing: bool, in_flight: int, head: bool) -> float:
-    """Activation bytes one rank of a stage holds at its peak (module docstring)."""
-    if not blocks:
-        saved = 0.0
-    elif checkpointing:  # block inputs of every micro-batch in flight, one block recomputed
-        saved = 2.0 * (len(blocks) * shapes.d_model * in_flight
-                       + max(shapes.block_act[b] for b in blocks))
-    else:
-        saved = 2.0 * sum(shapes.block_act[b] for b in blocks) * in_flight
+                     checkpointed: bool | int, in_flight: float, head: bool) -> float:
+    """Activation bytes one rank of a stage holds at its peak (module docstring).
+
+    ``checkpointed``: how many of the stage's blocks, its first ones, recompute their
+    forward in backward (True: all, False: none). Per micro-batch in flight a checkpointed
+    block keeps its input, any other block its full activations; the peak is that sum over
+    the micro-batches in flight, or, where larger, one checkpointed block's recompute: its
+    full activations beside the inputs of the checkpointed blocks before it (the blocks
+    after it are freed by then) and the other micro-batches' sums."""
+    d = shapes.d_model
+    k = len(blocks) if checkpointed is True else int(checkpointed)
+    acts = [shapes.block_act[b] for b in blocks]
+    kept = k * d + sum(acts[k:])  # one micro-batch's, per token
+    peak = kept * in_flight
+    if k:
+        peak = max(peak, (in_flight - 1) * kept + max(i * d + acts[i] for i in range(k)))
     logits = 6.0 * shapes.vocab if head else 0.0
-    return math.ceil(tokens * (saved + logits) / tp)
+    return math.ceil(tokens * (2.0 * peak + logits) / tp)
+
+
+def fewest_checkpointed(budget: float, shapes: ModelShapes, blocks: range, tokens: int,
+                        tp: int, in_flight: float, head: bool) -> int | None:
+    """The fewest of a stage's blocks to checkpoint (its first ones) so that its activations
+    fit ``budget`` bytes; None where checkpointing every block does not fit. Beyond one, the
+    more checkpointed, the less held, so a bisection finds it."""
+    def need(k: int) -> float:
+        return activation_bytes(shapes, blocks, tokens, tp, k, in_flight, head)
+    n = len(blocks)
+    if need(0) <= budget:
+        return 0
+    if not n or need(n) > budget:
+        return None
+    lo, hi = 1, n  # need(hi) fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need(mid) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo

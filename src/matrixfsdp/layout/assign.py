@@ -67,15 +67,16 @@ def tp_placement_seconds(shape: Sequence[int], tp: int, dim: int, ns_steps: int 
     """Seconds per step of an ``m x n`` matrix split ``tp`` ways along ``dim``, owned by one
     tp rank and by its tp group: ``(rank, group)``. One tp rank: its whole NS on that GPU,
     and the other slices' hop to and from it in every gather and reduce; the tp group: its
-    share of the split NS, and ``ns_steps`` all-reduces of the ``g x g`` Gram (a ring over
-    the group: ``2 (tp-1)/tp`` of it through each GPU)."""
+    share of the split NS, and ``ns_steps`` all-reduces of the ``g x g`` Gram, summed in
+    float32 whatever the NS dtype (``newton_schulz_split_``; a ring over the group: ``2
+    (tp-1)/tp`` of it through each GPU)."""
     rates = rates or DEFAULT_RATES
     numel = shape[0] * shape[1]
     hop = (tp - 1) * numel // tp * (rates.gathers * rates.gather_itemsize
                                     + rates.reduces * rates.reduce_itemsize)
     rank = ns_flops(shape, ns_steps) / rates.flops + hop / rates.link
     g = gram_side(shape, dim)
-    reduce = ns_steps * 2 * (tp - 1) * g * g * rates.ns_itemsize / tp
+    reduce = ns_steps * 2 * (tp - 1) * g * g * max(rates.ns_itemsize, 4) / tp
     group = ns_flops_split(shape, tp, dim, ns_steps) / rates.flops + reduce / rates.link
     return rank, group
 

@@ -259,10 +259,15 @@ class UnitLayout:
 
     # ---- segments ---------------------------------------------------------------------
     def segment(self, r: int, t: int = 0) -> Segment:
-        """What shard rank ``r`` at tp rank ``t`` stores (see :class:`Segment`). Cached."""
+        """What shard rank ``r`` at tp rank ``t`` stores (see :class:`Segment`). Cached; one
+        object for every tp rank of a shard rank holding no piece one tp rank holds whole
+        (their segments are equal)."""
         seg = self._segments.get((r, t))
         if seg is None:
-            seg = self._segments[(r, t)] = self._segment(r, t)
+            if t and self.chunk_is_segment(r):
+                seg = self._segments[(r, t)] = self.segment(r, 0)
+            else:
+                seg = self._segments[(r, t)] = self._segment(r, t)
         return seg
 
     def _segment(self, r: int, t: int) -> Segment:
@@ -289,7 +294,12 @@ class UnitLayout:
 
     def chunk_is_segment(self, r: int) -> bool:
         """Whether shard rank ``r``'s chunk is its segment (no tp-split piece there)."""
-        return not any(pc.split for pc in self.pieces_at(r))
+        return r not in self._split_ranks
+
+    @functools.cached_property
+    def _split_ranks(self) -> frozenset[int]:
+        """Shard ranks holding a piece one tp rank holds whole."""
+        return frozenset(pc.rank for pc in self.pieces if pc.split)
 
     @property
     def has_replica_owned(self) -> bool:

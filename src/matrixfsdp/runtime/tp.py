@@ -54,8 +54,9 @@ class TPSplit:
     comm: Comm
 
     def all_reduce(self, t: torch.Tensor) -> None:
-        """``t`` summed over the tp group, in place (waited for)."""
-        self.comm.all_reduce(t, divisor=1).wait()
+        """``t`` summed over the tp group, in place (waited for): one launch of its own,
+        counted in the ``step`` phase's launches."""
+        self.comm.batch("step", [lambda: self.comm.all_reduce(t, divisor=1)]).wait()
 
 
 @dataclass(frozen=True)
