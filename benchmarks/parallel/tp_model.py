@@ -29,20 +29,23 @@ class LlamaConfig:
     ffn: int = 512
     layers: int = 4
     vocab: int = 512
+    kv_heads: int | None = None  # grouped-query attention (Llama 3's 8): None, as many as heads
 
 
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.head_dim = c.d_model // c.heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(c.d_model, c.d_model, bias=False)
-                                              for _ in range(4))
+        kv = (c.kv_heads or c.heads) * self.head_dim
+        self.wq, self.wo = (nn.Linear(c.d_model, c.d_model, bias=False) for _ in range(2))
+        self.wk, self.wv = (nn.Linear(c.d_model, kv, bias=False) for _ in range(2))
+        self.gqa = kv != c.d_model
 
     def forward(self, x):
         b, t, _ = x.shape  # heads inferred (-1): a tp rank computes its own
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa)
         return self.wo(o.transpose(1, 2).reshape(b, t, -1))
 
 

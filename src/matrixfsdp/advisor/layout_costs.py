@@ -132,7 +132,7 @@ def replicate_ops(seg: Segment, R: int, itemsize: int, reduce: bool) -> list[Op]
     run from it); each pipelined op's most loaded rank moves its run once."""
     ops: list[Op] = []
     if reduce and seg.shared:
-        ops.append(("all_reduce", 2 * (R - 1) / R * seg.shared * itemsize))
+        ops.append(("all_reduce", float(op_load("all_reduce", seg.shared * itemsize, R, 0).critical)))
     kind = "reduce" if reduce else "broadcast"
     return ops + [(kind, float(n * itemsize)) for _, _, n in seg.replica_runs]
 
