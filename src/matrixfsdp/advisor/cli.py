@@ -21,6 +21,7 @@ from .links import Links
 from .model_shapes import ModelShapes, shapes_of
 from .search import LLAMA3_TOKENS, default_global_batch, search, sensitivity
 from .steptime import Workload
+from .torchtitan_flags import torchtitan_text
 
 PLAN_PRESETS = sorted(PRESETS)
 
@@ -103,6 +104,22 @@ def run_plan(args) -> None:
     else:
         label, n, blocks, s, st, r = done[0]
         print(format_search(label, n, blocks, s, st, args.top, args.max_rows, r))
+    if args.torchtitan:
+        _print_torchtitan(args, done, global_batch)
+
+
+def _print_torchtitan(args, done, global_batch: int) -> None:
+    """``--torchtitan``: each advice as torchtitan's command line (a llama3 preset's
+    torchtitan config function: ``llama3-70b`` -> ``llama3_70b``)."""
+    for label, _, _, s, _, _ in done:
+        if not label.startswith("llama3-"):
+            raise SystemExit(f"--torchtitan: {label} has no torchtitan config function; the "
+                             "llama3 presets do (llama3-8b, llama3-70b, llama3-405b)")
+        if s.recommended is None:
+            raise SystemExit(f"--torchtitan: no layout of {label} fits at {s.world_size} ranks")
+        print(f"\n{label} @ {s.world_size}, torchtitan's trainer on MatrixFSDP:\n")
+        print(torchtitan_text(s.recommended, label.replace("-", "_"), args.seq, global_batch,
+                              args.gpus_per_node))
 
 
 def add_plan_args(sub) -> argparse.ArgumentParser:
@@ -182,6 +199,10 @@ def add_plan_args(sub) -> argparse.ArgumentParser:
                     help="latency per ring step inside a node (NCCL's LL128: 1.9)")
     pl.add_argument("--ib-hop-us", type=real, default=4.0,
                     help="latency per ring step across nodes (NCCL's LL128: 4.0)")
+    pl.add_argument("--torchtitan", action="store_true",
+                    help="also print the advice as torchtitan's command line (its trainer on "
+                         "MatrixFSDP's one line: --parallelism.*, --training.*, activation "
+                         "checkpointing; llama3 presets)")
     pl.add_argument("--json", action="store_true",
                     help="print the advice and every layout searched as JSON")
     pl.add_argument("--top", type=pos, default=12, help="layouts shown in the table")
