@@ -37,8 +37,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = c.d_model // c.heads
         kv = (c.kv_heads or c.heads) * self.head_dim
-        self.wq, self.wo = (nn.Linear(c.d_model, c.d_model, bias=False) for _ in range(2))
-        self.wk, self.wv = (nn.Linear(c.d_model, kv, bias=False) for _ in range(2))
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(c.d_model, n, bias=False)  # in this order:
+                                              for n in (c.d_model, kv, kv, c.d_model))  # the init
         self.gqa = kv != c.d_model
 
     def forward(self, x):

@@ -64,6 +64,9 @@ def tensor_version(t: torch.Tensor) -> int:
 # ---- tensor subclasses -------------------------------------------------------------------------
 FOREACH_NORM = torch._foreach_norm  # what torch's clip_grad_norm_ / get_total_norm call
 FOREACH_MUL_ = torch._foreach_mul_  # what torch's clip_grads_with_norm_ scales with
+# FSDP2's reduce-scatter copy-in: each tensor cut into ``num_chunks`` along ``dim``, every
+# chunk zero-padded to one size and written into ``out`` (one kernel, no padded copies)
+CHUNK_CAT = torch._chunk_cat
 DISABLED_TORCH_FUNCTION = torch._C._disabled_torch_function_impl  # DTensor's own setting
 # the aten op ``Tensor.to`` dispatches to (a tensor subclass's ``__torch_dispatch__`` sees it)
 ATEN_TO_COPY = torch.ops.aten._to_copy.default

@@ -342,6 +342,7 @@ def plan_and_shard(root_unit: Unit) -> Root:
     root = Root(root_unit.module, units, domains, _merged(domains, collected.specs), stats,
                 debug=root_unit.debug, overlap=root_unit.overlap)
     root.aliases = collected.aliases
+    root.schedule.max_reduces = max(u.max_input_buffers or 1 for u in units)
     if tp_mesh is not None:
         root.tp = TPGroups(tp_mesh, root.stats)
     params = [p for ps in collected.params for p in ps]

@@ -288,6 +288,22 @@ class FSDPModule:
         for u in _units(self, recurse):
             u.reshard_after_backward = reshard_after_backward
 
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """How many units' gradient send buffers may be in flight at once (FSDP2's dial,
+        default 1): before a unit's gradients are copied into a new buffer, the oldest
+        reduces are finished until fewer than this remain. One cap for the whole model,
+        as FSDP2's: the largest any unit was given."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) \
+                or max_input_buffers < 1:
+            raise ValueError("matrixfsdp: set_reduce_scatter_max_input_buffers("
+                             f"{max_input_buffers!r}): an int >= 1")
+        for u in _units(self, recurse):
+            u.max_input_buffers = max_input_buffers
+            if u.root is not None:
+                u.root.schedule.max_reduces = max(
+                    v.max_input_buffers or 1 for v in u.root.units)
+
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradients by ``factor`` instead of averaging them
         over its mesh (FSDP2's method, not recursive: torchtitan passes the whole

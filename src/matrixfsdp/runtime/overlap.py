@@ -3,9 +3,11 @@
 Forward: when unit k starts, the gather of the unit that came after it in the last step's
 forward is issued too, so it travels while k computes. Backward: when unit k's backward
 starts, the gather of the unit before it in forward order (next in backward) is issued.
-Reduces are asynchronous: at most ``max_reduces`` are in flight (each holds a unit-sized
-buffer), the oldest is finished when another would exceed that, and all are finished at
-the end of backward, before anyone can read a gradient. Under HSDP a finished reduce starts
+Reduces are asynchronous: as FSDP2 (``set_reduce_scatter_max_input_buffers``, default 1),
+before a unit's gradients are copied into a new unit-sized send buffer, the oldest reduces
+are finished until fewer than ``max_reduces`` remain in flight, so at most ``max_reduces``
+send buffers are alive at once; all are finished at the end of backward, before anyone can
+read a gradient. Under HSDP a finished reduce starts
 the unit's replicate-dim reduce (a follow-up, waited for at the end of backward), and the
 first forward after an optimizer step starts every unit's broadcast from its owner replica
 at once; each unit's gather waits for its own. On gloo the collectives run on
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class Schedule:
-    def __init__(self, enabled: bool = True, max_reduces: int = 2):
+    def __init__(self, enabled: bool = True, max_reduces: int = 1):
         self.enabled = enabled
         self.max_reduces = max_reduces
         self.order: list[Unit] = []  # units, in the last completed step's forward order
@@ -74,17 +76,23 @@ class Schedule:
         return explicit if explicit is not None else self._neighbour(unit, -1)
 
     # ---- reduces in flight ----------------------------------------------------------------
-    def add_reduce(self, pending: Pending) -> None:
-        """A unit's reduce, in flight. The oldest is finished (and its follow-up started)
-        when another would exceed ``max_reduces``: a point set by the order of the units,
+    def make_room(self) -> None:
+        """Before a unit's send buffer is allocated: the oldest reduces are finished (and
+        their follow-ups started) until fewer than ``max_reduces`` are in flight, FSDP2's
+        bound on its reduce-scatter input buffers. A point set by the order of the units,
         never by when a collective happens to complete, so every rank interleaves the
         collectives of its communicators (shard, replicate, tp groups) in one order. NCCL
         may deadlock on communicators used in different orders by different ranks (their
         kernels wait for each other's peers); before, a reduce found done by polling
         started its follow-up at a moment each rank picked by its own timing."""
-        self.counts["deferred_reduces"] += len(self._reduces)
+        self.counts["deferred_reduces"] += len(self._reduces)  # in flight across a backward
+        while len(self._reduces) >= (self.max_reduces if self.enabled else 1):
+            self._reduces.pop(0).wait()
+
+    def add_reduce(self, pending: Pending) -> None:
+        """A unit's reduce, in flight (without overlap: finished at once)."""
         self._reduces.append(pending)
-        while len(self._reduces) > (self.max_reduces if self.enabled else 0):
+        if not self.enabled:
             self._reduces.pop(0).wait()
 
     def add_follow_up(self, pending: Pending) -> None:

@@ -9,8 +9,8 @@ unsharded parameters to this rank's pieces, averaged, as the shards' ``.grad``.
       4. this rank's pieces become the shards' ``.grad`` (:func:`attach_grads`)
 
 Each stage starts when the one before it is waited for; when that is, the schedule decides
-(:mod:`~matrixfsdp.runtime.overlap`: at most two shard-group reduces in flight, every stage
-done by the end of backward). A parameter some rank had no gradient for waits for the
+(:mod:`~matrixfsdp.runtime.overlap`: FSDP2's bound, one shard-group reduce in flight by
+default, every stage done by the end of backward). A parameter some rank had no gradient for waits for the
 reduced flags, read on the host once at the end of the pass
 (:meth:`~matrixfsdp.runtime.root.Root.attach_unused`), which then attaches it here too.
 """
@@ -38,6 +38,7 @@ def start_reduce(unit: _Unit, grads: list[torch.Tensor | None]) -> None:
     lay, _ = unit.layout.reduce_layout(trainable)
     if not lay.numel:
         return
+    unit.root.schedule.make_room()  # FSDP2's bound on send buffers alive, before this one
     unit.root.before_collective(unit, REDUCE, lay)
     shard = unit.storage.start_reduce(unit.domain.comm, grads, trainable, unit.divide_factor)
     reduce = _Reduce(unit, shard, [grads[i] is not None for i in shard.index])

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._compat import CHUNK_CAT
 from ..layout.types import Placement
 from ..layout.units import UnitLayout, calls, is_whole
 from .collectives import Comm, Pending
@@ -80,15 +81,24 @@ def _alias(storage_owner: torch.Tensor, offset: int, shape: tuple[int, ...]) -> 
                   shape, stride)
 
 
-def _rows_padded(g: torch.Tensor | None, P: int, chunk: int, like: torch.Tensor) -> torch.Tensor:
-    """Gradient ``g`` of an even parameter as ``(P, chunk)``: its rows, zero-padded to P
-    chunks (zeros where the pass gave it no gradient)."""
-    if g is None:
-        return like.new_zeros(()).expand(P, chunk)
-    flat = g.reshape(-1)
-    if flat.numel() != P * chunk:
-        flat = torch.nn.functional.pad(flat, (0, P * chunk - flat.numel()))
-    return flat.view(P, chunk)
+def copy_in_rows(rows: torch.Tensor, grads: list[torch.Tensor | None],
+                 chunks: list[int]) -> None:
+    """Write gradients into ``rows`` (``S`` x the columns they fill, from column 0): each
+    gradient's rows cut into ``S`` chunks of ``chunk`` elements, the last ones zero-padded in
+    place, zeros where the pass gave it none; FSDP2's copy-in (``torch._chunk_cat``: one
+    kernel, no padded copy of an uneven gradient). A gradient in another dtype than
+    ``rows`` is cast first, as FSDP2 casts it to its reduce dtype."""
+    S = rows.shape[0]
+    parts = []
+    for g, chunk in zip(grads, chunks):
+        if not chunk:
+            continue
+        if g is None:
+            parts.append(rows.new_zeros(()).expand(S, chunk))
+        else:
+            parts.append(g if g.dtype == rows.dtype else g.to(rows.dtype))
+    if parts:
+        CHUNK_CAT(parts, dim=0, num_chunks=S, out=rows[:, :sum(chunks)])
 
 
 def _zeros(like: torch.Tensor, n: int) -> torch.Tensor:
@@ -319,12 +329,12 @@ class UnitStorage:
         like = self.local.new_empty(0, dtype=self.precision.reduce)
         had = [grads[i] is not None for i in index]
         rows = like.new_empty(S, H)
-        flags = like.new_ones(len(had))
+        flags = rows[:, H - len(had):]  # the last columns: each rank's flags
+        flags.fill_(1)
         for j, h in enumerate(had):
             if not h:
-                flags[j] = 0  # a fill on the device: no host data copied to it
-        torch.cat([_rows_padded(grads[index[j]], S, lay.chunk[j], like) for j in lay.rows]
-                  + [flags.expand(S, len(had))], dim=1, out=rows)
+                flags[:, j] = 0  # a fill on the device: no host data copied to it
+        copy_in_rows(rows, [grads[index[j]] for j in lay.rows], [lay.chunk[j] for j in lay.rows])
         send = self._send_buffer(lay, rows, [grads[i] for i in index], like)
         recv = like.new_empty(lay.chunk_size(me))
         mine = me in lay.holder_sizes  # this rank holds pieces: they come back to it

@@ -169,6 +169,7 @@ class Unit:
         # FSDP2's module methods (matrixfsdp.runtime.module.FSDPModule)
         self.requires_gradient_sync = True  # False: keep the gradients unsharded, no reduce
         self.divide_factor: float | None = None  # set_gradient_divide_factor: sum / factor
+        self.max_input_buffers: int | None = None  # set_reduce_scatter_max_input_buffers
         self.reshard_after_backward = True
         self.accumulated: list[torch.Tensor | None] = []  # unsynced grads, reduce dtype
         self.guards: list = []  # forward pre-hooks on the modules holding its parameters
