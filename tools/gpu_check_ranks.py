@@ -341,7 +341,7 @@ def check_overlap(device: torch.device, world: int, out: Path) -> dict[str, Any]
                 mf.fully_shard(block, mesh=mesh, mp_policy=mp)
             mf.fully_shard(model, mesh=mesh, mp_policy=mp, overlap=label == "matrixfsdp")
             opts = [mf.Muon(mf.muon_param_groups(model, lr=LR, adamw_lr=ADAMW_LR))]
-        keep = out / "ranks" / f"trace {label}.json" if dist.get_rank() == 0 else None
+        keep = out / "ranks" / f"trace_{label.replace(' ', '_')}.json" if dist.get_rank() == 0 else None
         events = _profiled(device, model, opts, data, keep)
         res[label] = overlap_stats(*split_events(events, device.type))
         del model, opts, events
