@@ -141,7 +141,8 @@ CHECKS: tuple[Check, ...] = (
           f"<= {MEMORY_MAX:g}x FSDP2 + AdamW's",
           "a peak above the bound (a buffer held, states duplicated)",
           f"the bench on {CPU_RANKS} CPU ranks and a tiny model: its CPU accounting (live storages + "
-          "the allocator's transient peak), the same judge",
+          "the allocator's transient peak), the same judge; shown, not judged (that peak moves "
+          "with gloo's timing)",
           "a result with MatrixFSDP at 1.2x FSDP2's"),
     Check("set-up memory",
           "bytes allocated after sharding (the model built on the CPU) against this rank's shards, "
@@ -374,7 +375,10 @@ def _missing(bench: dict[str, Any], names: tuple[str, ...]) -> str:
     return "; ".join(e.splitlines()[0][:200] for e in errors)
 
 
-def judge_memory(bench: dict[str, Any]) -> dict[str, Any]:
+def judge_memory(bench: dict[str, Any], judged: bool = True) -> dict[str, Any]:
+    """``judged=False`` (CPU): the figures and the bound's answer, shown, not counted: the CPU
+    accounting's transient peak moves with gloo's timing (FSDP2 + AdamW's 6.5 to 7.2 MiB in
+    two runs of the same tiny model)."""
     missing = _missing(bench, ("fsdp2_adamw", "matrixfsdp"))
     if missing:
         return verdict(False, {}, f"the bench did not run: {missing}")
@@ -383,7 +387,10 @@ def judge_memory(bench: dict[str, Any]) -> dict[str, Any]:
     ratio = ours / base
     m = {"MatrixFSDP peak": f"{ours:.1f} MiB", "FSDP2 + AdamW peak": f"{base:.1f} MiB",
          "ratio": f"{ratio:.2f}x", "ranks": bench["config"]["world_size"]}
-    return verdict(ratio <= MEMORY_MAX, m, "" if ratio <= MEMORY_MAX else f"{ratio:.2f}x > {MEMORY_MAX:g}x")
+    ok = ratio <= MEMORY_MAX
+    if not judged:
+        return verdict(None, m, f"CPU: the bound would say {'pass' if ok else 'FAIL'}")
+    return verdict(ok, m, "" if ok else f"{ratio:.2f}x > {MEMORY_MAX:g}x")
 
 
 def speed_figures(bench: dict[str, Any]) -> dict[str, float]:
@@ -672,6 +679,8 @@ def _bench(world: int, cuda: bool, out: Path) -> tuple[dict[str, Any] | None, st
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.dry_run:  # before CUDA is first asked: the ranks and the bench's then see no GPU either
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
 
     cuda = torch.cuda.is_available() and not a.dry_run
@@ -694,7 +703,7 @@ def run(a: argparse.Namespace) -> int:
         results["memory"] = verdict(False, {}, f"the bench did not run: {error}")
         results["speed"] = verdict(False, {}, f"the bench did not run: {error}")
     else:
-        results["memory"] = judge_memory(bench)
+        results["memory"] = judge_memory(bench, judged=cuda)
         results["speed"] = judge_speed(bench, judged=cuda)
     for name in ("memory", "speed"):
         results[name]["broken"] = tests[name]

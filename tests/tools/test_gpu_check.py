@@ -33,7 +33,7 @@ def test_dry_run_lists_every_check_and_passes_on_cpu(tmp_path):
     assert "dry run, no GPU" in table
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| ")}
     status = {n: rows[n].rstrip().rstrip("|").rsplit("|", 1)[1].strip() for n in check.NAMES}
-    assert status == {"parity": "pass", "host syncs": "pass", "overlap": "pass", "memory": "pass",
+    assert status == {"parity": "pass", "host syncs": "pass", "overlap": "pass", "memory": "not judged",
                       "set-up memory": "pass", "speed": "not judged", "Newton-Schulz": "not judged",
                       "several GPUs": "pass"}, table
     report = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -139,6 +139,7 @@ def test_trace_events_split():
 def test_memory_and_speed_bounds():
     assert check.judge_memory(check._fake_bench(mem=1.05))["status"] == "pass"
     assert check.judge_memory(check._fake_bench(mem=1.2))["status"] == "FAIL"
+    assert check.judge_memory(check._fake_bench(mem=1.2), judged=False)["status"] == "not judged"
     assert check.judge_memory({"config": {"world_size": 8}, "systems": {}})["status"] == "FAIL"
     assert check.judge_speed(check._fake_bench(step=0.1))["status"] == "pass"
     assert check.judge_speed(check._fake_bench(step=1.05))["status"] == "FAIL"
