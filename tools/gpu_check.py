@@ -721,7 +721,7 @@ def run(a: argparse.Namespace) -> int:
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
     print(text)
     if a.record:
-        record_into(Path("docs/benchmarks.md"), text)
+        record_into(Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md", text)
     failed = [n for n in NAMES if results.get(n, {}).get("status", "FAIL") == "FAIL"]
     if failed:
         print(f"[gpu-check] FAILED: {', '.join(failed)}", file=sys.stderr)
