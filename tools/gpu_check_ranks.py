@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import inspect
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
+from matrixfsdp._compat import torch_muon_newton_schulz
 from matrixfsdp.optim.muon import zeropower_via_newtonschulz
 from matrixfsdp.runtime.exit import exit_rank
 from matrixfsdp.train.launch import device_for
@@ -131,17 +133,6 @@ def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
     return x
 
 
-@contextlib.contextmanager
-def torch_ns_fp32():
-    from torch.optim import _muon
-    original = _muon._zeropower_via_newtonschulz
-    _muon._zeropower_via_newtonschulz = _ns_fp32
-    try:
-        yield
-    finally:
-        _muon._zeropower_via_newtonschulz = original
-
-
 def _worst(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max(((ours[n].float() - p.float()).abs() / (1 + p.float().abs())).max().item()
                for n, p in ref.items() if p.numel())
@@ -161,7 +152,7 @@ def check_parity(device: torch.device, world: int, out: Path) -> dict[str, Any]:
     for x in data:
         step(model, [opt], x)
     behind = {}
-    with torch_ns_fp32():
+    with torch_muon_newton_schulz(_ns_fp32):
         for i, x in enumerate(data):
             if i == len(data) - 1:
                 behind = {n: p.detach().clone() for n, p in named}
@@ -226,7 +217,7 @@ class SyncRecorder:
 
     def _stand_in(self) -> None:
         def emit(what: str) -> None:
-            caller = sys._getframe(2).f_code.co_filename
+            caller = inspect.currentframe().f_back.f_back.f_code.co_filename  # past _read
             if not caller.startswith(TORCH_DIR):
                 warnings.warn(f"{SYNC_TEXT} (CPU stand-in: {what})", UserWarning, stacklevel=3)
 
