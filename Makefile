@@ -36,14 +36,18 @@ lint: $(BIN)/.installed
 bench: $(BIN)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp bench --out runs/bench
 
-# The checks only a GPU shows (docs/gpu.md). On a GPU machine, with its own CUDA build of
-# torch: `make gpu-check GPU_PY=python3 NGPU=8`; without a GPU it is a dry run that says what
-# it would measure and runs what a CPU can.
+# The checks only a GPU shows (docs/gpu.md), one command, one report, a nonzero exit on any
+# failure. On a GPU machine, with its own CUDA build of torch: `make gpu-check GPU_PY=python3`
+# (every GPU visible; NGPU=N for fewer). Without a GPU, or with `make gpu-check --dry-run`
+# (or ARGS=--dry-run), a dry run: every check with its bound, each one's CPU path on 2 gloo
+# ranks. The script starts its own ranks (no torchrun). ARGS: more flags (--record, --list).
 GPU_PY  ?= $(BIN)/python
-NGPU    ?= 1
+NGPU    ?=
+ARGS    ?=
+GPU_DRY := $(if $(findstring n,$(firstword -$(MAKEFLAGS))),--dry-run)
 gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(BIN)/.installed)
-	PYTHONPATH=src:. OMP_NUM_THREADS=1 $(GPU_PY) -m torch.distributed.run --standalone \
-		--nproc-per-node $(NGPU) -m tools.gpu_check --out runs/gpu-check
+	+PYTHONPATH=src:. OMP_NUM_THREADS=1 $(GPU_PY) -m tools.gpu_check $(if $(NGPU),--ngpu $(NGPU)) \
+		--out runs/gpu-check $(GPU_DRY) $(ARGS)
 
 # Every measured figure of README.md and docs/ from the command that produces it: outputs in
 # runs/docs-figures, tables in docs/figures (spliced into the pages' marked blocks); about half

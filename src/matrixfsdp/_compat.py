@@ -202,6 +202,22 @@ def calling_pipeline_stage(module: nn.Module, depth: int = 18) -> Any:
     return None
 
 
+# ---- torch's optimizers ------------------------------------------------------------------------
+@contextlib.contextmanager
+def torch_muon_newton_schulz(fn: Callable[..., torch.Tensor]):
+    """``torch.optim.Muon``'s Newton-Schulz replaced by ``fn(grad, ns_coefficients, ns_steps,
+    eps)`` while entered (``make gpu-check``'s reference runs it in fp32; torch's casts to bf16
+    and has no option): ``torch.optim._muon._zeropower_via_newtonschulz``, which its step looks
+    up at each call."""
+    from torch.optim import _muon
+    original = _muon._zeropower_via_newtonschulz
+    _muon._zeropower_via_newtonschulz = fn
+    try:
+        yield
+    finally:
+        _muon._zeropower_via_newtonschulz = original
+
+
 # ---- processes, profiling and the machine ------------------------------------------------------
 def amx_tile_supported() -> bool:
     """Whether torch can use this CPU's AMX tiles (bf16 matmuls through oneDNN), as the

@@ -131,6 +131,23 @@ def test_autograd_entries():
     assert _compat.tensor_version(t) == before + 1
 
 
+def test_torch_muon_newton_schulz():
+    calls = []
+
+    def ns(grad, *args):
+        calls.append(grad.shape)
+        return torch.zeros_like(grad)
+    p = nn.Parameter(torch.ones(3, 4))
+    opt = torch.optim.Muon([p], lr=0.1, weight_decay=0.0)
+    p.grad = torch.ones(3, 4)
+    with _compat.torch_muon_newton_schulz(ns):
+        opt.step()
+    assert calls == [(3, 4)] and torch.equal(p, torch.ones(3, 4))  # a zero update from ns
+    p.grad = torch.ones(3, 4)
+    opt.step()  # torch's own again
+    assert calls == [(3, 4)] and not torch.equal(p, torch.ones(3, 4))
+
+
 def test_tensor_subclass_entries():
     ts = [torch.randn(3, 4), torch.randn(5)]
     assert _compat.FOREACH_NORM is torch._foreach_norm
