@@ -198,3 +198,37 @@ def test_a_failed_coalescing_probe_says_so():
     (a failing NCCL) takes the one-launch-per-op path with a warning naming the error, not
     silently (gloo's refusal is silent: tests above)."""
     spawn(_failed_probe_worker, 1, init=False)
+
+
+def _averages(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from matrixfsdp.runtime.collectives import group_capabilities
+    mesh = init_device_mesh("cpu", (world,))
+    group = mesh.get_group()
+    can = group_capabilities(group, torch.device("cpu"))
+    assert can.average and not can.coalesce, can  # gloo in torch 2.13: AVG, no coalescing
+    x = torch.arange(8.0) * (rank + 1) / 3
+    got = {}
+    for average in (True, False):
+        comm = Comm(group, CommStats(), average=average)
+        out = torch.empty(8 // world)
+        comm.reduce_scatter(out, x.clone()).wait()
+        t = x.clone()
+        comm.all_reduce(t).wait()
+        r = x.clone()
+        comm.reduce(r, 0).wait()
+        got[average] = (out, t, r[:4] if rank == 0 else None)
+        assert comm._mean(None, t)[0] == (dist.ReduceOp.AVG if average else dist.ReduceOp.SUM)
+        assert comm._mean(2.5, t)[0] == dist.ReduceOp.SUM  # another divisor: a sum, then div_
+    for a, b in zip(got[True], got[False]):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-7, atol=0)
+
+
+def test_a_group_that_averages_gets_its_means_from_the_collective():
+    """Asked once at set-up (one all-reduce that is also the AVG probe): gloo in torch 2.13
+    averages, so a mean is ``ReduceOp.AVG`` with no division after it (NCCL's op, FSDP2's
+    choice there); another divisor, or a group without AVG, sums and divides. Both give the
+    same means."""
+    spawn(_averages, 2)

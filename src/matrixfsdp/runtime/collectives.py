@@ -176,14 +176,17 @@ class Pending:
 
 class Comm:
     """The collectives of one process group, counted in ``stats``. All are asynchronous:
-    each returns a :class:`Pending` (``wait()`` it). Means are a sum followed by one
-    division by the group size, as in FSDP2, so equal inputs come back bit-identical.
+    each returns a :class:`Pending` (``wait()`` it). Means are the collective's own
+    average where the group has one (``average``: ``ReduceOp.AVG``, as FSDP2 uses on NCCL),
+    else a sum followed by one division.
     ``coalesce``: the group runs several ops as one launch (:func:`coalescing_supported`),
     which :meth:`batch` uses; ``device``: the one its collectives run on."""
 
     def __init__(self, group: dist.ProcessGroup, stats: CommStats, prefix: str = "",
-                 coalesce: bool = False, device: torch.device | None = None):
+                 coalesce: bool = False, device: torch.device | None = None,
+                 average: bool = False):
         self.group = group
+        self.average = average  # the group averages in the collective (ReduceOp.AVG)
         self.stats = stats
         self.prefix = prefix  # "replicate_" for HSDP's replicate dimension
         self.size = dist.get_world_size(group)
@@ -214,6 +217,15 @@ class Comm:
                            watch=arrival.issued(self.group, f"{self.prefix}{phase}"),
                            label=f"{self.prefix}{phase}")
 
+    def _mean(self, divisor: float | None, t: torch.Tensor) -> tuple[dist.ReduceOp, Callable | None]:
+        """The reduce op and the epilogue that divide a sum into ``t`` by ``divisor``
+        (default: the group's size, the mean): AVG where the group averages and the
+        divisor is its size (no division kernel), else SUM and one ``div_`` after it."""
+        divisor = self.size if divisor is None else divisor
+        if self.average and divisor == self.size:
+            return dist.ReduceOp.AVG, None
+        return dist.ReduceOp.SUM, (lambda: t.div_(divisor)) if divisor != 1 else None
+
     def _issue(self, kind: str, nbytes: int, work, epilogue=None, keep: tuple = (),
                root: int | None = None) -> Pending:
         # HSDP's replicate-dim all-reduce keeps its historical name
@@ -241,18 +253,16 @@ class Comm:
         if self.size == 1:
             out.copy_(inp)
             return Pending() if divisor == 1 else Pending(epilogue=lambda: out.div_(divisor))
-        work = reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=self.group,
-                                     async_op=True)
-        return self._issue("reduce_scatter", _nbytes(inp), work,
-                           (lambda: out.div_(divisor)) if divisor != 1 else None, (out, inp))
+        op, epilogue = self._mean(divisor, out)
+        work = reduce_scatter_single(out, inp, op=op, group=self.group, async_op=True)
+        return self._issue("reduce_scatter", _nbytes(inp), work, epilogue, (out, inp))
 
     def all_reduce(self, t: torch.Tensor, divisor: float | None = None) -> Pending:
         """``t`` = sum of ``t`` over the ranks divided by ``divisor`` (default: the mean;
         in place)."""
-        divisor = self.size if divisor is None else divisor
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return self._issue("all_reduce", _nbytes(t), work,
-                           (lambda: t.div_(divisor)) if divisor != 1 else None, (t,))
+        op, epilogue = self._mean(divisor, t)
+        work = dist.all_reduce(t, op=op, group=self.group, async_op=True)
+        return self._issue("all_reduce", _nbytes(t), work, epilogue, (t,))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int],
                    in_sizes: list[int], loads: list[tuple[int, int]]) -> Pending:
@@ -284,10 +294,10 @@ class Comm:
         divisor = self.size if divisor is None else divisor
         if self.size == 1:
             return Pending() if divisor == 1 else Pending(epilogue=lambda: t.div_(divisor))
-        work = dist.reduce(t, group_dst=root, op=dist.ReduceOp.SUM, group=self.group,
-                           async_op=True)
-        mean = (lambda: t.div_(divisor)) if self.rank == root and divisor != 1 else None
-        return self._issue("reduce", _nbytes(t), work, mean, (t,), root=root)
+        op, mean = self._mean(divisor, t)
+        work = dist.reduce(t, group_dst=root, op=op, group=self.group, async_op=True)
+        return self._issue("reduce", _nbytes(t), work, mean if self.rank == root else None,
+                           (t,), root=root)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -300,22 +310,53 @@ def coalescing_supported(group: dist.ProcessGroup, device: torch.device) -> bool
     its output, or raises on every rank; never by the backend's name). NCCL does (one NCCL
     group); gloo raises ("does not implement startCoalescing"). A capability, not a
     correctness check: the parity tests check the path's results."""
-    P = dist.get_world_size(group)
-    if P == 1:
-        return True
+    return group_capabilities(group, device).coalesce
+
+
+def _coalesces_here(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """This rank's half of :func:`coalescing_supported`: the probe, not yet agreed."""
     try:
+        P = dist.get_world_size(group)
         one, every = torch.ones(1, device=device), torch.zeros(P, device=device)
         with _compat.coalescing(group, device) as works:
             dist.broadcast(one, group_src=0, group=group, async_op=True)
             all_gather_single(every, torch.ones(1, device=device), group=group, async_op=True)
         works[0].wait()
-        works = bool((every == 1).all()) and bool(one.item() == 1)
+        return bool((every == 1).all()) and bool(one.item() == 1)
     except (RuntimeError, ValueError, NotImplementedError, AttributeError) as e:
         if "does not implement" not in str(e):  # a backend that should coalesce and failed
             _log.warning("matrixfsdp: process group %s (%s) failed to coalesce (%s): its units "
                         "take one launch per op", getattr(group, "group_name", "?"),
                         dist.get_backend(group), error_text(e))
-        works = False
-    verdict = torch.tensor([int(works)], device=device)  # one answer on every rank
-    dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
-    return bool(verdict.item())
+        return False
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a process group does, as every rank of it agreed at set-up: ``coalesce``
+    several ops into one launch; ``average`` in the collective (``ReduceOp.AVG``: NCCL, and
+    gloo in torch >= 2.13), so a mean needs no division kernel after it."""
+
+    coalesce: bool
+    average: bool
+
+
+def group_capabilities(group: dist.ProcessGroup, device: torch.device,
+                       coalesces: bool | None = None) -> Capabilities:
+    """The group's :class:`Capabilities`: whether it coalesces (``coalesces``: this rank's
+    finding, :func:`coalescing_supported`'s probe by default), agreed by one all-reduce
+    that is itself the probe of ``ReduceOp.AVG`` (every rank's 1 or 0 averaged is 1 only
+    where all are 1; a backend without AVG refuses it on every rank before anything moves,
+    and a MIN agrees instead)."""
+    if dist.get_world_size(group) == 1:
+        return Capabilities(True, True)
+    if coalesces is None:
+        return group_capabilities(group, device, _coalesces_here(group, device))
+    verdict = torch.tensor([float(coalesces)], device=device)
+    try:
+        dist.all_reduce(verdict, op=dist.ReduceOp.AVG, group=group)
+        average = True
+    except (RuntimeError, ValueError, NotImplementedError):
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=group)
+        average = False
+    return Capabilities(bool(verdict.item() == 1.0), average)

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..layout.types import Plan
-from .collectives import Comm, CommStats, coalescing_supported
+from .collectives import Comm, CommStats, group_capabilities
 from .hsdp import MeshGroups, Replication
 
 
@@ -42,13 +42,17 @@ class Domain:
     @classmethod
     def of(cls, mesh: DeviceMesh, groups: MeshGroups, plan: Plan, stats: CommStats) -> Domain:
         """The domain of ``mesh``; each of its groups asked once whether it coalesces ops
-        into one launch (a collective of the mesh's ranks, at set-up)."""
+        into one launch and averages in the collective (a collective of the mesh's ranks,
+        at set-up)."""
         device = mesh_device(mesh)
-        shard = Comm(groups.shard, stats, coalesce=coalescing_supported(groups.shard, device),
-                     device=device)
-        rep = Comm(groups.replicate, stats, "replicate_",
-                   coalesce=coalescing_supported(groups.replicate, device), device=device) \
-            if groups.replicas > 1 else None
+        can = group_capabilities(groups.shard, device)
+        shard = Comm(groups.shard, stats, coalesce=can.coalesce, device=device,
+                     average=can.average)
+        rep = None
+        if groups.replicas > 1:
+            can = group_capabilities(groups.replicate, device)
+            rep = Comm(groups.replicate, stats, "replicate_", coalesce=can.coalesce,
+                       device=device, average=can.average)
         return cls(mesh, groups, shard, Replication(groups, rep), plan)
 
     @property
