@@ -142,6 +142,10 @@ class Pending:
         if work is not None:
             _IN_FLIGHT.add(self)
 
+    def holding(self) -> tuple:
+        """The tensors this collective and the ones it holds read or write."""
+        return self._keep + tuple(t for p in self._parts for t in p.holding())
+
     def then(self, epilogue) -> Pending:
         """Run ``epilogue()`` after the collective and the earlier epilogues."""
         self._epilogues.append(epilogue)

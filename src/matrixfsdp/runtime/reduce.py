@@ -42,7 +42,10 @@ def start_reduce(unit: _Unit, grads: list[torch.Tensor | None]) -> None:
     unit.root.before_collective(unit, REDUCE, lay)
     shard = unit.storage.start_reduce(unit.domain.comm, grads, trainable, unit.divide_factor)
     reduce = _Reduce(unit, shard, [grads[i] is not None for i in shard.index])
-    unit.root.schedule.add_reduce(shard.pending.then(reduce.after_shard_group))
+    # on a device with streams the follow-ups start from the side stream as soon as the
+    # shard group's reduce is done there; the schedule's wait is then the compute stream's
+    unit.root.schedule.add_reduce(unit.root.streams.chain(
+        shard.pending.then(reduce.after_shard_group)))
 
 
 class _Reduce:

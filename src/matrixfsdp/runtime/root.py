@@ -27,6 +27,7 @@ from .domain import Domain, mesh_device
 from .overlap import Schedule
 from .param import release_grads, sharded_param
 from .reduce import attach_grads
+from .streams import Streams
 from .tp import TPGroups, refuse_compiled
 from .unit import ShardedState, Unit
 
@@ -65,6 +66,7 @@ class Root:
                                                 [u.name for u in units]) \
             if debug and self.world_size > 1 else None
         self.schedule = Schedule(enabled=overlap)
+        self.streams = Streams(mesh_device(self.mesh))  # the side stream of chained collectives
         # a pipeline stage (integrations/pipelining.py) holding this step's gradients
         # unreduced until its schedule's last backward: its name, else None
         self.grads_held_by: str | None = None
@@ -153,9 +155,10 @@ class Root:
 
     def start_broadcasts(self) -> None:
         """HSDP: start broadcasting every matrix a replica stepped to the other replicas
-        (each unit's gather waits for its own)."""
-        for u in self.units:
-            u.start_broadcast()
+        (each unit's gather waits for its own, on the side stream)."""
+        with self.streams.comm():
+            for u in self.units:
+                u.start_broadcast()
 
     def sync_replicas(self) -> None:
         """HSDP: broadcast every matrix a replica stepped to the other replicas now, rather

@@ -44,6 +44,7 @@ from .collectives import Pending
 from .mixed_precision import MixedPrecisionPolicy, Precision, tensors_in, tree_map_tensors
 from .reduce import start_reduce
 from .storage import UnitStorage
+from .streams import Ready
 from .tp import refuse_compiled
 
 if TYPE_CHECKING:
@@ -180,6 +181,7 @@ class Unit:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self._gather: Pending | None = None  # the gather in flight (GATHERING)
+        self._ready = Ready()  # where the side stream issued it (streams.py)
         self.calls = 0  # forward calls this step that will report their backward
         self.calls_done = 0  # of those, done in the current backward pass
 
@@ -205,11 +207,13 @@ class Unit:
             return
         self.sharded_state = ShardedState.GATHERING
         if not self.layout.numel:  # a unit may hold no parameter of its own
-            self._gather = Pending()
+            self._gather, self._ready = Pending(), Ready()
             return
-        self.sync_replicas()  # HSDP: the matrices stepped last step, before they travel
-        self.root.before_collective(self, phase, self.layout)
-        self._gather = self.storage.start_unshard(self.domain.comm)
+        with self.root.streams.comm() as ready:  # its waits stall the side stream only
+            self.sync_replicas()  # HSDP: the matrices stepped last step, before they travel
+            self.root.before_collective(self, phase, self.layout)
+            self._gather = self.storage.start_unshard(self.domain.comm)
+        self._ready = ready
 
     @torch.no_grad()
     def unshard(self) -> None:
@@ -217,6 +221,7 @@ class Unit:
             if self.sharded_state is ShardedState.GATHERING:
                 self.root.schedule.counts["prefetched"] += 1
             self.prefetch(BACKWARD_GATHER if self.in_backward else FORWARD_GATHER)
+            self._ready.wait()  # the one place the compute stream waits for a gather
             self._gather.wait()
             self._gather = None
             self.sharded_state = ShardedState.UNSHARDED
