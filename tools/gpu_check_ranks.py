@@ -39,7 +39,7 @@ from matrixfsdp.train.launch import device_for
 from matrixfsdp.train.machine import barrier
 from matrixfsdp.train.models import GPT, GPTConfig
 
-from .gpu_check import (
+from .gpu_check_judges import (
     NS_SHAPES,
     NS_SHAPES_CPU,
     NS_STEPS,
