@@ -29,10 +29,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 import matrixfsdp as mf
 from matrixfsdp import testing
-from matrixfsdp.advisor.layout_costs import rank_counts, step_counts
+from matrixfsdp.advisor.layout_eval import cost_path
 from matrixfsdp.advisor.links import Links
 from matrixfsdp.advisor.model_shapes import shapes_of
-from matrixfsdp.advisor.search import cost_path
+from matrixfsdp.advisor.passes import rank_counts, step_counts
 from matrixfsdp.layout.traffic import Dtypes
 from benchmarks.parallel.tp_model import Llama, LlamaConfig, apply_tp
 

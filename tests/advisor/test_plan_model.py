@@ -9,7 +9,7 @@ On 8 ranks, one steady training step, each rank's counters against:
   critical and mean bytes; launches per phase; bytes held), 1-D and 2 x 4 HSDP (bf16
   gathers, two micro-batches), on gloo (one launch per op) and on grouped_gloo (NCCL's
   coalesced launches on CPU);
-* the layout search's own cost path (``search.cost_path`` -> ``layout_costs.rank_counts``:
+* the layout search's own cost path (``layout_eval.cost_path`` -> ``passes.rank_counts``:
   launches, ops and critical bytes per phase), in those runs and at tp 2 (dp 4 x tp 2,
   torchtitan's TP plan) and pp 2 (2 stages x dp 4, torch's 1F1B over
   ``mf.pipelining.PipelineStage``)."""
@@ -22,11 +22,11 @@ from helpers.rank_pool import spawn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
-from matrixfsdp.advisor.layout_costs import rank_counts, step_counts
+from matrixfsdp.advisor.layout_eval import cost_path
 from matrixfsdp.advisor.links import Links
 from matrixfsdp.advisor.model_shapes import shapes_of
+from matrixfsdp.advisor.passes import rank_counts, step_counts
 from matrixfsdp.advisor.predict import default_units
-from matrixfsdp.advisor.search import cost_path
 from matrixfsdp.layout.traffic import Dtypes
 from matrixfsdp.runtime.module import get_root
 from matrixfsdp.train.models import GPT, GPTConfig
@@ -155,7 +155,7 @@ def test_search_counts_tensor_parallel_ops_as_the_runtime(dp, tp, backend, owner
     every phase's launches, ops and critical bytes, with matrices held whole on one tp rank
     (the tiny model's "auto") or owned by their tp group (no tp hop in forward and backward;
     the optimizer step's split Newton-Schulz all-reduces over the tp group, batched by
-    shape: ``layout_costs.step_counts``)."""
+    shape: ``passes.step_counts``)."""
     spawn(_tp_worker, 8, dp, tp, backend == "grouped_gloo", ownership, backend=backend)
 
 

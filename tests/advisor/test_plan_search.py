@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.advisor.layout_costs import UnitComm
+from matrixfsdp.advisor.comm_costs import UnitComm
+from matrixfsdp.advisor.evaluated import KEYS
 from matrixfsdp.advisor.links import Group, GroupCost, Links, Mesh
 from matrixfsdp.advisor.model_shapes import shapes_of, stage_blocks, stages, tp_specs
-from matrixfsdp.advisor.search import KEYS, search
+from matrixfsdp.advisor.search import search
 from matrixfsdp.advisor.state_costs import state_spread
 from matrixfsdp.advisor.steptime import simulate_pass
 from matrixfsdp.layout.planner import make_plan, with_even_params

@@ -176,7 +176,8 @@ import matrixfsdp as mf
 print(sorted(n for n in sys.modules
              if n.split('.')[:2] in (['matrixfsdp', 'train'], ['matrixfsdp', 'testing'])
              or n in ('matrixfsdp.advisor.calibrate', 'matrixfsdp.advisor.cli',
-                      'matrixfsdp.advisor.search', 'matrixfsdp.__main__')))
+                      'matrixfsdp.advisor.search', 'matrixfsdp.advisor.layout_eval',
+                      'matrixfsdp.advisor.evaluated', 'matrixfsdp.__main__')))
 hooks = lambda: (len(opt_mod._global_optimizer_pre_hooks), len(opt_mod._global_optimizer_post_hooks),
                  len(mod_mod._global_forward_pre_hooks), len(mod_mod._global_forward_hooks),
                  len(mod_mod._global_backward_hooks))

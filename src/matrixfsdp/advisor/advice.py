@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from ..layout.report import fmt_bytes, format_report
 from ..layout.traffic import Dtypes
+from .evaluated import SYSTEMS, Evaluated, keep_text
 from .links import Links
-from .search import SYSTEMS, Evaluated, RateRow, Search, best_of, keep_text
+from .search import RateRow, Search, best_of
 from .steptime import BOUNDS, StepTime, Workload
 
 _DTYPE = {2: "bf16", 4: "fp32"}

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from ..layout.traffic import Dtypes
 from ..layout.types import Plan
 from ..layout.units import unit_layouts
-from .layout_costs import ns_loads, stage_costs, step_bytes, units_part
+from .layout_costs import stage_costs, units_part
 from .links import Links, Mesh
+from .ns_costs import ns_loads
+from .passes import step_bytes
 
 
 @dataclass(frozen=True)

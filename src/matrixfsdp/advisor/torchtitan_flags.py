@@ -5,7 +5,7 @@ torchtitan's flags cannot say."""
 
 from __future__ import annotations
 
-from .search import Evaluated
+from .evaluated import Evaluated
 
 #: torchtitan's ``--parallelism.pipeline_parallel_schedule`` for the planner's schedules
 SCHEDULE_NAMES = {"1F1B": "1F1B", "interleaved 1F1B": "Interleaved1F1B",
