@@ -54,12 +54,18 @@ try:  # torchtitan is optional: this module is only for its users
 except ImportError as e:  # pragma: no cover (torchtitan is a test dependency)
     raise ImportError("matrixfsdp.integrations.torchtitan needs torchtitan (tested with 0.3.0)") from e
 
-__all__ = ["MatrixOptimizersContainer", "convert", "parallelize", "muon_optimizer"]
+# MatrixTrainer is made on first use (module __getattr__): torchtitan's trainer module is
+# imported then, not with this one
+__all__ = ["MatrixOptimizersContainer", "MatrixTrainer", "convert", "parallelize",  # noqa: F822
+           "pipeline_llm", "muon_optimizer"]
 
 MUON_NAMES = ("Muon", "DistMuon")  # torchtitan's optimizer names that become Muon groups
-# The matrices of a decoder's blocks (torchtitan's attention and feed-forward projections,
-# fused or not, and MoE experts), as its param-group patterns match names (re.search).
-BLOCK_MATRICES = r"(?:attention|feed_forward|moe)\.(?:.*\.)?w[\w]*(?:\.weight)?$"
+# The matrices of a decoder's blocks, as its param-group patterns match names (re.search):
+# torchtitan's attention and feed-forward projections, fused or not (``wqkv``, ``wo``,
+# ``w1``, MLA's ``wkv_a``, a MoE's shared experts: modules named ``w...``), and the routed
+# experts' stacks (``w1_EFD``); not the norms inside attention (qwen3's ``q_norm``), nor
+# MoE routers (``router.gate``) and MTP's ``eh_proj``, which stay on AdamW.
+BLOCK_MATRICES = r"(?:attention|feed_forward|moe)\.(?:.*\.)?(?:w\w*\.weight|w\d\w*)$"
 
 
 # ---- the optimizer ------------------------------------------------------------------------
@@ -143,8 +149,13 @@ class MatrixOptimizersContainer(OptimizersContainer):
         self._impl = impl  # torchtitan gives every group these (fused, foreach): saved as such
         self.optimizers, self.model_parts = [], model_parts
         all_params = []
+        matched: set[int] = set()
         for model in model_parts:
-            by_name, _ = self._build_param_groups(model, config.param_groups, impl)
+            part_groups = _groups_matching(model, config.param_groups)
+            matched.update(map(id, part_groups))
+            if not part_groups:  # a pipeline part with no trainable parameter
+                continue
+            by_name, _ = self._build_param_groups(model, part_groups, impl)
             groups = []
             for name, opt_groups in by_name.items():
                 if name in MUON_NAMES:
@@ -161,6 +172,10 @@ class MatrixOptimizersContainer(OptimizersContainer):
                         "mf.matrix_optimizer (docs/optimizers.md)")
             self.optimizers.append(Muon(groups))
             all_params += [p for g in groups for p in g["params"]]
+        unmatched = [g.pattern for g in config.param_groups if id(g) not in matched]
+        if unmatched:  # torchtitan's own error, for a pattern no part has a parameter for
+            raise ValueError(f"Optimizer param_groups pattern '{unmatched[0]}' matched no "
+                             "parameters")
         self._validate_params(all_params)
         self._post_init(all_params)
         # it steps its mf.Muon, which checks its own groups: the container's own step
@@ -198,6 +213,23 @@ class MatrixOptimizersContainer(OptimizersContainer):
             load_flat_optim_state_dict(opt, flat)
 
 
+def _groups_matching(model: nn.Module, configs: list) -> list:
+    """torchtitan's param-group configs that get a parameter of ``model`` (first match wins,
+    as it assigns them): under pipeline parallelism a part may hold no Muon matrix (the
+    embedding alone), where torchtitan's container would refuse the Muon pattern as
+    matching nothing; here that part's optimizer has AdamW groups only."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    claimed: set[str] = set()
+    out = []
+    for pg in configs:
+        pattern = re.compile(pg.pattern)
+        mine = [n for n in names if n not in claimed and pattern.search(n)]
+        if mine:
+            out.append(pg)
+            claimed.update(mine)
+    return out
+
+
 def muon_optimizer(adamw: OptimizersContainer.Config, *, muon_pattern: str = BLOCK_MATRICES,
                    **muon_kwargs: Any) -> MatrixOptimizersContainer.Config:
     """Moonlight's Muon + AdamW split over a config's AdamW groups: parameters matching
@@ -208,8 +240,8 @@ def muon_optimizer(adamw: OptimizersContainer.Config, *, muon_pattern: str = BLO
     if base is None:
         raise ValueError("matrixfsdp: muon_optimizer needs a config with an AdamW group")
     kw = base.optimizer_kwargs
-    muon = dict(lr=kw.get("lr", MUON_DEFAULTS["lr"]), weight_decay=kw.get("weight_decay", 0.1),
-                adjust_lr_fn="match_rms_adamw", **muon_kwargs)
+    muon = {"lr": kw.get("lr", MUON_DEFAULTS["lr"]), "weight_decay": kw.get("weight_decay", 0.1),
+            "adjust_lr_fn": "match_rms_adamw", **muon_kwargs}
     return MatrixOptimizersContainer.Config(
         param_groups=[ParamGroupConfig(pattern=muon_pattern, optimizer_name="Muon",
                                        optimizer_kwargs=muon), *adamw.param_groups],
@@ -229,9 +261,8 @@ def _muon_filter(groups: list[tuple[str, bool]]) -> Callable[[str, torch.Tensor]
 
 
 def _unsupported(parallel_dims: Any, parallelism: Any, training: Any) -> str | None:
-    checks = [("pipeline parallelism", parallel_dims.pp_enabled),
-              ("context parallelism", parallel_dims.cp_enabled),
-              ("expert parallelism", parallel_dims.ep_enabled),
+    checks = [("expert parallelism with tensor parallelism",
+               parallel_dims.ep_enabled and parallel_dims.tp_enabled),
               ("training.enable_cpu_offload", training.enable_cpu_offload),
               ("parallelism.enable_fsdp_symm_mem", getattr(parallelism, "enable_fsdp_symm_mem", False))]
     return next((what for what, on in checks if on), None)
@@ -276,10 +307,13 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
                 muon_groups: tuple[tuple[str, bool], ...] = (),
                 tp_ownership: str = "auto") -> nn.Module:
     """torchtitan's ``parallelize_fn`` for a decoder (``tok_embeddings``, ``layers``,
-    ``norm``, ``lm_head``), on MatrixFSDP: torchtitan's tensor parallelism
-    (``model.parallelize``, as its ``parallelize_llama``), activation checkpointing, then
-    compile (each block in place; refused with TP), then ``mf.fully_shard`` on the
-    embedding, every block, the output head (a unit
+    ``norm``, ``lm_head``; DeepSeek-V3's ``mtp_layers`` are blocks too), or one pipeline
+    part of it, on MatrixFSDP: torchtitan's context parallelism (``apply_cp_to_forward``,
+    unchanged), its tensor and expert parallelism (``model.parallelize``, as its
+    ``parallelize_llama`` / ``parallelize_qwen3``: routed experts DTensors ``Shard(0)`` over
+    ``ep``), activation checkpointing, then compile (each block in place; refused with TP),
+    then ``mf.fully_shard`` on the embedding, each MoE block's routed experts over
+    torchtitan's ``efsdp`` mesh (a unit of their own), every block, the output head (a unit
     of its own: torchtitan's ``ChunkedLossWrapper`` calls it outside the model's forward) and
     the root, over torchtitan's data-parallel mesh (``fsdp``, or ``dp_replicate x fsdp``
     for HSDP), with its mixed precision and reshard policy. Gradients are summed, not
@@ -295,8 +329,8 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
     what = _unsupported(parallel_dims, parallelism, training)
     if what is not None:
         raise NotImplementedError(f"matrixfsdp.integrations.torchtitan: {what} is not supported "
-                                  "yet (data parallelism, FSDP or HSDP, with tensor parallelism, "
-                                  "AC and compile is)")
+                                  "yet (data parallelism, FSDP or HSDP, with tensor, expert, "
+                                  "pipeline or context parallelism, AC and compile is)")
     compiled = compile_config.enable and "model" in compile_config.components
     if parallel_dims.tp_enabled:
         if compiled:
@@ -305,7 +339,17 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
                 "parallelism: on torch 2.13 a compiled block fed the TP plan's pending "
                 "collective results computes wrong gradients (1e-4 off one process, measured; "
                 "docs/compile.md); train TP runs eagerly")
-        model.parallelize(parallel_dims)  # torchtitan's own TP (its modules' sharding_config)
+    if parallel_dims.cp_enabled:
+        # torchtitan's own CP, unchanged, before its TP as torchtitan orders them (each
+        # inner attention's forward wrapped); torchtitan's fsdp mesh, over which the blocks
+        # are sharded below, is dp_shard x cp: each matrix's gradient sums the cp ranks' too
+        from torchtitan.distributed.context_parallel import apply_cp_to_forward
+        apply_cp_to_forward([block.attention.inner_attention for block in model.layers.values()],
+                            parallel_dims.get_mesh("cp"))
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
+        # torchtitan's own TP and EP (its modules' sharding_config): under EP the routed
+        # experts become DTensors Shard(0) over ``ep``, each rank holding its experts whole
+        model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compiled:
@@ -315,13 +359,24 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                               reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                               cast_forward_inputs=False)
-    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, False)
+    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward,
+                                                    parallel_dims.pp_enabled)
     last = parallelism.fsdp_reshard_after_forward == "always"
     tied = getattr(model, "enable_weight_tying", False)
     if not tied:  # tied: the embedding and the head share one parameter: both in the root
         if getattr(model, "tok_embeddings", None) is not None:
             fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    for block in model.layers.values():
+    experts_mesh = None
+    if parallel_dims.ep_enabled:  # the routed experts' FSDP mesh: torchtitan's efsdp
+        experts_mesh = parallel_dims.get_mesh(
+            ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"])
+    for block in _blocks(model):
+        experts = _routed_experts(block)
+        if experts is not None and experts_mesh is not None:
+            # a unit of its own on efsdp (dp_shard x cp / ep), as torchtitan's
+            # shard_placement_fn gives FSDP2's experts their own mesh: each expert whole on
+            # one rank of it, beside the other ep ranks' experts
+            fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     if not tied and getattr(model, "lm_head", None) is not None:
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=last)
@@ -336,6 +391,59 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
             m.set_gradient_divide_factor(1.0)
     model.__class__ = _with_init_on_shards(type(model))
     return model
+
+
+def pipeline_llm(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
+                 compile_config: Any, ac_config: Any, dump_folder: str, device: torch.device,
+                 model_config: Any, parallelize_fn: Callable[..., nn.Module],
+                 loss_fn: Callable[..., Any]) -> tuple[Any, list[nn.Module], bool, bool]:
+    """torchtitan's ``pipelining_fn`` for a decoder (its ``pipeline_llm``), building
+    :class:`matrixfsdp.integrations.pipelining.PipelineStage` (torch's class and signature,
+    taught MatrixFSDP's units) in place of torch's: the same stages, parts and schedule,
+    through torchtitan's own helpers (its split into parts, the pp rank's stage indices,
+    its mesh callback, its schedule), each part ``parallelize_fn``'d before its stage is
+    built (a stage takes a sharded part: the part is its root). Returns torchtitan's
+    ``(schedule, model_parts, has_first_stage, has_last_stage)``."""
+    from torchtitan.distributed import pipeline_parallel as tpp
+
+    from .pipelining import PipelineStage
+    pp_mesh = parallel_dims.get_mesh("pp")
+    virtual, layers, first, last = tpp._get_pipeline_metadata(parallel_dims, parallelism,
+                                                               model_config)
+    names = parallelism.module_fqns_per_model_part or tpp._generate_llm_fqn_per_model_part(
+        virtual, layers, first, last)
+    get_mesh = tpp._build_get_mesh_callback(parallel_dims)
+    stages, parts = [], []
+    for index in tpp._get_pp_rank_to_stage_indices_mapping(
+            pp_mesh.get_local_rank(), pp_mesh.size(), parallelism.pipeline_parallel_schedule,
+            len(names)):
+        part = parallelize_fn(tpp._split_module(model, names[index]), parallel_dims=parallel_dims,
+                              training=training, parallelism=parallelism,
+                              compile_config=compile_config, ac_config=ac_config,
+                              dump_folder=dump_folder)
+        stages.append(PipelineStage(part, index, len(names), device, group=pp_mesh.get_group("pp"),
+                                    get_mesh=get_mesh))
+        parts.append(part)
+    schedule = tpp._build_pipeline_schedule(parallelism=parallelism,
+                                            local_batch_size=training.local_batch_size,
+                                            stages=stages, loss_fn=loss_fn)
+    return (schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages))
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder's blocks, in order: ``layers``, then DeepSeek-V3's MTP layers (torchtitan
+    shards those as blocks too)."""
+    mtp = getattr(model, "mtp_layers", None)
+    return [*model.layers.values(), *(mtp if mtp is not None else [])]
+
+
+def _routed_experts(block: nn.Module) -> nn.Module | None:
+    """A MoE block's routed experts (torchtitan's ``GroupedExperts``, the grouped-GEMM child
+    holding the 3-D stacks), or None."""
+    if not getattr(block, "moe_enabled", False):
+        return None
+    routed = getattr(block.moe, "routed_experts", None)
+    return getattr(routed, "inner_experts", None)
 
 
 @functools.cache
@@ -369,26 +477,160 @@ def convert(config: Any, *, tp_ownership: str = "auto") -> Any:
     groups = tuple((g.pattern, g.optimizer_name in MUON_NAMES) for g in opt.param_groups)
     spec.parallelize_fn = functools.partial(parallelize, muon_groups=groups,
                                             tp_ownership=tp_ownership)
+    if _is_titan_pipeline_llm(spec.pipelining_fn):
+        spec.pipelining_fn = pipeline_llm
     config.parallelism.spmd_backend = "partial_dtensor"
-    return config
+    return _on_matrix_trainer(config)
+
+
+def _is_titan_pipeline_llm(fn: Any) -> bool:
+    """Whether ``fn`` is torchtitan's own ``pipeline_llm`` (the decoders' pipelining_fn)."""
+    try:
+        from torchtitan.distributed.pipeline_parallel import pipeline_llm as titan
+    except ImportError:  # pragma: no cover
+        return False
+    return fn is titan
+
+
+# ---- the trainer ------------------------------------------------------------------------------
+class _ClipWithoutEPSplit:
+    """torchtitan's ``ParallelDims`` as ``Trainer.train_step`` reads it, but for its clip's
+    ``ep_enabled``: False, so that torchtitan's ``clip_grad_norm_`` takes its path for one
+    list of gradients (:class:`MatrixTrainer`). Everything else is the trainer's own."""
+
+    ep_enabled = False
+
+    def __init__(self, dims: Any):
+        self._dims = dims
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._dims, name)
+
+
+@functools.cache
+def _trainer_class() -> type:
+    """:class:`MatrixTrainer`, made on first use: torchtitan's trainer module imports what
+    only its GPU paths need, so this module does not import it at its own import."""
+    from torchtitan.trainer import Trainer
+
+    class MatrixTrainer(Trainer):
+        """torchtitan's ``Trainer``, subclassed through its ``Config`` as torchtitan's own
+        trainers are (``config.build()`` builds it): the same trainer, but for one thing under
+        expert parallelism. torchtitan's ``clip_grad_norm_`` then splits the gradients into
+        the experts' and the rest (``_clip_grad_norm_with_ep``), asserting that every
+        parameter and gradient is a DTensor, which MatrixFSDP's shards are not (each Muon
+        matrix lives whole on one rank: a plain tensor there, an empty one elsewhere). Its
+        path for one list is exact on them: the norms of a list of MatrixFSDP gradients
+        reduce over every rank of the model, each element, expert or dense, counted once
+        (docs/torchtitan.md). So under EP ``train_step`` runs as torchtitan's with the clip
+        told ``ep_enabled=False``; nothing else changes."""
+
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(Trainer.Config):
+            pass
+
+        def train_step(self, data_iterator: Any) -> Any:
+            dims = self.parallel_dims
+            if not dims.ep_enabled:
+                return super().train_step(data_iterator)
+            self.parallel_dims = _ClipWithoutEPSplit(dims)
+            try:
+                return super().train_step(data_iterator)
+            finally:
+                self.parallel_dims = dims
+
+    MatrixTrainer.__module__ = __name__
+    return MatrixTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MatrixTrainer":
+        return _trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _on_matrix_trainer(config: Any) -> Any:
+    """``config`` as :class:`MatrixTrainer`'s config (the same fields), if it is torchtitan's
+    own ``Trainer.Config``; a config of another trainer (a subclass) is left to it."""
+    trainer = _trainer_class()
+    base = trainer.__mro__[1].Config
+    if type(config) is not base:
+        return config
+    return trainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                             if f.init})
 
 
 # ---- torchtitan's config functions, on MatrixFSDP ---------------------------------------------
-def _registered(name: str, module: str) -> Callable[[], Any]:
+def _registered(name: str, module: str, adapt: Callable[[Any], Any] | None = None,
+                note: str = "") -> Callable[[], Any]:
     def config_fn() -> Any:
         import importlib
         config = getattr(importlib.import_module(module), name)()
+        if adapt is not None:
+            config = adapt(config)
         config.optimizer = muon_optimizer(config.optimizer)
         return convert(config)
     config_fn.__name__ = config_fn.__qualname__ = name
     config_fn.__doc__ = (f"torchtitan's ``{name}`` ({module}) on MatrixFSDP, with Muon on the "
-                         "blocks' matrices (:func:`muon_optimizer`).")
+                         f"blocks' matrices (:func:`muon_optimizer`).{note}")
     return config_fn
 
 
-# torchtitan's llama3 configs (its float8 / nvfp4 / varlen variants need CUDA kernels)
+def _float8_named(name: str, module: str) -> Callable[[], Any]:
+    """torchtitan's config function ``name``, whose float8 converter (torchtitan's
+    ``Float8LinearConverter``, built with the config) needs a GPU: where it cannot be built
+    (no CUDA SM89+ / ROCm MI300+, or no torchao), refused naming float8 and what it needs."""
+    import importlib
+    titan = getattr(importlib.import_module(module), name)
+
+    def build() -> Any:
+        try:
+            return titan()
+        except (ImportError, ValueError) as e:
+            if "float8" not in str(e).lower():
+                raise
+            raise NotImplementedError(
+                f"matrixfsdp.integrations.torchtitan: {name} trains its linear layers in float8 "
+                "(torchtitan's Float8LinearConverter), which needs an NVIDIA SM89+ or AMD MI300+ "
+                f"GPU and torchao; here: {e}") from e
+    return build
+
+
+def _compile_off(config: Any) -> Any:
+    """Compile off: under tensor parallelism :func:`parallelize` refuses it (on torch 2.13 a
+    compiled block fed the TP plan's pending collectives computes wrong gradients)."""
+    config.compile.enable = False
+    return config
+
+
+# torchtitan's llama3 configs (its float8 / nvfp4 / varlen variants need CUDA kernels); 70B
+# and 405B set tensor parallelism (torchtitan's tp 8; the planner advises tp 4 at 70B:
+# --parallelism.tensor_parallel_degree 4), 405B float8 (a GPU's) and, as torchtitan ships it,
+# compile, here off
 _LLAMA3 = "torchtitan.models.llama3.config_registry"
-for _name in ("llama3_debugmodel", "llama3_debugmodel_ce_loss", "llama3_8b", "llama3_70b",
-              "llama3_405b"):
+for _name in ("llama3_debugmodel", "llama3_debugmodel_ce_loss", "llama3_8b", "llama3_70b"):
     globals()[_name] = _registered(_name, _LLAMA3)
+    __all__.append(_name)
+
+
+def llama3_405b() -> Any:
+    """torchtitan's ``llama3_405b`` on MatrixFSDP, with Muon on the blocks' matrices
+    (:func:`muon_optimizer`): tensor parallelism 8, float8 linears (they need an NVIDIA
+    SM89+ or AMD MI300+ GPU and torchao: elsewhere refused, naming float8), compile off
+    (refused with tensor parallelism; torchtitan's own config compiles)."""
+    config = _compile_off(_float8_named("llama3_405b", _LLAMA3)())
+    config.optimizer = muon_optimizer(config.optimizer)
+    return convert(config)
+
+
+__all__.append("llama3_405b")
+
+# torchtitan's MoE configs: routed experts as Muon matrices (each whole on one owner; under
+# --parallelism.expert_parallel_degree N on torchtitan's ep and efsdp meshes)
+for _name, _module in (("qwen3_moe_debug", "torchtitan.models.qwen3.config_registry"),
+                       ("qwen3_30b_a3b", "torchtitan.models.qwen3.config_registry"),
+                       ("deepseek_v3_debugmodel", "torchtitan.models.deepseek_v3.config_registry"),
+                       ("deepseek_v3_debugmodel_mtp", "torchtitan.models.deepseek_v3.config_registry"),
+                       ("deepseek_v3_16b", "torchtitan.models.deepseek_v3.config_registry")):
+    globals()[_name] = _registered(_name, _module)
     __all__.append(_name)
