@@ -15,7 +15,8 @@ Checks (one GPU, world size 1 over NCCL; ``torchrun --nproc-per-node N`` for mor
 * **Newton-Schulz**: bf16 TFLOP/s of ``mf``'s NS at Llama shapes, against the GPU's peak;
 * **bench**: ``matrixfsdp bench --preset gpu`` (a few steps), its table;
 * more than one GPU: the coalesced path (one launch per unit and direction), overlap on and
-  off bit-identical.
+  off bit-identical; torchtitan's trainer at context parallelism 2 through the one line,
+  against torchtitan + FSDP2 + torch Muon (CP cannot run on CPU).
 
     python -m tools.gpu_check [--dry-run] [--out runs/gpu-check] [--record]
 
@@ -26,7 +27,9 @@ between the ``gpu-check`` markers).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import json
 import os
 import re
 import subprocess
@@ -216,6 +219,70 @@ def check_many(device: torch.device) -> dict:
             "ok": same and (device.type != "cuda" or coalesced and count.get("reduce") == 2 * units)}
 
 
+CP_TOL = 1e-4  # per-step loss, fp32 parameters and Newton-Schulz (the CPU tests' bound)
+
+
+def check_context_parallel(device: torch.device, out: Path, degree: int = 2) -> dict:
+    """torchtitan's own Trainer at ``context_parallel_degree`` 2 (its ``apply_cp_to_forward``
+    called unchanged by the one line's ``parallelize``; ``mf.fully_shard`` over torchtitan's
+    ``fsdp`` mesh, which holds the cp ranks) against torchtitan + FSDP2 + torch Muon from one
+    seed checkpoint: 10 steps of the llama3 debug model at a test's size (the tests' tiny
+    tokenizer and data, ``tests/helpers``), fp32 parameters and Newton-Schulz. It cannot run
+    on CPU: SDPA's CPU flash kernel has no DTensor sharding strategy (both sides fail there,
+    ``tests/integrations/test_torchtitan_nd.py``). ``degree`` 1 runs the same comparison
+    without CP, on CPU too (torchtitan's CPU shim, ``tests/helpers/titan_cpu.py``): how
+    the script itself is tested without a GPU."""
+    world = dist.get_world_size()
+    if degree > 1 and (device.type != "cuda" or world < 2 or world % degree):
+        return {"would check (2+ GPUs, an even number)": "torchtitan's trainer at cp 2 "
+                "through the one line against FSDP2 + torch Muon, per-step loss within "
+                f"{CP_TOL:g}", "ok": None}
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import titan_cpu, titan_reference, titan_runs
+    from helpers.reference import reference_ns_fp32
+
+    titan_cpu.import_torchtitan()
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    import matrixfsdp.integrations.torchtitan as mft
+
+    def configured(ours: bool):
+        config = llama3_debugmodel()
+        config.optimizer = mft.muon_optimizer(config.optimizer, ns_dtype="float32")
+        return mft.convert(config) if ours else titan_reference.on_fsdp2(config)
+
+    folder = out / "context-parallel"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.update(MF_RANK=str(dist.get_rank()), MF_WORLD=str(world))
+    seed = titan_runs.seed(str(folder), lambda: configured(False))
+    steps = {}
+    for name, ours in (("fsdp2", False), ("ours", True)):
+        path = folder / f"{name}.json"
+        config = titan_cpu.on_cpu(configured(ours), dump_folder=str(folder / name),
+                                  metrics_path=str(path), positions=True)
+        config.parallelism.context_parallel_degree = degree
+        config.training.mixed_precision_param = "float32"
+        config.training.disable_cuda_graphs = True
+        config.checkpoint.enable, config.checkpoint.initial_load_path = True, seed
+        on_cpu = titan_cpu.titan_on_cpu() if device.type == "cpu" else contextlib.nullcontext()
+        ns = reference_ns_fp32() if not ours else contextlib.nullcontext()
+        with on_cpu, ns:
+            trainer = config.build()
+            try:
+                trainer.train()
+            finally:
+                trainer.close()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(path) as f:
+                steps[name] = {int(k): v for k, v in json.load(f).items()}
+    if dist.get_rank() != 0:
+        return {"ok": True}
+    diffs = [abs(steps["ours"][s]["loss"] - steps["fsdp2"][s]["loss"]) for s in steps["fsdp2"]]
+    return {"steps": len(diffs), "largest per-step loss difference": f"{max(diffs):.2e}",
+            "ok": len(diffs) == 10 and max(diffs) <= CP_TOL}
+
+
 def check_bench(device: torch.device, out: Path) -> dict:
     if device.type != "cuda" or dist.get_world_size() > 1:
         return {"would run": "matrixfsdp bench --preset gpu --steps 4 --warmup 1", "ok": None}
@@ -254,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = {"parity": check_parity, "host syncs": check_syncs, "memory": check_memory,
               "Newton-Schulz speed": check_ns, "several GPUs": check_many}
     results = {name: fn(device) for name, fn in checks.items()}
+    results["context parallelism"] = check_context_parallel(device, out)
     results["bench gpu preset"] = check_bench(device, out)
     text = _report(results, device, dry)
     failed = "| FAIL |" in text
