@@ -17,7 +17,11 @@ is :func:`parallelize` (torchtitan's AC and compile, in torchtitan's order, then
 groups: ``Muon`` / ``DistMuon`` groups become Muon groups with the same hyper-parameters
 (DistMuon's ``BlockShard`` row blocks become per-head Muon, ``num_heads``), ``AdamW`` stays
 AdamW. Which matrices are stepped whole on one owner (the plan's Muon matrices) is read off
-the same param groups, first match wins, as torchtitan assigns them.
+the same param groups, first match wins, as torchtitan assigns them. The model spec's
+``pipelining_fn`` (torchtitan's ``pipeline_llm``) becomes :func:`pipeline_llm` (the library's
+pipeline stage), and the trainer ``MatrixTrainer`` (torchtitan's, but for its clip under
+expert parallelism). Expert and context parallelism are torchtitan's own, applied by
+:func:`parallelize` (docs/torchtitan.md).
 
 The config functions here (``llama3_debugmodel``, ``llama3_8b``, ...) are torchtitan's own,
 converted, with Moonlight's Muon recipe (arXiv:2502.16982) over the matrices of the blocks:
