@@ -119,7 +119,7 @@ def _container_class() -> type:
         def _build_param_groups(model, param_group_configs, impl_kwargs):
             """torchtitan's, for the groups that get a parameter of this part (a pipeline
             part may hold no Muon matrix: torchtitan would refuse its pattern)."""
-            from matrixfsdp.integrations.torchtitan import _groups_matching
+            from matrixfsdp.integrations.torchtitan_optim import _groups_matching
             return OptimizersContainer._build_param_groups(
                 model, _groups_matching(model, param_group_configs), impl_kwargs)
 

@@ -528,6 +528,7 @@ def _refusals() -> dict[str, str | None]:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     import matrixfsdp.integrations.torchtitan as mft
+    from matrixfsdp.integrations.torchtitan_optim import _muon_group
     dims = SimpleNamespace(pp_enabled=False, tp_enabled=True, cp_enabled=False, ep_enabled=True)
     config = llama3_debugmodel()
     config.optimizer = OptimizersContainer.Config(param_groups=[
@@ -537,7 +538,7 @@ def _refusals() -> dict[str, str | None]:
                                       training=SimpleNamespace(enable_cpu_offload=False),
                                       compile_config=None, ac_config=None, dump_folder=""),
         "lion": lambda: mft.convert(config),
-        "betas": lambda: mft._muon_group(dict(params=[torch.zeros(4, 4)], param_names=["w"],
+        "betas": lambda: _muon_group(dict(params=[torch.zeros(4, 4)], param_names=["w"],
                                               lr=0.1, betas=(0.9, 0.95)), {}, "Muon")}
     out = {}
     for name, call in calls.items():

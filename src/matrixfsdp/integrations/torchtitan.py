@@ -42,216 +42,21 @@ import torch
 from torch import nn
 
 from ..fully_shard import fully_shard
-from ..optim.groups import ADAMW_DEFAULTS, MUON_DEFAULTS
-from ..optim.muon import Muon
-from ..optim.plan_stamp import PLAN_KEYS
-from ..optim.state_dict_hooks import check_decoupled
-from ..optim.watch import watch
 from ..runtime.module import FSDPModule
-from ..runtime.param import placement_of
 from ..state.init import init_weights
-
-try:  # torchtitan is optional: this module is only for its users
-    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, load_flat_optim_state_dict
-    from torchtitan.distributed.flex_shard import BlockShard
-except ImportError as e:  # pragma: no cover (torchtitan is a test dependency)
-    raise ImportError("matrixfsdp.integrations.torchtitan needs torchtitan (tested with 0.3.0)") from e
+from .torchtitan_optim import (
+    BLOCK_MATRICES,
+    MUON_NAMES,
+    MatrixOptimizersContainer,
+    OptimizersContainer,
+    muon_optimizer,
+)
+from .torchtitan_trainer import on_matrix_trainer, pipeline_llm, trainer_class
 
 # MatrixTrainer is made on first use (module __getattr__): torchtitan's trainer module is
 # imported then, not with this one
 __all__ = ["MatrixOptimizersContainer", "MatrixTrainer", "convert", "parallelize",  # noqa: F822
-           "pipeline_llm", "muon_optimizer"]
-
-MUON_NAMES = ("Muon", "DistMuon")  # torchtitan's optimizer names that become Muon groups
-# The matrices of a decoder's blocks, as its param-group patterns match names (re.search):
-# torchtitan's attention and feed-forward projections, fused or not (``wqkv``, ``wo``,
-# ``w1``, MLA's ``wkv_a``, a MoE's shared experts: modules named ``w...``), and the routed
-# experts' stacks (``w1_EFD``); not the norms inside attention (qwen3's ``q_norm``), nor
-# MoE routers (``router.gate``) and MTP's ``eh_proj``, which stay on AdamW.
-BLOCK_MATRICES = r"(?:attention|feed_forward|moe)\.(?:.*\.)?(?:w\w*\.weight|w\d\w*)$"
-
-
-# ---- the optimizer ------------------------------------------------------------------------
-def _heads(fqn: str, layout: Any, shape: torch.Size) -> int | None:
-    """DistMuon's compute layout of one matrix as ``mf.Muon``'s ``num_heads``: a
-    ``BlockShard(dim=0, block_size=r)`` on any mesh axis steps each ``r`` rows as a matrix of
-    its own, which is per-head Muon with ``rows / r`` heads; ``Owned``, ``Replicate`` and
-    ``Shard(0)`` of an expert stack step whole matrices."""
-    shardings = getattr(layout, "shardings_by_mesh_axis", {}) or {}
-    blocks = {s.block_size for s in shardings.values() if isinstance(s, BlockShard) and s.dim == 0}
-    bad = [s for s in shardings.values() if isinstance(s, BlockShard) and s.dim != 0]
-    if bad or len(blocks) > 1:
-        raise NotImplementedError(f"matrixfsdp: DistMuon compute layout of '{fqn}' ({layout}) "
-                                  "splits it other than into row blocks of one size")
-    if not blocks:
-        return None
-    r = blocks.pop()
-    if shape[-2] % r:
-        raise ValueError(f"matrixfsdp: DistMuon BlockShard(block_size={r}) of '{fqn}' does not "
-                         f"divide its {shape[-2]} rows")
-    return shape[-2] // r if shape[-2] // r > 1 else None
-
-
-def _muon_group(group: dict, layouts: dict, name: str) -> list[dict]:
-    """torchtitan's group (``params``, ``param_names``, its kwargs) as ``mf.Muon`` groups:
-    one per head count, Muon's options only."""
-    extra = sorted(k for k in group if k not in MUON_DEFAULTS and k not in
-                   ("params", "param_names", "fused", "foreach"))
-    if extra:
-        raise ValueError(f"matrixfsdp: {name} group of '{group['param_names'][0]}' has option(s) "
-                         f"{extra}, which Muon does not take")
-    opts = {k: v for k, v in group.items() if k in MUON_DEFAULTS}
-    if isinstance(opts.get("ns_dtype"), str):
-        opts["ns_dtype"] = getattr(torch, opts["ns_dtype"])
-    by_heads: dict[int | None, tuple[list, list]] = {}
-    for p, fqn in zip(group["params"], group["param_names"]):
-        shape = placement_of(p).spec.shape if placement_of(p) is not None else p.shape  # the whole
-        heads = _heads(fqn, layouts[fqn], shape) if fqn in layouts else opts.get("num_heads")
-        ps, ns = by_heads.setdefault(heads, ([], []))
-        ps.append(p)
-        ns.append(fqn)
-    return [dict(params=ps, param_names=ns, use_muon=True, **{**opts, "num_heads": h})
-            for h, (ps, ns) in by_heads.items()]
-
-
-def _adamw_group(group: dict, name: str) -> dict:
-    if name == "Adam" and group.get("weight_decay", 0):
-        raise NotImplementedError(
-            f"matrixfsdp: an Adam group with weight_decay={group['weight_decay']} (L2 in the "
-            f"gradient) for '{group['param_names'][0]}': matrixfsdp.Muon steps AdamW (decoupled "
-            "decay); use optimizer_name='AdamW', or Adam with weight_decay=0 (the same update)")
-    extra = sorted(k for k in group if k not in ADAMW_DEFAULTS and k not in ("params", "param_names"))
-    if extra:
-        raise ValueError(f"matrixfsdp: {name} group of '{group['param_names'][0]}' has option(s) "
-                         f"{extra}, which AdamW does not take")
-    return dict(group, use_muon=False)
-
-
-# torch's own group keys, which a checkpoint of torch.optim.Muon / AdamW (FSDP2) holds:
-# torchtitan's flat optimizer state keeps these only, so that it loads either way
-_TORCH_KEYS = {True: set(MUON_DEFAULTS) - {"ns_dtype", "num_heads", "batch_ns"},
-               False: set(ADAMW_DEFAULTS) | {"decoupled_weight_decay"}}
-_SCHEDULER_KEYS = {"initial_lr"}
-
-
-class MatrixOptimizersContainer(OptimizersContainer):
-    """torchtitan's ``OptimizersContainer``, building ``matrixfsdp.Muon`` from its param
-    groups (one per model part): ``Muon`` / ``DistMuon`` groups as Muon groups (DistMuon's
-    per-matrix ``compute_sharding_by_fqn`` row blocks as ``num_heads``), ``AdamW`` (and
-    ``Adam`` without weight decay) as AdamW groups. Its flat, FQN-keyed state holds the
-    group keys torch's own ``Muon`` / ``AdamW`` hold, so a checkpoint crosses to and from
-    torchtitan on FSDP2; this library's own group options (``ns_dtype``, ``num_heads``,
-    ``batch_ns``) come from the config on load."""
-
-    @dataclasses.dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config):
-        pass
-
-    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        impl = self._build_impl_kwargs(config)
-        self._impl = impl  # torchtitan gives every group these (fused, foreach): saved as such
-        self.optimizers, self.model_parts = [], model_parts
-        all_params = []
-        matched: set[int] = set()
-        for model in model_parts:
-            part_groups = _groups_matching(model, config.param_groups)
-            matched.update(map(id, part_groups))
-            if not part_groups:  # a pipeline part with no trainable parameter
-                continue
-            by_name, _ = self._build_param_groups(model, part_groups, impl)
-            groups = []
-            for name, opt_groups in by_name.items():
-                if name in MUON_NAMES:
-                    layouts = config.optimizer_factory_kwargs_by_name.get(name, {}).get(
-                        "compute_sharding_by_fqn", {})
-                    groups += [g for og in opt_groups for g in _muon_group(og, layouts, name)]
-                elif name in ("AdamW", "Adam"):
-                    groups += [_adamw_group(og, name) for og in opt_groups]
-                else:
-                    raise NotImplementedError(
-                        f"matrixfsdp: optimizer '{name}' in torchtitan's param groups: "
-                        f"MatrixOptimizersContainer builds {', '.join(MUON_NAMES)} (Muon on whole "
-                        "matrices) and AdamW; for another optimizer on the matrices use "
-                        "mf.matrix_optimizer (docs/optimizers.md)")
-            self.optimizers.append(Muon(groups))
-            all_params += [p for g in groups for p in g["params"]]
-        unmatched = [g.pattern for g in config.param_groups if id(g) not in matched]
-        if unmatched:  # torchtitan's own error, for a pattern no part has a parameter for
-            raise ValueError(f"Optimizer param_groups pattern '{unmatched[0]}' matched no "
-                             "parameters")
-        self._validate_params(all_params)
-        self._post_init(all_params)
-        # it steps its mf.Muon, which checks its own groups: the container's own step
-        # pre-hook does the step's bookkeeping only
-        watch(self, checks_itself=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for opt in self.optimizers:
-            opt.init_state()
-            flat = get_flat_optim_state_dict(opt)
-            for g in opt.param_groups:
-                keep = _TORCH_KEYS[bool(g["use_muon"])] | _SCHEDULER_KEYS
-                drop = [k for k in (*g, *PLAN_KEYS) if k not in keep]
-                for fqn in g["param_names"]:
-                    for key in drop:
-                        flat.pop(f"param_groups.{fqn}.{key}", None)
-                    if g["use_muon"]:
-                        flat.update({f"param_groups.{fqn}.{k}": v for k, v in self._impl.items()})
-            out.update(flat)
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for opt in self.optimizers:
-            opt.init_state()
-            flat = dict(state_dict)
-            for g in opt.param_groups:
-                fqn = g["param_names"][0]
-                saved = flat.get(f"param_groups.{fqn}.decoupled_weight_decay")
-                check_decoupled({"decoupled_weight_decay": saved}, g,
-                                f"matrixfsdp: torchtitan checkpoint, the group of '{fqn}'")
-                for key, value in g.items():  # this library's own options: from the config
-                    if key not in ("params", "param_names"):
-                        flat.setdefault(f"param_groups.{fqn}.{key}", value)
-            load_flat_optim_state_dict(opt, flat)
-
-
-def _groups_matching(model: nn.Module, configs: list) -> list:
-    """torchtitan's param-group configs that get a parameter of ``model`` (first match wins,
-    as it assigns them): under pipeline parallelism a part may hold no Muon matrix (the
-    embedding alone), where torchtitan's container would refuse the Muon pattern as
-    matching nothing; here that part's optimizer has AdamW groups only."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    claimed: set[str] = set()
-    out = []
-    for pg in configs:
-        pattern = re.compile(pg.pattern)
-        mine = [n for n in names if n not in claimed and pattern.search(n)]
-        if mine:
-            out.append(pg)
-            claimed.update(mine)
-    return out
-
-
-def muon_optimizer(adamw: OptimizersContainer.Config, *, muon_pattern: str = BLOCK_MATRICES,
-                   **muon_kwargs: Any) -> MatrixOptimizersContainer.Config:
-    """Moonlight's Muon + AdamW split over a config's AdamW groups: parameters matching
-    ``muon_pattern`` (torchtitan's regex, searched in the parameter name; default: the
-    blocks' projection matrices) get Muon with ``adjust_lr_fn="match_rms_adamw"`` and the
-    AdamW groups' lr and weight decay (overridden by ``muon_kwargs``); the rest keep ``adamw``."""
-    base = next((g for g in adamw.param_groups if g.optimizer_name == "AdamW"), None)
-    if base is None:
-        raise ValueError("matrixfsdp: muon_optimizer needs a config with an AdamW group")
-    kw = base.optimizer_kwargs
-    muon = {"lr": kw.get("lr", MUON_DEFAULTS["lr"]), "weight_decay": kw.get("weight_decay", 0.1),
-            "adjust_lr_fn": "match_rms_adamw", **muon_kwargs}
-    return MatrixOptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=muon_pattern, optimizer_name="Muon",
-                                       optimizer_kwargs=muon), *adamw.param_groups],
-        implementation=adamw.implementation,
-        optimizer_factory_kwargs_by_name=dict(adamw.optimizer_factory_kwargs_by_name))
-
+           "pipeline_llm", "muon_optimizer", "BLOCK_MATRICES", "MUON_NAMES"]
 
 # ---- the parallelize function ----------------------------------------------------------------
 def _muon_filter(groups: list[tuple[str, bool]]) -> Callable[[str, torch.Tensor], bool]:
@@ -397,43 +202,6 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
     return model
 
 
-def pipeline_llm(model: nn.Module, *, parallel_dims: Any, training: Any, parallelism: Any,
-                 compile_config: Any, ac_config: Any, dump_folder: str, device: torch.device,
-                 model_config: Any, parallelize_fn: Callable[..., nn.Module],
-                 loss_fn: Callable[..., Any]) -> tuple[Any, list[nn.Module], bool, bool]:
-    """torchtitan's ``pipelining_fn`` for a decoder (its ``pipeline_llm``), building
-    :class:`matrixfsdp.integrations.pipelining.PipelineStage` (torch's class and signature,
-    taught MatrixFSDP's units) in place of torch's: the same stages, parts and schedule,
-    through torchtitan's own helpers (its split into parts, the pp rank's stage indices,
-    its mesh callback, its schedule), each part ``parallelize_fn``'d before its stage is
-    built (a stage takes a sharded part: the part is its root). Returns torchtitan's
-    ``(schedule, model_parts, has_first_stage, has_last_stage)``."""
-    from torchtitan.distributed import pipeline_parallel as tpp
-
-    from .pipelining import PipelineStage
-    pp_mesh = parallel_dims.get_mesh("pp")
-    virtual, layers, first, last = tpp._get_pipeline_metadata(parallel_dims, parallelism,
-                                                               model_config)
-    names = parallelism.module_fqns_per_model_part or tpp._generate_llm_fqn_per_model_part(
-        virtual, layers, first, last)
-    get_mesh = tpp._build_get_mesh_callback(parallel_dims)
-    stages, parts = [], []
-    for index in tpp._get_pp_rank_to_stage_indices_mapping(
-            pp_mesh.get_local_rank(), pp_mesh.size(), parallelism.pipeline_parallel_schedule,
-            len(names)):
-        part = parallelize_fn(tpp._split_module(model, names[index]), parallel_dims=parallel_dims,
-                              training=training, parallelism=parallelism,
-                              compile_config=compile_config, ac_config=ac_config,
-                              dump_folder=dump_folder)
-        stages.append(PipelineStage(part, index, len(names), device, group=pp_mesh.get_group("pp"),
-                                    get_mesh=get_mesh))
-        parts.append(part)
-    schedule = tpp._build_pipeline_schedule(parallelism=parallelism,
-                                            local_batch_size=training.local_batch_size,
-                                            stages=stages, loss_fn=loss_fn)
-    return (schedule, parts, any(s.is_first for s in stages), any(s.is_last for s in stages))
-
-
 def _blocks(model: nn.Module) -> list[nn.Module]:
     """The decoder's blocks, in order: ``layers``, then DeepSeek-V3's MTP layers (torchtitan
     shards those as blocks too)."""
@@ -484,7 +252,13 @@ def convert(config: Any, *, tp_ownership: str = "auto") -> Any:
     if _is_titan_pipeline_llm(spec.pipelining_fn):
         spec.pipelining_fn = pipeline_llm
     config.parallelism.spmd_backend = "partial_dtensor"
-    return _on_matrix_trainer(config)
+    return on_matrix_trainer(config)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MatrixTrainer":
+        return trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _is_titan_pipeline_llm(fn: Any) -> bool:
@@ -494,74 +268,6 @@ def _is_titan_pipeline_llm(fn: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return fn is titan
-
-
-# ---- the trainer ------------------------------------------------------------------------------
-class _ClipWithoutEPSplit:
-    """torchtitan's ``ParallelDims`` as ``Trainer.train_step`` reads it, but for its clip's
-    ``ep_enabled``: False, so that torchtitan's ``clip_grad_norm_`` takes its path for one
-    list of gradients (:class:`MatrixTrainer`). Everything else is the trainer's own."""
-
-    ep_enabled = False
-
-    def __init__(self, dims: Any):
-        self._dims = dims
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._dims, name)
-
-
-@functools.cache
-def _trainer_class() -> type:
-    """:class:`MatrixTrainer`, made on first use: torchtitan's trainer module imports what
-    only its GPU paths need, so this module does not import it at its own import."""
-    from torchtitan.trainer import Trainer
-
-    class MatrixTrainer(Trainer):
-        """torchtitan's ``Trainer``, subclassed through its ``Config`` as torchtitan's own
-        trainers are (``config.build()`` builds it): the same trainer, but for one thing under
-        expert parallelism. torchtitan's ``clip_grad_norm_`` then splits the gradients into
-        the experts' and the rest (``_clip_grad_norm_with_ep``), asserting that every
-        parameter and gradient is a DTensor, which MatrixFSDP's shards are not (each Muon
-        matrix lives whole on one rank: a plain tensor there, an empty one elsewhere). Its
-        path for one list is exact on them: the norms of a list of MatrixFSDP gradients
-        reduce over every rank of the model, each element, expert or dense, counted once
-        (docs/torchtitan.md). So under EP ``train_step`` runs as torchtitan's with the clip
-        told ``ep_enabled=False``; nothing else changes."""
-
-        @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(Trainer.Config):
-            pass
-
-        def train_step(self, data_iterator: Any) -> Any:
-            dims = self.parallel_dims
-            if not dims.ep_enabled:
-                return super().train_step(data_iterator)
-            self.parallel_dims = _ClipWithoutEPSplit(dims)
-            try:
-                return super().train_step(data_iterator)
-            finally:
-                self.parallel_dims = dims
-
-    MatrixTrainer.__module__ = __name__
-    return MatrixTrainer
-
-
-def __getattr__(name: str) -> Any:
-    if name == "MatrixTrainer":
-        return _trainer_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _on_matrix_trainer(config: Any) -> Any:
-    """``config`` as :class:`MatrixTrainer`'s config (the same fields), if it is torchtitan's
-    own ``Trainer.Config``; a config of another trainer (a subclass) is left to it."""
-    trainer = _trainer_class()
-    base = trainer.__mro__[1].Config
-    if type(config) is not base:
-        return config
-    return trainer.Config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                             if f.init})
 
 
 # ---- torchtitan's config functions, on MatrixFSDP ---------------------------------------------
