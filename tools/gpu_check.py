@@ -36,6 +36,7 @@ from .gpu_check_judges import (
     CPU_RANKS,
     MARK,
     NAMES,
+    judge_cp,
     judge_instrument,
     judge_memory,
     judge_ns,
@@ -175,6 +176,10 @@ def _judge_ranks(ranks: dict[str, Any], world: int, cuda: bool, peak: float | No
         r = judge_ns(x, peak_tflops(x["device"], peak), judged=cuda)
         r["broken"] = self_tests()["Newton-Schulz"]
     out["Newton-Schulz"] = r
+    if not (r := failed("context parallelism")):
+        r = judge_cp(first["context parallelism"])
+        r["broken"] = self_tests()["context parallelism"]
+    out["context parallelism"] = r
     return out
 
 

@@ -68,6 +68,8 @@ BENCH_GPU = ["--preset", "gpu", "--steps", "5", "--warmup", "2"]
 BENCH_CPU = ["--layers", "2", "--d-model", "64", "--heads", "4", "--mlp", "256", "--seq", "32",
              "--batch", "2", "--steps", "1", "--warmup", "1"]
 CPU_RANKS = 2
+CP_TOL = 1e-4  # per-step loss, fp32 parameters and Newton-Schulz: the CPU tests' bound
+CP_STEPS = 10
 MARK = "<!-- gpu-check -->"
 
 
@@ -156,6 +158,17 @@ CHECKS: tuple[Check, ...] = (
           "more launches, or any difference between overlap on and off",
           f"{CPU_RANKS} gloo ranks: on/off bit-identical (gloo cannot coalesce)",
           "(none: bit-identity has no threshold)"),
+    Check("context parallelism",
+          "with 2+ GPUs in an even number and torchtitan installed: torchtitan's own Trainer at "
+          "`context_parallel_degree` 2 through the one line (its `apply_cp_to_forward` unchanged, "
+          "`mf.fully_shard` over its `fsdp` mesh, dp_shard x cp) against torchtitan + FSDP2 + "
+          f"torch Muon from one seed checkpoint, {CP_STEPS} steps of the llama3 debug model at the "
+          "tests' size, fp32 parameters and Newton-Schulz",
+          f"per-step loss within {CP_TOL:g} over {CP_STEPS} steps",
+          "a larger difference, fewer steps, or either trainer failing",
+          "not run (SDPA's CPU flash kernel has no sharding strategy: both sides fail at cp 2); "
+          "the same comparison at cp 1 on 2 CPU ranks is a heavy test",
+          f"a run {2 * CP_TOL:g} apart: must fail"),
 )
 NAMES = tuple(c.name for c in CHECKS)
 
@@ -202,6 +215,17 @@ def judge_syncs(steady: list[dict], unused: list[dict]) -> dict[str, Any]:
     elif not documented:
         note = f"expected exactly one sync in {DOCUMENTED_SYNC}, saw {len(unused)}"
     return verdict(ok, m, note)
+
+
+def judge_cp(r: dict[str, Any]) -> dict[str, Any]:
+    """``r``: rank 0's ``steps`` and ``diff`` (the largest per-step loss difference), or
+    ``skipped`` (why it did not run: not judged)."""
+    if "skipped" in r:
+        return verdict(None, {}, r["skipped"])
+    ok = r["steps"] == CP_STEPS and r["diff"] <= CP_TOL
+    m = {"steps": r["steps"], "largest per-step loss difference": f"{r['diff']:.2e}",
+         "cp degree": r.get("degree", 2)}
+    return verdict(ok, m, "" if ok else f"{r['steps']} steps, {r['diff']:.2e} apart (bound {CP_TOL:g})")
 
 
 def judge_instrument(injected: list[dict], marker: str) -> bool:
@@ -502,6 +526,7 @@ def self_tests() -> dict[str, bool]:
         "set-up memory": not setup_memory_ok(held=1 << 20, shards=1 << 30, unit=1 << 26)
         and not setup_memory_ok(0, 1 << 30, 1 << 26, after=1 << 30, peak=(1 << 30) + (3 << 26), export=0),
         "speed": judge_speed(_fake_bench(step=1.05))["status"] == "FAIL",
+        "context parallelism": judge_cp({"steps": CP_STEPS, "diff": 2 * CP_TOL})["status"] == "FAIL",
         "Newton-Schulz": judge_ns({"device": "NVIDIA H100 80GB HBM3", "timings": [
             [8192, 28672, ns_flops(8192, 28672) / (0.2 * 989e12)]]}, 989.0)["status"] == "FAIL",
     }

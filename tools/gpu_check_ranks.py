@@ -1,6 +1,7 @@
 """What each rank of ``make gpu-check`` runs (:mod:`tools.gpu_check` starts them, one per GPU
 over NCCL, or CPU ranks over gloo for the dry run): parity, host syncs, overlap, set-up
-memory, the several-GPU path and, on rank 0, Newton-Schulz's speed. Each rank writes
+memory, the several-GPU path, on rank 0 Newton-Schulz's speed, and torchtitan's trainer at
+context parallelism 2 (:mod:`tools.gpu_check_cp`). Each rank writes
 ``OUT/ranks/rank<r>.json`` after every check, so a rank that fails leaves what it measured
 and where it stopped; the judging is :mod:`tools.gpu_check`'s.
 
@@ -39,6 +40,7 @@ from matrixfsdp.train.launch import device_for
 from matrixfsdp.train.machine import barrier
 from matrixfsdp.train.models import GPT, GPTConfig
 
+from .gpu_check_cp import check_context_parallel
 from .gpu_check_judges import (
     NS_SHAPES,
     NS_SHAPES_CPU,
@@ -433,7 +435,8 @@ def check_ns(device: torch.device, world: int, out: Path, reps: int = 5) -> dict
 # ---- the rank ------------------------------------------------------------------------------------
 
 CHECKS = (("parity", check_parity), ("host syncs", check_syncs), ("overlap", check_overlap),
-          ("set-up memory", check_setup_memory), ("several GPUs", check_many), ("Newton-Schulz", check_ns))
+          ("set-up memory", check_setup_memory), ("several GPUs", check_many), ("Newton-Schulz", check_ns),
+          ("context parallelism", check_context_parallel))
 
 
 def _free(device: torch.device) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import io
 import re
-from pathlib import Path
 
 import pytest
 from helpers import REPO
@@ -114,10 +113,13 @@ def test_the_first_command_on_a_gpu_machine_is_one_everywhere():
 
 def test_torchtitan_s_one_line_says_what_it_refuses():
     """The README's torchtitan row names what ``parallelize`` refuses, as the code does."""
+    import inspect
+
     from matrixfsdp.integrations import torchtitan
 
     row = next(line for line in README.read_text().splitlines()
                if line.startswith("| torchtitan's own trainer"))
-    refused = re.findall(r'\("(\w+) parallelism"', Path(torchtitan.__file__).read_text())
-    assert sorted(refused) == ["context", "expert", "pipeline"], refused
+    refused = re.findall(r'\("([^"]+)",', inspect.getsource(torchtitan._unsupported))
+    assert refused == ["expert parallelism with tensor parallelism", "training.enable_cpu_offload",
+                       "parallelism.enable_fsdp_symm_mem"], refused
     assert "refused there" in row and all(kind in row for kind in refused), row

@@ -134,8 +134,20 @@ class _CPUDevice:
 _IMPORTED = False
 
 
+def _installed(name: str) -> bool:
+    """Whether module ``name`` imports for real (a GPU machine's ``triton``): then no stub
+    stands in for it."""
+    import importlib
+    try:
+        importlib.import_module(name)
+        return True
+    except ImportError:
+        return False
+
+
 def import_torchtitan() -> None:
-    """Import torchtitan's trainer and llama3 with the stubs in place (once per process)."""
+    """Import torchtitan's trainer and llama3 with the stubs in place (once per process; a
+    module that is installed is imported for real)."""
     global _IMPORTED
     if _IMPORTED:
         return
@@ -143,7 +155,7 @@ def import_torchtitan() -> None:
     for name in ("torch._inductor.codecache", "torch._inductor.compile_fx",
                  "torch._functorch.partitioners", "torch.nn.attention.flex_attention"):
         importlib.import_module(name)  # torch's own look for triton, before the stub is there
-    stubs = {k: v for k, v in _stubs().items() if k not in sys.modules}
+    stubs = {k: v for k, v in _stubs().items() if k not in sys.modules and not _installed(k)}
     sys.modules.update(stubs)
     try:
         import torchtitan.models.llama3.config_registry  # noqa: F401
@@ -280,6 +292,7 @@ def _components():
         class Config(BaseDataLoader.Config):
             vocab_size: int = 2048
             seed: int = 0
+            positions: bool = False  # also yield each token's position (MTP needs them)
 
         def __init__(self, config: Config, *, dp_world_size: int, dp_rank: int, tokenizer: Any,
                      seq_len: int, local_batch_size: int, **kwargs: Any):
@@ -297,7 +310,10 @@ def _components():
                     x[:, j] = torch.where(repeat[:, j], x[:, j - 1], x[:, j])
                 x = x[self.rank * self.batch:(self.rank + 1) * self.batch]
                 self.step += 1
-                yield {"input": x[:, :-1].contiguous()}, x[:, 1:].contiguous()
+                inputs = {"input": x[:, :-1].contiguous()}
+                if self.config.positions:  # one document per row
+                    inputs["positions"] = torch.arange(self.seq_len).expand(self.batch, -1).clone()
+                yield inputs, x[:, 1:].contiguous()
 
         def state_dict(self) -> dict:
             return {f"dp_rank_{self.rank}": self.step}
@@ -308,11 +324,13 @@ def _components():
 
     class RecordingMetrics(MetricsProcessor):
         """torchtitan's metrics, and each logged step's loss and grad norm in ``path``
-        (rank 0), with the FLOPs per token its MFU uses."""
+        (written by ``rank``), with the FLOPs per token its MFU uses and the sum of the MoE
+        layers' expert biases (torchtitan's load-balancing hook moves them)."""
 
         @dataclass(kw_only=True, slots=True)
         class Config(MetricsProcessor.Config):
             path: str = ""
+            rank: int = 0  # the rank that writes it (pipeline parallelism: a last stage's)
 
         def __init__(self, config: Config, **kwargs: Any):
             super().__init__(config, **kwargs)
@@ -321,12 +339,14 @@ def _components():
         def log(self, step: int, global_avg_loss: float, global_max_loss: float,
                 grad_norm: float, extra_metrics: dict | None = None) -> None:
             super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics)
+            bias = sum(float(b.abs().sum()) for part in (self.model_parts or [])
+                       for name, b in part.named_buffers() if name.endswith("expert_bias_E"))
             self.steps[step] = dict(loss=global_avg_loss, grad_norm=grad_norm,
-                                    flops_per_token=self.num_flops_per_token)
+                                    flops_per_token=self.num_flops_per_token, expert_bias=bias)
 
         def close(self) -> None:
             super().close()
-            if self.config.path and dist.get_rank() == 0:
+            if self.config.path and dist.get_rank() == self.config.rank:
                 # written whole, then renamed: the other ranks read it once it exists
                 with open(self.config.path + ".tmp", "w") as f:
                     json.dump(self.steps, f)
@@ -348,16 +368,20 @@ def components():
 
 def on_cpu(config: Any, *, dim: int = 128, n_layers: int = 2, n_heads: int = 4, seq_len: int = 32,
            local_batch_size: int = 2, steps: int = 10, seed: int = 0, dump_folder: str = "",
-           metrics_path: str = "") -> Any:
+           metrics_path: str = "", metrics_rank: int = 0, positions: bool = False) -> Any:
     """A llama3 ``Trainer.Config`` made to run here, at a test's size: the debug model's
     shape scaled to ``dim`` / ``n_layers`` / ``n_heads`` (its vocabulary, RoPE and init as
     torchtitan builds them), causal SDPA for flex attention, the tiny tokenizer and data,
-    recorded metrics, no validation, deterministic."""
+    recorded metrics, no validation, deterministic; ``positions``: the data gives each
+    token's position too (context parallelism needs them). Another model family (qwen3,
+    deepseek_v3: their MoE configs) goes to :func:`on_cpu_moe`."""
+    if config.model_spec.name != "llama3":
+        return on_cpu_moe(config, seq_len=seq_len, local_batch_size=local_batch_size, steps=steps,
+                          seed=seed, dump_folder=dump_folder, metrics_path=metrics_path,
+                          metrics_rank=metrics_rank)
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-    from torchtitan.models.common.attention import ScaledDotProductAttention
     from torchtitan.models.llama3 import _build_llama3_layers
 
-    tok, data, metrics = components()
     m = config.model_spec.model
     vocab = m.vocab_size
     layers = _build_llama3_layers(
@@ -366,9 +390,7 @@ def on_cpu(config: Any, *, dim: int = 128, n_layers: int = 2, n_heads: int = 4, 
         rope=ComplexRoPE.Config(dim=dim // n_heads, max_seq_len=4 * seq_len, theta=500000,
                                 scaling="llama"),
         attn_backend="flex")
-    for layer in layers:  # flex attention has no CPU backward
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    m.dim, m.layers = dim, layers
+    m.dim, m.layers = dim, _sdpa(layers)
     m.tok_embeddings = Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
                                         param_init=m.tok_embeddings.param_init)
     m.norm = RMSNorm.Config(normalized_shape=dim, param_init=m.norm.param_init)
@@ -377,9 +399,29 @@ def on_cpu(config: Any, *, dim: int = 128, n_layers: int = 2, n_heads: int = 4, 
     m.lm_head = Linear.Config(in_features=dim, out_features=vocab, param_init={
         "weight": partial(torch.nn.init.trunc_normal_, std=s, a=-3 * s, b=3 * s),
         "bias": torch.nn.init.zeros_})
+    return _run_here(config, vocab, seq_len=seq_len, local_batch_size=local_batch_size,
+                     steps=steps, seed=seed, dump_folder=dump_folder, metrics_path=metrics_path,
+                     metrics_rank=metrics_rank, positions=positions)
+
+
+def _sdpa(layers: list) -> list:
+    """Causal SDPA for each layer's flex attention (flex attention has no CPU backward)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return layers
+
+
+def _run_here(config: Any, vocab: int, *, seq_len: int, local_batch_size: int, steps: int,
+              seed: int, dump_folder: str, metrics_path: str, metrics_rank: int = 0,
+              positions: bool = False) -> Any:
+    """The parts of a config that are not the model, made to run here: the tiny tokenizer
+    and data (with ``positions``, as torchtitan's own dataloaders give them: MTP needs
+    them), recorded metrics, no validation, deterministic."""
+    tok, data, metrics = components()
     config.tokenizer = tok.Config(vocab_size=vocab)
-    config.dataloader = data.Config(vocab_size=vocab, seed=seed)
-    config.metrics = metrics.Config(log_freq=1, path=metrics_path)
+    config.dataloader = data.Config(vocab_size=vocab, seed=seed, positions=positions)
+    config.metrics = metrics.Config(log_freq=1, path=metrics_path, rank=metrics_rank)
     config.validator.enable = False
     config.training.seq_len, config.training.local_batch_size = seq_len, local_batch_size
     config.training.steps = steps
@@ -387,6 +429,62 @@ def on_cpu(config: Any, *, dim: int = 128, n_layers: int = 2, n_heads: int = 4, 
     config.dump_folder = dump_folder
     config.checkpoint.enable = False
     return config
+
+
+def on_cpu_moe(config: Any, *, dim: int = 64, n_layers: int = 2, n_heads: int = 4,
+               head_dim: int = 16, moe_hidden: int = 64, experts: int = 8, top_k: int = 2,
+               seq_len: int = 32, local_batch_size: int = 2, steps: int = 10, seed: int = 0,
+               dump_folder: str = "", metrics_path: str = "", metrics_rank: int = 0) -> Any:
+    """torchtitan's MoE configs (``qwen3_moe_debug``, ``deepseek_v3_debugmodel`` and its MTP
+    variant) at a test's size: ``n_layers`` blocks of ``experts`` routed experts (top
+    ``top_k``; dims multiples of 8, as ``torch._grouped_mm`` needs in bf16), built by
+    torchtitan's own layer builders with its inits, load balancing and (DeepSeek-V3) its
+    first block dense, a shared expert, MLA and as many MTP layers as the config has;
+    causal SDPA for flex attention; the rest as :func:`on_cpu`."""
+    from torchtitan.models.common import Embedding, Linear
+
+    m, family = config.model_spec.model, config.model_spec.name
+    vocab = m.vocab_size
+    if family == "qwen3":
+        from torchtitan.models.common import CosSinRoPE
+        from torchtitan.models.qwen3 import _build_qwen3_moe_layers, _qwen3_norm
+        m.layers = _sdpa(_build_qwen3_moe_layers(
+            n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_heads // 2,
+            head_dim=head_dim, moe_hidden_dim=moe_hidden, num_experts=experts, top_k=top_k,
+            attn_backend="flex", moe_comm_backend="standard",
+            rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4 * seq_len, theta=1000000.0)))
+        m.norm = _qwen3_norm(dim)
+    elif family == "deepseek_v3":
+        import dataclasses
+
+        from torchtitan.models.common import RMSNorm
+        from torchtitan.models.deepseek_v3 import (
+            _build_dsv3_layers,
+            _build_mtp_layers,
+            _output_linear_init,
+        )
+        rope = dataclasses.replace(m.layers[0].attention.rope, dim=head_dim // 2,
+                                   max_seq_len=4 * seq_len)
+        m.layers = _sdpa(_build_dsv3_layers(
+            n_layers=n_layers, n_dense_layers=1, dim=dim, n_heads=n_heads, q_lora_rank=0,
+            kv_lora_rank=2 * head_dim, qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2,
+            v_head_dim=head_dim, mscale=0.70, dense_hidden_dim=2 * moe_hidden,
+            moe_hidden_dim=moe_hidden, num_experts=experts, num_shared_experts=1,
+            router_top_k=top_k, router_score_func="softmax", attn_backend="flex",
+            moe_comm_backend="standard", non_blocking_capacity_factor=None, rope=rope))
+        m.mtp_layers = _sdpa(_build_mtp_layers(m.layers[-1], dim=dim,
+                                               num_mtp_layers=len(m.mtp_layers)))
+        m.norm = RMSNorm.Config(normalized_shape=dim, param_init=m.norm.param_init)
+        m.lm_head.param_init = _output_linear_init(dim)
+    else:
+        raise NotImplementedError(f"titan_cpu.on_cpu_moe: model family {family!r}")
+    m.dim = dim
+    m.tok_embeddings = Embedding.Config(num_embeddings=vocab, embedding_dim=dim,
+                                        param_init=m.tok_embeddings.param_init)
+    m.lm_head = Linear.Config(in_features=dim, out_features=vocab, param_init=m.lm_head.param_init)
+    return _run_here(config, vocab, seq_len=seq_len, local_batch_size=local_batch_size,
+                     steps=steps, seed=seed, dump_folder=dump_folder, metrics_path=metrics_path,
+                     metrics_rank=metrics_rank, positions=bool(getattr(m, "mtp_layers", None)))
 
 
 # ---- the config a run loads, made to run here ----------------------------------------------------

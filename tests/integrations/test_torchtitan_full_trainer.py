@@ -528,16 +528,17 @@ def _refusals() -> dict[str, str | None]:
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
     import matrixfsdp.integrations.torchtitan as mft
-    dims = SimpleNamespace(pp_enabled=True, tp_enabled=False, cp_enabled=False, ep_enabled=False)
+    from matrixfsdp.integrations.torchtitan_optim import _muon_group
+    dims = SimpleNamespace(pp_enabled=False, tp_enabled=True, cp_enabled=False, ep_enabled=True)
     config = llama3_debugmodel()
     config.optimizer = OptimizersContainer.Config(param_groups=[
         ParamGroupConfig(pattern=".*", optimizer_name="Lion", optimizer_kwargs={"lr": 1e-4})])
     calls = {
-        "pp": lambda: mft.parallelize(None, parallel_dims=dims, parallelism=SimpleNamespace(),
+        "ep_tp": lambda: mft.parallelize(None, parallel_dims=dims, parallelism=SimpleNamespace(),
                                       training=SimpleNamespace(enable_cpu_offload=False),
                                       compile_config=None, ac_config=None, dump_folder=""),
         "lion": lambda: mft.convert(config),
-        "betas": lambda: mft._muon_group(dict(params=[torch.zeros(4, 4)], param_names=["w"],
+        "betas": lambda: _muon_group(dict(params=[torch.zeros(4, 4)], param_names=["w"],
                                               lr=0.1, betas=(0.9, 0.95)), {}, "Muon")}
     out = {}
     for name, call in calls.items():
@@ -613,10 +614,11 @@ def test_chunked_loss_calls_lm_head_outside_forward(init_job):
 
 
 def test_unsupported_options_are_named(init_job):
-    """What the integration does not do yet is refused naming the option: pipeline (and
-    context, expert) parallelism at parallelize, before the model is touched; an
-    optimizer with no MatrixFSDP form at convert; a Muon option Muon does not take."""
+    """What the integration does not do yet is refused naming the option: expert with
+    tensor parallelism at parallelize, before the model is touched; an optimizer with no
+    MatrixFSDP form at convert; a Muon option Muon does not take."""
     r = init_job["refusals"]
-    assert r["pp"] and r["pp"].startswith("NotImplementedError") and "pipeline parallelism" in r["pp"], r
+    assert r["ep_tp"] and r["ep_tp"].startswith("NotImplementedError"), r
+    assert "expert parallelism with tensor parallelism" in r["ep_tp"], r
     assert r["lion"] and "optimizer 'Lion'" in r["lion"], r
     assert r["betas"] and "Muon group of 'w' has option(s) ['betas']" in r["betas"], r

@@ -5,7 +5,8 @@ units over every data-parallel rank (dp x ep flattened), and FSDP2's
 
 Against one process running torch.optim.Muon (fp32 NS, every expert its own 2-D matrix) +
 AdamW on the whole batch: parameters within 1e-5, the gradient norm equal (so the experts'
-gradients are averaged right), zero collectives in the step; the checkpoint loads at dp 4
+gradients are averaged right; torch's norm of the list of gradients too), zero collectives
+in the step; the checkpoint loads at dp 4
 without EP."""
 
 from __future__ import annotations
@@ -97,7 +98,12 @@ def _ep_2x2(rank, world, ckpt):
         with counted.during("forward", step == 0):
             loss = model.loss(x[:, :-1], x[:, 1:])
         loss.backward()
+        # torch's norm of the list of gradients (torchtitan's clip): the experts' units are
+        # on a mesh of their own inside the root's, each element counted once
+        listed = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()
+                                                if p.grad is not None], foreach=True)
         norms.append(mf.clip_grad_norm_(model.parameters(), CLIP).item())
+        torch.testing.assert_close(listed.full_tensor().item(), norms[-1], rtol=1e-6, atol=0)
         with counted.during("step"):
             opt.step()
         opt.zero_grad()

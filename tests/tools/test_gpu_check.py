@@ -36,10 +36,11 @@ def test_dry_run_lists_every_check_and_passes_on_cpu(tmp_path):
     status = {n: rows[n].rstrip().rstrip("|").rsplit("|", 1)[1].strip() for n in judges.NAMES}
     assert status == {"parity": "pass", "host syncs": "pass", "overlap": "pass", "memory": "not judged",
                       "set-up memory": "pass", "speed": "not judged", "Newton-Schulz": "not judged",
-                      "several GPUs": "pass"}, table
+                      "several GPUs": "pass", "context parallelism": "not judged"}, table
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     res = report["results"]
-    for name in ("parity", "host syncs", "overlap", "memory", "set-up memory", "speed", "Newton-Schulz"):
+    for name in ("parity", "host syncs", "overlap", "memory", "set-up memory", "speed", "Newton-Schulz",
+                 "context parallelism"):
         assert res[name]["broken"] is True, (name, res[name])  # its broken input failed it
     assert "0.00e+00" in rows["parity"]
     assert "attach_unused" in rows["host syncs"] and "steady step: none" in rows["host syncs"]
@@ -62,7 +63,8 @@ def test_make_dry_run_flag_runs_the_script_dry(tmp_path):
 
 def test_every_judge_fails_its_broken_input():
     assert judges.self_tests() == {n: True for n in ("parity", "host syncs", "overlap", "memory", "speed",
-                                                 "Newton-Schulz", "set-up memory")}
+                                                 "Newton-Schulz", "set-up memory",
+                                                 "context parallelism")}
 
 
 def test_parity_bound():
@@ -173,3 +175,31 @@ def test_record_replaces_the_marked_block(tmp_path):
     page.write_text(f"# B\n\n{check.MARK}\nold\n{check.MARK}\n\nafter\n")
     check.record_into(page, f"{check.MARK}\nnew\n{check.MARK}\n")
     assert page.read_text() == f"# B\n\n{check.MARK}\nnew\n{check.MARK}\n\nafter\n"
+
+
+def test_context_parallel_judge():
+    assert judges.judge_cp({"steps": 10, "diff": 2e-6})["status"] == "pass"
+    assert judges.judge_cp({"steps": 9, "diff": 2e-6})["status"] == "FAIL"  # a trainer stopped early
+    assert judges.judge_cp({"skipped": "needs 2+ GPUs"})["status"] == "not judged"
+
+
+def _context_parallel_at_degree_1(rank, world, out):
+    from pathlib import Path
+
+    import torch
+
+    from tools.gpu_check_cp import check_context_parallel
+    res = check_context_parallel(torch.device("cpu"), world, Path(out), degree=1)
+    if rank == 0:
+        (Path(out) / "cp.json").write_text(json.dumps(res))
+
+
+@pytest.mark.heavy
+def test_context_parallel_check_runs_its_comparison_at_degree_1_on_cpu(tmp_path):
+    """The GPU check of context parallelism (torchtitan's trainer at cp 2, FSDP2 against the
+    one line) cannot run on CPU; its code runs the same comparison at cp 1 on 2 CPU ranks
+    (torchtitan's CPU shim): 10 steps, within its bound."""
+    from helpers.rank_pool import spawn
+    spawn(_context_parallel_at_degree_1, 2, str(tmp_path), timeout=600)
+    res = json.loads((tmp_path / "cp.json").read_text())
+    assert judges.judge_cp(res)["status"] == "pass", res

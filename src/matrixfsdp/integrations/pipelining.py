@@ -6,13 +6,18 @@ backward, but only for torch's own ``FSDPModule`` (it reaches into FSDP2's param
 do so), and its split backward (zero-bubble schedules: input gradients first, weight
 gradients later) hands autograd ``submod.parameters()``, which between calls are this
 library's shards, not the tensors the graph holds. :class:`PipelineStage` is torch's
-class, same signature, with those three places taught this library's model:
+class, same signature, with those places taught this library's model:
 
 * every backward keeps its gradients on the unsharded parameters, unreduced, as FSDP2's
   no-sync does (``set_requires_gradient_sync(False)``), and keeps the units gathered
-  (``set_reshard_after_backward(False)``, as torch does for FSDP2);
+  (``set_reshard_after_backward(False)``, as torch does for FSDP2), from the step's first
+  forward on: a loss that runs backward passes of its own between the schedule's forward
+  and backward (torchtitan's ``ChunkedLossWrapper`` on the last stage, chunk by chunk
+  through ``lm_head``) keeps its gradients with the others;
 * the split backward's two passes see the unsharded parameters (registered on the module
   for the length of the call), so the weight pass accumulates where the graph points;
+* the first step's metadata inference (torch runs one real forward and backward to learn
+  the shapes, and clears FSDP2's gradients after it) leaves no gradient either;
 * ``perform_reduce_grad`` (the schedule's REDUCE_GRAD, after the last weight pass) puts the
   user's settings back and reduces every gradient of the step to its owner, once; then
   torch scales the shards' gradients by the micro-batch count.
@@ -76,6 +81,14 @@ class PipelineStage(pipelining.PipelineStage):
             self._user_flags = None
             root.grads_held_by = None
 
+    def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        # From the step's first forward: a loss that runs backward passes of its own before
+        # the schedule's first backward (torchtitan's ChunkedLossWrapper calls lm_head and
+        # its backward chunk by chunk inside the loss) keeps its gradients with the others
+        if self._root is not None and self.has_backward:
+            self._hold_grads()
+        return super().forward_one_chunk(*args, **kwargs)
+
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if self._root is None:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
@@ -93,6 +106,15 @@ class PipelineStage(pipelining.PipelineStage):
             for u in units:
                 if u.sharded_state is not ShardedState.PINNED:
                     u.register(u.sharded)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        # torch infers the stage's metadata from one real forward and backward at the first
+        # step, then clears the gradients of FSDP2's modules: a loss that runs backward
+        # passes of its own (torchtitan's ChunkedLossWrapper through lm_head) leaves
+        # gradients here too, of inputs that are no micro-batch's
+        super()._post_metadata_inference_cleanup()
+        if self._root is not None:
+            self._root.discard_grads()
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self._root is not None:

@@ -17,7 +17,11 @@ is :func:`parallelize` (torchtitan's AC and compile, in torchtitan's order, then
 groups: ``Muon`` / ``DistMuon`` groups become Muon groups with the same hyper-parameters
 (DistMuon's ``BlockShard`` row blocks become per-head Muon, ``num_heads``), ``AdamW`` stays
 AdamW. Which matrices are stepped whole on one owner (the plan's Muon matrices) is read off
-the same param groups, first match wins, as torchtitan assigns them.
+the same param groups, first match wins, as torchtitan assigns them. The model spec's
+``pipelining_fn`` (torchtitan's ``pipeline_llm``) becomes :func:`pipeline_llm` (the library's
+pipeline stage), and the trainer ``MatrixTrainer`` (torchtitan's, but for its clip under
+expert parallelism). Expert and context parallelism are torchtitan's own, applied by
+:func:`parallelize` (docs/torchtitan.md).
 
 The config functions here (``llama3_debugmodel``, ``llama3_8b``, ...) are torchtitan's own,
 converted, with Moonlight's Muon recipe (arXiv:2502.16982) over the matrices of the blocks:
@@ -38,184 +42,21 @@ import torch
 from torch import nn
 
 from ..fully_shard import fully_shard
-from ..optim.groups import ADAMW_DEFAULTS, MUON_DEFAULTS
-from ..optim.muon import Muon
-from ..optim.plan_stamp import PLAN_KEYS
-from ..optim.state_dict_hooks import check_decoupled
-from ..optim.watch import watch
 from ..runtime.module import FSDPModule
-from ..runtime.param import placement_of
 from ..state.init import init_weights
+from .torchtitan_optim import (
+    BLOCK_MATRICES,
+    MUON_NAMES,
+    MatrixOptimizersContainer,
+    OptimizersContainer,
+    muon_optimizer,
+)
+from .torchtitan_trainer import on_matrix_trainer, pipeline_llm, trainer_class
 
-try:  # torchtitan is optional: this module is only for its users
-    from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
-    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict, load_flat_optim_state_dict
-    from torchtitan.distributed.flex_shard import BlockShard
-except ImportError as e:  # pragma: no cover (torchtitan is a test dependency)
-    raise ImportError("matrixfsdp.integrations.torchtitan needs torchtitan (tested with 0.3.0)") from e
-
-__all__ = ["MatrixOptimizersContainer", "convert", "parallelize", "muon_optimizer"]
-
-MUON_NAMES = ("Muon", "DistMuon")  # torchtitan's optimizer names that become Muon groups
-# The matrices of a decoder's blocks (torchtitan's attention and feed-forward projections,
-# fused or not, and MoE experts), as its param-group patterns match names (re.search).
-BLOCK_MATRICES = r"(?:attention|feed_forward|moe)\.(?:.*\.)?w[\w]*(?:\.weight)?$"
-
-
-# ---- the optimizer ------------------------------------------------------------------------
-def _heads(fqn: str, layout: Any, shape: torch.Size) -> int | None:
-    """DistMuon's compute layout of one matrix as ``mf.Muon``'s ``num_heads``: a
-    ``BlockShard(dim=0, block_size=r)`` on any mesh axis steps each ``r`` rows as a matrix of
-    its own, which is per-head Muon with ``rows / r`` heads; ``Owned``, ``Replicate`` and
-    ``Shard(0)`` of an expert stack step whole matrices."""
-    shardings = getattr(layout, "shardings_by_mesh_axis", {}) or {}
-    blocks = {s.block_size for s in shardings.values() if isinstance(s, BlockShard) and s.dim == 0}
-    bad = [s for s in shardings.values() if isinstance(s, BlockShard) and s.dim != 0]
-    if bad or len(blocks) > 1:
-        raise NotImplementedError(f"matrixfsdp: DistMuon compute layout of '{fqn}' ({layout}) "
-                                  "splits it other than into row blocks of one size")
-    if not blocks:
-        return None
-    r = blocks.pop()
-    if shape[-2] % r:
-        raise ValueError(f"matrixfsdp: DistMuon BlockShard(block_size={r}) of '{fqn}' does not "
-                         f"divide its {shape[-2]} rows")
-    return shape[-2] // r if shape[-2] // r > 1 else None
-
-
-def _muon_group(group: dict, layouts: dict, name: str) -> list[dict]:
-    """torchtitan's group (``params``, ``param_names``, its kwargs) as ``mf.Muon`` groups:
-    one per head count, Muon's options only."""
-    extra = sorted(k for k in group if k not in MUON_DEFAULTS and k not in
-                   ("params", "param_names", "fused", "foreach"))
-    if extra:
-        raise ValueError(f"matrixfsdp: {name} group of '{group['param_names'][0]}' has option(s) "
-                         f"{extra}, which Muon does not take")
-    opts = {k: v for k, v in group.items() if k in MUON_DEFAULTS}
-    if isinstance(opts.get("ns_dtype"), str):
-        opts["ns_dtype"] = getattr(torch, opts["ns_dtype"])
-    by_heads: dict[int | None, tuple[list, list]] = {}
-    for p, fqn in zip(group["params"], group["param_names"]):
-        shape = placement_of(p).spec.shape if placement_of(p) is not None else p.shape  # the whole
-        heads = _heads(fqn, layouts[fqn], shape) if fqn in layouts else opts.get("num_heads")
-        ps, ns = by_heads.setdefault(heads, ([], []))
-        ps.append(p)
-        ns.append(fqn)
-    return [dict(params=ps, param_names=ns, use_muon=True, **{**opts, "num_heads": h})
-            for h, (ps, ns) in by_heads.items()]
-
-
-def _adamw_group(group: dict, name: str) -> dict:
-    if name == "Adam" and group.get("weight_decay", 0):
-        raise NotImplementedError(
-            f"matrixfsdp: an Adam group with weight_decay={group['weight_decay']} (L2 in the "
-            f"gradient) for '{group['param_names'][0]}': matrixfsdp.Muon steps AdamW (decoupled "
-            "decay); use optimizer_name='AdamW', or Adam with weight_decay=0 (the same update)")
-    extra = sorted(k for k in group if k not in ADAMW_DEFAULTS and k not in ("params", "param_names"))
-    if extra:
-        raise ValueError(f"matrixfsdp: {name} group of '{group['param_names'][0]}' has option(s) "
-                         f"{extra}, which AdamW does not take")
-    return dict(group, use_muon=False)
-
-
-# torch's own group keys, which a checkpoint of torch.optim.Muon / AdamW (FSDP2) holds:
-# torchtitan's flat optimizer state keeps these only, so that it loads either way
-_TORCH_KEYS = {True: set(MUON_DEFAULTS) - {"ns_dtype", "num_heads", "batch_ns"},
-               False: set(ADAMW_DEFAULTS) | {"decoupled_weight_decay"}}
-_SCHEDULER_KEYS = {"initial_lr"}
-
-
-class MatrixOptimizersContainer(OptimizersContainer):
-    """torchtitan's ``OptimizersContainer``, building ``matrixfsdp.Muon`` from its param
-    groups (one per model part): ``Muon`` / ``DistMuon`` groups as Muon groups (DistMuon's
-    per-matrix ``compute_sharding_by_fqn`` row blocks as ``num_heads``), ``AdamW`` (and
-    ``Adam`` without weight decay) as AdamW groups. Its flat, FQN-keyed state holds the
-    group keys torch's own ``Muon`` / ``AdamW`` hold, so a checkpoint crosses to and from
-    torchtitan on FSDP2; this library's own group options (``ns_dtype``, ``num_heads``,
-    ``batch_ns``) come from the config on load."""
-
-    @dataclasses.dataclass(kw_only=True, slots=True)
-    class Config(OptimizersContainer.Config):
-        pass
-
-    def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
-        impl = self._build_impl_kwargs(config)
-        self._impl = impl  # torchtitan gives every group these (fused, foreach): saved as such
-        self.optimizers, self.model_parts = [], model_parts
-        all_params = []
-        for model in model_parts:
-            by_name, _ = self._build_param_groups(model, config.param_groups, impl)
-            groups = []
-            for name, opt_groups in by_name.items():
-                if name in MUON_NAMES:
-                    layouts = config.optimizer_factory_kwargs_by_name.get(name, {}).get(
-                        "compute_sharding_by_fqn", {})
-                    groups += [g for og in opt_groups for g in _muon_group(og, layouts, name)]
-                elif name in ("AdamW", "Adam"):
-                    groups += [_adamw_group(og, name) for og in opt_groups]
-                else:
-                    raise NotImplementedError(
-                        f"matrixfsdp: optimizer '{name}' in torchtitan's param groups: "
-                        f"MatrixOptimizersContainer builds {', '.join(MUON_NAMES)} (Muon on whole "
-                        "matrices) and AdamW; for another optimizer on the matrices use "
-                        "mf.matrix_optimizer (docs/optimizers.md)")
-            self.optimizers.append(Muon(groups))
-            all_params += [p for g in groups for p in g["params"]]
-        self._validate_params(all_params)
-        self._post_init(all_params)
-        # it steps its mf.Muon, which checks its own groups: the container's own step
-        # pre-hook does the step's bookkeeping only
-        watch(self, checks_itself=True)
-
-    def state_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for opt in self.optimizers:
-            opt.init_state()
-            flat = get_flat_optim_state_dict(opt)
-            for g in opt.param_groups:
-                keep = _TORCH_KEYS[bool(g["use_muon"])] | _SCHEDULER_KEYS
-                drop = [k for k in (*g, *PLAN_KEYS) if k not in keep]
-                for fqn in g["param_names"]:
-                    for key in drop:
-                        flat.pop(f"param_groups.{fqn}.{key}", None)
-                    if g["use_muon"]:
-                        flat.update({f"param_groups.{fqn}.{k}": v for k, v in self._impl.items()})
-            out.update(flat)
-        return out
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for opt in self.optimizers:
-            opt.init_state()
-            flat = dict(state_dict)
-            for g in opt.param_groups:
-                fqn = g["param_names"][0]
-                saved = flat.get(f"param_groups.{fqn}.decoupled_weight_decay")
-                check_decoupled({"decoupled_weight_decay": saved}, g,
-                                f"matrixfsdp: torchtitan checkpoint, the group of '{fqn}'")
-                for key, value in g.items():  # this library's own options: from the config
-                    if key not in ("params", "param_names"):
-                        flat.setdefault(f"param_groups.{fqn}.{key}", value)
-            load_flat_optim_state_dict(opt, flat)
-
-
-def muon_optimizer(adamw: OptimizersContainer.Config, *, muon_pattern: str = BLOCK_MATRICES,
-                   **muon_kwargs: Any) -> MatrixOptimizersContainer.Config:
-    """Moonlight's Muon + AdamW split over a config's AdamW groups: parameters matching
-    ``muon_pattern`` (torchtitan's regex, searched in the parameter name; default: the
-    blocks' projection matrices) get Muon with ``adjust_lr_fn="match_rms_adamw"`` and the
-    AdamW groups' lr and weight decay (overridden by ``muon_kwargs``); the rest keep ``adamw``."""
-    base = next((g for g in adamw.param_groups if g.optimizer_name == "AdamW"), None)
-    if base is None:
-        raise ValueError("matrixfsdp: muon_optimizer needs a config with an AdamW group")
-    kw = base.optimizer_kwargs
-    muon = dict(lr=kw.get("lr", MUON_DEFAULTS["lr"]), weight_decay=kw.get("weight_decay", 0.1),
-                adjust_lr_fn="match_rms_adamw", **muon_kwargs)
-    return MatrixOptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=muon_pattern, optimizer_name="Muon",
-                                       optimizer_kwargs=muon), *adamw.param_groups],
-        implementation=adamw.implementation,
-        optimizer_factory_kwargs_by_name=dict(adamw.optimizer_factory_kwargs_by_name))
-
+# MatrixTrainer is made on first use (module __getattr__): torchtitan's trainer module is
+# imported then, not with this one
+__all__ = ["MatrixOptimizersContainer", "MatrixTrainer", "convert", "parallelize",  # noqa: F822
+           "pipeline_llm", "muon_optimizer", "BLOCK_MATRICES", "MUON_NAMES"]
 
 # ---- the parallelize function ----------------------------------------------------------------
 def _muon_filter(groups: list[tuple[str, bool]]) -> Callable[[str, torch.Tensor], bool]:
@@ -229,9 +70,8 @@ def _muon_filter(groups: list[tuple[str, bool]]) -> Callable[[str, torch.Tensor]
 
 
 def _unsupported(parallel_dims: Any, parallelism: Any, training: Any) -> str | None:
-    checks = [("pipeline parallelism", parallel_dims.pp_enabled),
-              ("context parallelism", parallel_dims.cp_enabled),
-              ("expert parallelism", parallel_dims.ep_enabled),
+    checks = [("expert parallelism with tensor parallelism",
+               parallel_dims.ep_enabled and parallel_dims.tp_enabled),
               ("training.enable_cpu_offload", training.enable_cpu_offload),
               ("parallelism.enable_fsdp_symm_mem", getattr(parallelism, "enable_fsdp_symm_mem", False))]
     return next((what for what, on in checks if on), None)
@@ -276,10 +116,13 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
                 muon_groups: tuple[tuple[str, bool], ...] = (),
                 tp_ownership: str = "auto") -> nn.Module:
     """torchtitan's ``parallelize_fn`` for a decoder (``tok_embeddings``, ``layers``,
-    ``norm``, ``lm_head``), on MatrixFSDP: torchtitan's tensor parallelism
-    (``model.parallelize``, as its ``parallelize_llama``), activation checkpointing, then
-    compile (each block in place; refused with TP), then ``mf.fully_shard`` on the
-    embedding, every block, the output head (a unit
+    ``norm``, ``lm_head``; DeepSeek-V3's ``mtp_layers`` are blocks too), or one pipeline
+    part of it, on MatrixFSDP: torchtitan's context parallelism (``apply_cp_to_forward``,
+    unchanged), its tensor and expert parallelism (``model.parallelize``, as its
+    ``parallelize_llama`` / ``parallelize_qwen3``: routed experts DTensors ``Shard(0)`` over
+    ``ep``), activation checkpointing, then compile (each block in place; refused with TP),
+    then ``mf.fully_shard`` on the embedding, each MoE block's routed experts over
+    torchtitan's ``efsdp`` mesh (a unit of their own), every block, the output head (a unit
     of its own: torchtitan's ``ChunkedLossWrapper`` calls it outside the model's forward) and
     the root, over torchtitan's data-parallel mesh (``fsdp``, or ``dp_replicate x fsdp``
     for HSDP), with its mixed precision and reshard policy. Gradients are summed, not
@@ -295,8 +138,8 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
     what = _unsupported(parallel_dims, parallelism, training)
     if what is not None:
         raise NotImplementedError(f"matrixfsdp.integrations.torchtitan: {what} is not supported "
-                                  "yet (data parallelism, FSDP or HSDP, with tensor parallelism, "
-                                  "AC and compile is)")
+                                  "yet (data parallelism, FSDP or HSDP, with tensor, expert, "
+                                  "pipeline or context parallelism, AC and compile is)")
     compiled = compile_config.enable and "model" in compile_config.components
     if parallel_dims.tp_enabled:
         if compiled:
@@ -305,7 +148,17 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
                 "parallelism: on torch 2.13 a compiled block fed the TP plan's pending "
                 "collective results computes wrong gradients (1e-4 off one process, measured; "
                 "docs/compile.md); train TP runs eagerly")
-        model.parallelize(parallel_dims)  # torchtitan's own TP (its modules' sharding_config)
+    if parallel_dims.cp_enabled:
+        # torchtitan's own CP, unchanged, before its TP as torchtitan orders them (each
+        # inner attention's forward wrapped); torchtitan's fsdp mesh, over which the blocks
+        # are sharded below, is dp_shard x cp: each matrix's gradient sums the cp ranks' too
+        from torchtitan.distributed.context_parallel import apply_cp_to_forward
+        apply_cp_to_forward([block.attention.inner_attention for block in model.layers.values()],
+                            parallel_dims.get_mesh("cp"))
+    if parallel_dims.tp_enabled or parallel_dims.ep_enabled:
+        # torchtitan's own TP and EP (its modules' sharding_config): under EP the routed
+        # experts become DTensors Shard(0) over ``ep``, each rank holding its experts whole
+        model.parallelize(parallel_dims)
     if ac_config is not None:
         ac_config.build(dump_folder=dump_folder).apply(model)
     if compiled:
@@ -315,13 +168,24 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
     mp = MixedPrecisionPolicy(param_dtype=TORCH_DTYPE_MAP[training.mixed_precision_param],
                               reduce_dtype=TORCH_DTYPE_MAP[training.mixed_precision_reduce],
                               cast_forward_inputs=False)
-    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward, False)
+    reshard = get_fsdp_reshard_after_forward_policy(parallelism.fsdp_reshard_after_forward,
+                                                    parallel_dims.pp_enabled)
     last = parallelism.fsdp_reshard_after_forward == "always"
     tied = getattr(model, "enable_weight_tying", False)
     if not tied:  # tied: the embedding and the head share one parameter: both in the root
         if getattr(model, "tok_embeddings", None) is not None:
             fully_shard(model.tok_embeddings, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
-    for block in model.layers.values():
+    experts_mesh = None
+    if parallel_dims.ep_enabled:  # the routed experts' FSDP mesh: torchtitan's efsdp
+        experts_mesh = parallel_dims.get_mesh(
+            ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"])
+    for block in _blocks(model):
+        experts = _routed_experts(block)
+        if experts is not None and experts_mesh is not None:
+            # a unit of its own on efsdp (dp_shard x cp / ep), as torchtitan's
+            # shard_placement_fn gives FSDP2's experts their own mesh: each expert whole on
+            # one rank of it, beside the other ep ranks' experts
+            fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
     if not tied and getattr(model, "lm_head", None) is not None:
         fully_shard(model.lm_head, mesh=mesh, mp_policy=mp, reshard_after_forward=last)
@@ -336,6 +200,22 @@ def parallelize(model: nn.Module, *, parallel_dims: Any, training: Any, parallel
             m.set_gradient_divide_factor(1.0)
     model.__class__ = _with_init_on_shards(type(model))
     return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder's blocks, in order: ``layers``, then DeepSeek-V3's MTP layers (torchtitan
+    shards those as blocks too)."""
+    mtp = getattr(model, "mtp_layers", None)
+    return [*model.layers.values(), *(mtp if mtp is not None else [])]
+
+
+def _routed_experts(block: nn.Module) -> nn.Module | None:
+    """A MoE block's routed experts (torchtitan's ``GroupedExperts``, the grouped-GEMM child
+    holding the 3-D stacks), or None."""
+    if not getattr(block, "moe_enabled", False):
+        return None
+    routed = getattr(block.moe, "routed_experts", None)
+    return getattr(routed, "inner_experts", None)
 
 
 @functools.cache
@@ -369,26 +249,98 @@ def convert(config: Any, *, tp_ownership: str = "auto") -> Any:
     groups = tuple((g.pattern, g.optimizer_name in MUON_NAMES) for g in opt.param_groups)
     spec.parallelize_fn = functools.partial(parallelize, muon_groups=groups,
                                             tp_ownership=tp_ownership)
+    if _is_titan_pipeline_llm(spec.pipelining_fn):
+        spec.pipelining_fn = pipeline_llm
     config.parallelism.spmd_backend = "partial_dtensor"
-    return config
+    return on_matrix_trainer(config)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MatrixTrainer":
+        return trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _is_titan_pipeline_llm(fn: Any) -> bool:
+    """Whether ``fn`` is torchtitan's own ``pipeline_llm`` (the decoders' pipelining_fn)."""
+    try:
+        from torchtitan.distributed.pipeline_parallel import pipeline_llm as titan
+    except ImportError:  # pragma: no cover
+        return False
+    return fn is titan
 
 
 # ---- torchtitan's config functions, on MatrixFSDP ---------------------------------------------
-def _registered(name: str, module: str) -> Callable[[], Any]:
+def _registered(name: str, module: str, adapt: Callable[[Any], Any] | None = None,
+                note: str = "") -> Callable[[], Any]:
     def config_fn() -> Any:
         import importlib
         config = getattr(importlib.import_module(module), name)()
+        if adapt is not None:
+            config = adapt(config)
         config.optimizer = muon_optimizer(config.optimizer)
         return convert(config)
     config_fn.__name__ = config_fn.__qualname__ = name
     config_fn.__doc__ = (f"torchtitan's ``{name}`` ({module}) on MatrixFSDP, with Muon on the "
-                         "blocks' matrices (:func:`muon_optimizer`).")
+                         f"blocks' matrices (:func:`muon_optimizer`).{note}")
     return config_fn
 
 
-# torchtitan's llama3 configs (its float8 / nvfp4 / varlen variants need CUDA kernels)
+def _float8_named(name: str, module: str) -> Callable[[], Any]:
+    """torchtitan's config function ``name``, whose float8 converter (torchtitan's
+    ``Float8LinearConverter``, built with the config) needs a GPU: where it cannot be built
+    (no CUDA SM89+ / ROCm MI300+, or no torchao), refused naming float8 and what it needs."""
+    import importlib
+    titan = getattr(importlib.import_module(module), name)
+
+    def build() -> Any:
+        try:
+            return titan()
+        except (ImportError, ValueError) as e:
+            if "float8" not in str(e).lower():
+                raise
+            raise NotImplementedError(
+                f"matrixfsdp.integrations.torchtitan: {name} trains its linear layers in float8 "
+                "(torchtitan's Float8LinearConverter), which needs an NVIDIA SM89+ or AMD MI300+ "
+                f"GPU and torchao; here: {e}") from e
+    return build
+
+
+def _compile_off(config: Any) -> Any:
+    """Compile off: under tensor parallelism :func:`parallelize` refuses it (on torch 2.13 a
+    compiled block fed the TP plan's pending collectives computes wrong gradients)."""
+    config.compile.enable = False
+    return config
+
+
+# torchtitan's llama3 configs (its float8 / nvfp4 / varlen variants need CUDA kernels); 70B
+# and 405B set tensor parallelism (torchtitan's tp 8; the planner advises tp 4 at 70B:
+# --parallelism.tensor_parallel_degree 4), 405B float8 (a GPU's) and, as torchtitan ships it,
+# compile, here off
 _LLAMA3 = "torchtitan.models.llama3.config_registry"
-for _name in ("llama3_debugmodel", "llama3_debugmodel_ce_loss", "llama3_8b", "llama3_70b",
-              "llama3_405b"):
+for _name in ("llama3_debugmodel", "llama3_debugmodel_ce_loss", "llama3_8b", "llama3_70b"):
     globals()[_name] = _registered(_name, _LLAMA3)
+    __all__.append(_name)
+
+
+def llama3_405b() -> Any:
+    """torchtitan's ``llama3_405b`` on MatrixFSDP, with Muon on the blocks' matrices
+    (:func:`muon_optimizer`): tensor parallelism 8, float8 linears (they need an NVIDIA
+    SM89+ or AMD MI300+ GPU and torchao: elsewhere refused, naming float8), compile off
+    (refused with tensor parallelism; torchtitan's own config compiles)."""
+    config = _compile_off(_float8_named("llama3_405b", _LLAMA3)())
+    config.optimizer = muon_optimizer(config.optimizer)
+    return convert(config)
+
+
+__all__.append("llama3_405b")
+
+# torchtitan's MoE configs: routed experts as Muon matrices (each whole on one owner; under
+# --parallelism.expert_parallel_degree N on torchtitan's ep and efsdp meshes)
+for _name, _module in (("qwen3_moe_debug", "torchtitan.models.qwen3.config_registry"),
+                       ("qwen3_30b_a3b", "torchtitan.models.qwen3.config_registry"),
+                       ("deepseek_v3_debugmodel", "torchtitan.models.deepseek_v3.config_registry"),
+                       ("deepseek_v3_debugmodel_mtp", "torchtitan.models.deepseek_v3.config_registry"),
+                       ("deepseek_v3_16b", "torchtitan.models.deepseek_v3.config_registry")):
+    globals()[_name] = _registered(_name, _module)
     __all__.append(_name)

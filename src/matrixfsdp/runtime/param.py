@@ -210,6 +210,15 @@ def _replicated(a: Any) -> Any:
 
 
 _NORM_MESHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> its mesh
+_WORLD_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> its ranks
+
+
+def _world_ranks(root: Any) -> frozenset[int]:
+    """The global ranks of the model's data-parallel group (every rank of its root mesh)."""
+    ranks = _WORLD_RANKS.get(root)
+    if ranks is None:
+        ranks = _WORLD_RANKS[root] = frozenset(dist.get_process_group_ranks(root.groups.world))
+    return ranks
 
 
 def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
@@ -220,12 +229,21 @@ def _norm_mesh(root: Any, device_type: str) -> DeviceMesh:
     parameter included: each parameter some rank has a gradient for has one on every rank
     (an empty one where the rank holds nothing of it,
     :func:`~matrixfsdp.runtime.reduce.attach_grads`), so every rank's list has the same
-    length and its norms are partial DTensors too."""
+    length and its norms are partial DTensors too.
+
+    Expert parallelism: the experts' units have a mesh of their own inside the root's (each
+    rank holds its own experts, whole or in rows, and no other rank holds them), so the
+    root's ranks count every expert element once, as ``mf.clip_grad_norm_`` does; a unit
+    whose mesh reaches ranks outside the root's is refused."""
     mesh = _NORM_MESHES.get(root)
     if mesh is None:
-        if len({id(u.domain) for u in root.units}) > 1:
-            raise RuntimeError("matrixfsdp: the norms of gradients of units on several meshes "
-                               f"(expert parallelism) do not reduce over one. {_USE_OURS}")
+        world = _world_ranks(root)
+        outside = [u.name for u in root.units if u.domain is not root.domains[0] and
+                   not set(dist.get_process_group_ranks(u.domain.groups.world)) <= world]
+        if outside:
+            raise RuntimeError(f"matrixfsdp: the norms of gradients of unit '{outside[0]}', "
+                               "whose mesh reaches ranks outside the model's root mesh, do not "
+                               f"reduce over one group. {_USE_OURS}")
         mesh = _NORM_MESHES[root] = DeviceMesh.from_group(root.groups.world, device_type)
     return mesh
 
@@ -236,23 +254,30 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     the model holds alike on several ranks counts once: HSDP's replicas of a row shard on
     replica 0 only, a tp-replicated piece (a plain or ``Replicate`` parameter under tensor
     parallelism) once over its tp group (:func:`_over_tp`); a matrix counts on the
-    rank that steps it (elsewhere its gradient is empty, or under HSDP a copy of zeros)."""
+    rank that steps it (elsewhere its gradient is empty, or under HSDP a copy of zeros).
+
+    Gradients of several models (the parts of one pipeline stage's rank, each its own root:
+    looped schedules) reduce together when their roots span the same ranks: one mesh, the
+    first root's, carries them all, as FSDP2's parts share torchtitan's dp mesh."""
     grads = list(tensors)
     plain = next((g for g in grads if not isinstance(g, ShardedGrad)), None)
     if plain is not None:
         raise RuntimeError(
             f"matrixfsdp: the norms of a list mixing sharded and plain gradients (one of shape "
             f"{tuple(plain.shape)}): a plain gradient would count once per rank. {_USE_OURS}")
-    roots = {id(g.info.root): g.info.root for g in grads}
-    if len(roots) > 1:
-        raise RuntimeError(f"matrixfsdp: the norms of gradients of several models (e.g. "
-                           f"'{grads[0].param_name}') do not reduce over one group. {_USE_OURS}")
     if not grads:
         return []
-    root, p = next(iter(roots.values())), float(ord)
+    roots = {id(g.info.root): g.info.root for g in grads}
+    first = grads[0].info.root
+    if any(_world_ranks(r) != _world_ranks(first) for r in roots.values()):
+        raise RuntimeError(f"matrixfsdp: the norms of gradients of several models on different "
+                           f"ranks (e.g. '{grads[0].param_name}') do not reduce over one group. "
+                           f"{_USE_OURS}")
+    p = float(ord)
     if not p > 0:
         raise ValueError(f"matrixfsdp: norm_type must be > 0 or inf, got {ord}")
-    mesh = _norm_mesh(root, grads[0].device.type)  # decided from the plan: alike everywhere
+    # decided from the plan: alike everywhere
+    mesh = [_norm_mesh(r, grads[0].device.type) for r in roots.values()][0]
     counted = [i for i, g in enumerate(grads) if g.numel() and g.info.steps_here() and (
         g.info.unit.domain.groups.replica == 0 or g.info.placement.owner is not None)]
     with plain_torch_function():
@@ -261,8 +286,13 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
         norms = [torch.zeros((), dtype=dtype or g.dtype, device=g.device) for g in grads]
     for i, n in zip(counted, some):
         norms[i] = n
-    if root.tp is not None and norms:  # each norm over its tp group first
-        norms = list(_over_tp(torch.stack(norms), grads, root.tp, p).unbind())
+    for key, root in roots.items():  # each norm over its tp group first
+        if root.tp is not None:
+            mine = [i for i, g in enumerate(grads) if id(g.info.root) == key]
+            tp = _over_tp(torch.stack([norms[i] for i in mine]), [grads[i] for i in mine],
+                          root.tp, p)
+            for i, n in zip(mine, tp.unbind()):
+                norms[i] = n
     placement = norm_partial(p)
     return [DTensor.from_local(n, mesh, [placement], run_check=False) for n in norms]
 
@@ -285,8 +315,8 @@ def set_sharded_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
     """Make ``grad`` the ``.grad`` of shard ``p``: a :class:`ShardedGrad` view of it where
     the mesh has more than one rank (on one rank a local norm is the global one)."""
     info = sharded_param(p)
-    spread = info is not None and info.root is not None and \
-        (info.unit.domain.size > 1 or info.root.tp is not None)
+    spread = info is not None and info.root is not None and (
+        info.unit.domain.size > 1 or info.root.world_size > 1 or info.root.tp is not None)
     if spread and not isinstance(grad, ShardedGrad):
         grad = grad.as_subclass(ShardedGrad)
         grad.param_name, grad.rank = info.name, info.unit.domain.groups.world_rank

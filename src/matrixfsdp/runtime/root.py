@@ -214,6 +214,24 @@ class Root:
         self.in_backward = self.forward_open = False
         self.registration_check_due = True
 
+    def discard_grads(self) -> None:
+        """Drop every gradient of the model, as ``zero_grad()`` would leave them, for a pass
+        whose gradients are no step's: the reduces in flight waited for (every rank issued
+        them), then the gradients kept without sync, those on unsharded parameters and the
+        shards' ``.grad`` all None; every unit resharded. torch's pipeline stage runs one
+        real forward and backward to infer its metadata, whose gradients it clears for
+        FSDP2 (:mod:`matrixfsdp.integrations.pipelining`)."""
+        for unit in self.units:
+            unit.abandon(True)
+        self.schedule.finish_reduces()
+        self._unused = []
+        for unit in self.units:
+            unit.domain.replication.finish_broadcast(unit.index)
+            for p in unit.sharded:
+                p.grad = None
+        self.schedule.end_step()
+        self.in_backward = self.forward_open = False
+
     def before_step(self) -> None:
         """An optimizer is about to change the shards: drop the unsharded copies kept by
         ``unshard()`` or ``set_reshard_after_backward(False)`` (gathered again when used)."""
