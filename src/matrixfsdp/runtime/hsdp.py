@@ -19,9 +19,11 @@ replica (the plan's storage is per shard rank). Each 2-D Muon matrix also has on
   gather outside forward (a checkpoint: :func:`sync_replicas`) starts and waits for it
   itself. With ``overlap=False`` each unit broadcasts, synchronously, at its own gather.
 
-A reduce plus a broadcast moves what an all-reduce of the same tensor moves, so the bytes
-across the replicate dimension equal plain HSDP's, while NS runs once in the world instead
-of once per replica (docs/hsdp.md).
+A reduce plus a broadcast moves what an all-reduce of the same tensor moves, so summed over
+the ranks (the mean rank) the bytes across the replicate dimension equal plain HSDP's; the
+busiest holder carries its whole run, more than an even shard (``matrixfsdp plan``'s
+``replicate vs FSDP2 HSDP`` column), while NS runs once in the world instead of once per
+replica (docs/hsdp.md).
 """
 
 from __future__ import annotations
