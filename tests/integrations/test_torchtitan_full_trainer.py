@@ -622,3 +622,38 @@ def test_unsupported_options_are_named(init_job):
     assert "expert parallelism with tensor parallelism" in r["ep_tp"], r
     assert r["lion"] and "optimizer 'Lion'" in r["lion"], r
     assert r["betas"] and "Muon group of 'w' has option(s) ['betas']" in r["betas"], r
+
+
+# ---- the registry's own shape at 4 ranks ---------------------------------------------------------
+def _registry_shape_at_4(rank, world, out):
+    """``--module matrixfsdp.integrations.torchtitan --config llama3_debugmodel`` at the
+    registry's own model shape (dim 256, 6 layers, 16 heads, vocabulary 2048: 30 Muon
+    matrices, 8, 8, 7, 7 per rank), a short sequence for CPU."""
+    from helpers import titan_runs
+    titan_runs.start(rank, world, out)
+    m = _registry().model_spec.model
+    shape = dict(dim=m.dim, n_layers=len(m.layers), n_heads=16, seq_len=64)
+    steps = titan_runs.run(out, "ours", MF, "llama3_debugmodel", **shape)
+    config = titan_cpu.on_cpu(_registry(), **shape)
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    matrices = [n for n, p in model.named_parameters() if p.ndim == 2 and ".layers." in f".{n}"
+                and "norm" not in n]
+    if rank == 0:
+        with open(os.path.join(out, "registry.json"), "w") as f:
+            json.dump({"steps": steps, "matrices": len(matrices)}, f)
+
+
+@pytest.mark.heavy
+def test_registry_debugmodel_trains_at_4_ranks_with_unequal_owners(tmp_path):
+    """The issue's case: the one line's ``llama3_debugmodel`` at its own shape on 4 ranks,
+    whose 30 matrices cannot split evenly (torchtitan's clip crashed there, gloo's
+    "collective mismatch (8 vs 4)"): 10 steps, every grad norm finite, the loss falls."""
+    spawn(_registry_shape_at_4, 4, str(tmp_path), timeout=900, init=False)
+    got = json.loads((tmp_path / "registry.json").read_text())
+    steps = {int(k): v for k, v in got["steps"].items()}
+    print({k: (round(v["loss"], 4), round(v["grad_norm"], 4)) for k, v in steps.items()}, got["matrices"])
+    assert got["matrices"] == 30 and got["matrices"] % 4  # unequal owners
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    assert all(torch.isfinite(torch.tensor([s["loss"], s["grad_norm"]])).all() for s in steps.values())
+    assert steps[STEPS]["loss"] < steps[1]["loss"]
