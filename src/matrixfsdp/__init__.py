@@ -3,7 +3,7 @@ owner rank, so the optimizer step runs exact Muon with no communication."""
 
 from __future__ import annotations
 
-from .advisor.predict import PlanPrediction, plan_costs
+from .costs.predict import PlanPrediction, plan_costs
 from .fully_shard import fully_shard
 from .integrations import pipelining
 from .integrations.huggingface import shard_model

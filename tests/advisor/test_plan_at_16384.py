@@ -30,9 +30,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import matrixfsdp as mf
 from matrixfsdp import testing
 from matrixfsdp.advisor.layout_eval import cost_path
-from matrixfsdp.advisor.links import Links
+from matrixfsdp.costs.links import Links
 from matrixfsdp.advisor.model_shapes import shapes_of
-from matrixfsdp.advisor.passes import rank_counts, step_counts
+from matrixfsdp.costs.passes import rank_counts, step_counts
 from matrixfsdp.layout.traffic import Dtypes
 from benchmarks.parallel.tp_model import Llama, LlamaConfig, apply_tp
 

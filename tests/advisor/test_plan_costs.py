@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.advisor.costs import plan_summary
+from matrixfsdp.costs.summary import plan_summary
 from matrixfsdp.layout.planner import make_plan, plan_module
 from matrixfsdp.layout.traffic import Dtypes, predict_comm, rank_held
 from matrixfsdp.layout.types import ParamSpec, Placement, Plan

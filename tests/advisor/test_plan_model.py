@@ -23,10 +23,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import matrixfsdp as mf
 from matrixfsdp.advisor.layout_eval import cost_path
-from matrixfsdp.advisor.links import Links
 from matrixfsdp.advisor.model_shapes import shapes_of
-from matrixfsdp.advisor.passes import rank_counts, step_counts
-from matrixfsdp.advisor.predict import default_units
+from matrixfsdp.costs.links import Links
+from matrixfsdp.costs.passes import rank_counts, step_counts
+from matrixfsdp.costs.predict import default_units
 from matrixfsdp.layout.traffic import Dtypes
 from matrixfsdp.runtime.module import get_root
 from matrixfsdp.train.models import GPT, GPTConfig

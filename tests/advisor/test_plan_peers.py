@@ -16,12 +16,12 @@ from torch import nn
 
 from matrixfsdp.__main__ import main
 from matrixfsdp.advisor.advice import explain, peers_best
-from matrixfsdp.advisor.constants import OP_KINDS, Constants
-from matrixfsdp.advisor.links import Group, GroupCost, Links
 from matrixfsdp.advisor.model_shapes import shapes_of
 from matrixfsdp.advisor.peers import bucket_sizes, dtensor_ns_ops
 from matrixfsdp.advisor.search import default_global_batch, search
-from matrixfsdp.advisor.steptime import SCHEDULES, Workload
+from matrixfsdp.costs.constants import OP_KINDS, Constants
+from matrixfsdp.costs.links import Group, GroupCost, Links
+from matrixfsdp.costs.steptime import SCHEDULES, Workload
 from matrixfsdp.layout.traffic import Dtypes
 from matrixfsdp.train.models import GPT, GPTConfig
 

@@ -14,20 +14,20 @@ import pytest
 import torch
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.advisor.comm_costs import UnitComm, hop_elements
 from matrixfsdp.advisor.evaluated import KEYS
 from matrixfsdp.advisor.layout_eval import tp_rates
-from matrixfsdp.advisor.links import Links, Mesh
 from matrixfsdp.advisor.model_shapes import (
     activation_bytes,
     fewest_checkpointed,
     shapes_of,
     tp_specs,
 )
-from matrixfsdp.advisor.ns_costs import ns_loads, split_ns_ops, split_slices
-from matrixfsdp.advisor.passes import step_bytes
 from matrixfsdp.advisor.search import best_of, search
-from matrixfsdp.advisor.steptime import BOUNDS, Workload, pass_flags, simulate_pass
+from matrixfsdp.costs.comm_costs import UnitComm, hop_elements
+from matrixfsdp.costs.links import Links, Mesh
+from matrixfsdp.costs.ns_costs import ns_loads, split_ns_ops, split_slices
+from matrixfsdp.costs.passes import step_bytes
+from matrixfsdp.costs.steptime import BOUNDS, Workload, pass_flags, simulate_pass
 from matrixfsdp.layout.assign import DEFAULT_RATES, ns_flops, ns_flops_split, tp_group_owned
 from matrixfsdp.layout.planner import make_plan
 from matrixfsdp.layout.traffic import Dtypes

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from matrixfsdp.__main__ import main
-from matrixfsdp.advisor.comm_costs import UnitComm
 from matrixfsdp.advisor.evaluated import KEYS
-from matrixfsdp.advisor.links import Group, GroupCost, Links, Mesh
 from matrixfsdp.advisor.model_shapes import shapes_of, stage_blocks, stages, tp_specs
 from matrixfsdp.advisor.search import search
-from matrixfsdp.advisor.state_costs import state_spread
-from matrixfsdp.advisor.steptime import simulate_pass
+from matrixfsdp.costs.comm_costs import UnitComm
+from matrixfsdp.costs.links import Group, GroupCost, Links, Mesh
+from matrixfsdp.costs.state_costs import state_spread
+from matrixfsdp.costs.steptime import simulate_pass
 from matrixfsdp.layout.planner import make_plan, with_even_params
 from matrixfsdp.layout.traffic import Dtypes, rank_held
 from matrixfsdp.layout.units import unit_layouts

@@ -8,7 +8,7 @@ What counts as a code name (the rule; everything else in backticks is left alone
   (``mf.clip_grad_norm_(...)`` is ``mf.clip_grad_norm_``); ``mf.set_modules_to_*`` means
   some name with that prefix. Resolved by import and ``getattr``, ``mf`` being ``matrixfsdp``.
 * **Dotted names from a room of the package**: an inline span that starts with ``layout.``,
-  ``advisor.``, ``runtime.``, ``diagnosis.``, ``tensors.``, ``integrations.``, ``train.``,
+  ``costs.``, ``advisor.``, ``runtime.``, ``diagnosis.``, ``tensors.``, ``integrations.``, ``train.``,
   ``testing.`` or ``_compat.`` is ``matrixfsdp.<span>`` (``optim.``, ``state.`` and
   ``fully_shard.`` are not taken: as many pages use those words for torch's objects and
   variables). The former rooms (``planning``, ``shards``, ``sharding``, ``bench``) are read

@@ -1,9 +1,8 @@
-"""``matrixfsdp plan`` and ``matrixfsdp calibrate``: what a layout of a cluster would cost
-(:mod:`.predict`, ``mf.plan_costs``; :mod:`.costs`, :mod:`.layout_costs`, :mod:`.comm_costs`,
-:mod:`.ns_costs`, :mod:`.passes`, :mod:`.state_costs`), the step time on a link model
-(:mod:`.links`, :mod:`.steptime`), the peers' costs (:mod:`.peers`), the search over
-(replicate, shard, tp, pp) layouts and its report (:mod:`.search`, :mod:`.layout_eval`,
-:mod:`.evaluated`, :mod:`.advice`), and the constants measured on a machine
-(:mod:`.calibrate`). Reads the layout the runtime reads (:mod:`matrixfsdp.layout`); the
-library's runtime never imports it, ``import matrixfsdp`` only its cost model (for
-``mf.plan_costs``)."""
+"""``matrixfsdp plan`` and ``matrixfsdp calibrate``: the search over the (replicate, shard, tp,
+pp) layouts of a cluster and its advice (:mod:`.search`, :mod:`.layout_eval`,
+:mod:`.evaluated`, :mod:`.advice`, :mod:`.torchtitan_flags`), the model as each layout sees
+it (:mod:`.model_shapes`; from a transformers config: :mod:`.hf_config`), the peers it
+compares against (:mod:`.peers`), the command line (:mod:`.cli`) and the constants measured
+on a machine (:mod:`.calibrate`). Each layout is planned by the planner the runtime uses
+(:mod:`matrixfsdp.layout`) and costed and timed by :mod:`matrixfsdp.costs`; nothing in the
+library imports this room, ``import matrixfsdp`` included."""

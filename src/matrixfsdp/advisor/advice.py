@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..costs.links import Links
+from ..costs.steptime import BOUNDS, StepTime, Workload
 from ..layout.report import fmt_bytes, format_report
 from ..layout.traffic import Dtypes
 from .evaluated import SYSTEMS, Evaluated, keep_text
-from .links import Links
 from .search import RateRow, Search, best_of
-from .steptime import BOUNDS, StepTime, Workload
 
 _DTYPE = {2: "bf16", 4: "fp32"}
 _SHORT = {"1F1B": "1F1B", "interleaved 1F1B": "I1F1B", "interleaved zero bubble": "ZB"}
@@ -170,7 +170,7 @@ def _optimizer_term(e: Evaluated, system: str) -> str:
 @dataclass
 class Explained:
     """What bounds one system's step at one layout: the largest kind on the simulation's
-    critical path (:data:`~matrixfsdp.advisor.steptime.BOUNDS`), the largest of what it
+    critical path (:data:`~matrixfsdp.costs.steptime.BOUNDS`), the largest of what it
     spends above the compute floor, and the step over the floor."""
 
     step: float

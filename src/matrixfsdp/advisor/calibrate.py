@@ -1,6 +1,6 @@
 """``matrixfsdp calibrate``: measure, on the machine it runs on, the constants the step-time
 model of ``matrixfsdp plan`` uses, and write them to a file ``plan --constants FILE`` reads
-(:class:`~matrixfsdp.advisor.constants.Constants`). On a GPU node or a cluster, run it after
+(:class:`~matrixfsdp.costs.constants.Constants`). On a GPU node or a cluster, run it after
 ``make gpu-check`` (docs/gpu.md: the first command there) and before ``matrixfsdp plan
 --constants FILE``; without a GPU it runs on CPU ranks over gloo.
 
@@ -46,13 +46,13 @@ import torch.distributed as dist
 
 from .. import _compat
 from .._compat import all_gather_single, reduce_scatter_single
+from ..costs.constants import OP_KINDS, Constants, OpFit
 from ..layout.assign import ns_flops
 from ..optim.muon import zeropower_via_newtonschulz
 from ..runtime.collectives import coalescing_supported
 from ..train.launch import DefaultsHelp, device_for, sync
 from ..train.machine import barrier, machine_info
 from ..train.rank_process import ranks_started
-from .constants import OP_KINDS, Constants, OpFit
 
 NS_COEFFS = (3.4445, -4.775, 2.0315)  # torch.optim.Muon's defaults
 SHAPES = {  # (gemm m, k, n), (ns rows, cols): CPU ranks, GPUs

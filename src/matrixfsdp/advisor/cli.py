@@ -8,6 +8,9 @@ import json
 
 import torch
 
+from ..costs.constants import Constants
+from ..costs.links import Links
+from ..costs.steptime import Workload
 from ..layout.assign import TP_OWNERSHIPS
 from ..layout.traffic import Dtypes
 from ..train.cli import int_at_least
@@ -15,12 +18,9 @@ from ..train.cluster import DTYPE_BYTES, parse_bytes
 from ..train.launch import DefaultsHelp, positive_float
 from ..train.models import GPT, PRESETS
 from .advice import SUMMARY_HEAD, Setting, format_search, search_json, summary_row
-from .constants import Constants
 from .hf_config import config_path, meta_model
-from .links import Links
 from .model_shapes import ModelShapes, shapes_of
 from .search import LLAMA3_TOKENS, default_global_batch, search, sensitivity
-from .steptime import Workload
 from .torchtitan_flags import torchtitan_text
 
 PLAN_PRESETS = sorted(PRESETS)

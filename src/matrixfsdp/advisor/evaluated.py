@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ..costs.steptime import ONE_STAGE, PipelineSchedule, StepTime
 from ..layout.types import Plan
-from .steptime import ONE_STAGE, PipelineSchedule, StepTime
 
 KEYS = ("replicate", "shard", "tp", "pp", "largest_rank_bytes", "device_memory_bytes", "fits",
         "model_state_max_over_mean", "critical_bytes_vs_fsdp2", "owner_floor",
@@ -51,7 +51,7 @@ class Layout:
 
 def keep_text(keep: str, m: int) -> str:
     """Which units a step keeps gathered, in words (``keep``:
-    :data:`~matrixfsdp.advisor.passes.KEEPS`; ``m`` micro-batches)."""
+    :data:`~matrixfsdp.costs.passes.KEEPS`; ``m`` micro-batches)."""
     if keep == "each":
         return "every unit gathered each micro-batch"
     if keep == "root":

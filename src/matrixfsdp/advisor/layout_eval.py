@@ -1,6 +1,6 @@
 """One layout of the search planned, costed and timed: each pipeline stage planned by the
 planner the runtime uses (stages with the same blocks share one plan), costed
-(:mod:`~matrixfsdp.advisor.layout_costs`) and timed (:mod:`~matrixfsdp.advisor.steptime`)
+(:mod:`~matrixfsdp.costs.layout_costs`) and timed (:mod:`~matrixfsdp.costs.steptime`)
 for this library, FSDP2 + torch.optim.Muon and DistMuon, each checkpointing the blocks its
 memory asks for.
 """
@@ -10,19 +10,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..costs.layout_costs import StageCosts, UnitsPart, stage_costs, units_part
+from ..costs.links import GroupCost, Links, Mesh, MeshCost
+from ..costs.ns_costs import NSLoads, ns_loads
+from ..costs.passes import KEEPS, passes_of, step_bytes
+from ..costs.steptime import StepTime, Workload, ours, stage_work
 from ..layout.assign import DEFAULT_RATES, TPRates, tp_group_owned
 from ..layout.planner import make_plan, with_even_params
 from ..layout.traffic import Dtypes
 from ..layout.types import ParamSpec, Plan
 from ..layout.units import layout_of, unit_layouts
 from .evaluated import Evaluated, Layout, ac_mode
-from .layout_costs import StageCosts, UnitsPart, stage_costs, units_part
-from .links import GroupCost, Links, Mesh, MeshCost
 from .model_shapes import ModelShapes, Stage, activation_bytes, fewest_checkpointed, stages, tp_specs
-from .ns_costs import NSLoads, ns_loads
-from .passes import KEEPS, passes_of, step_bytes
 from .peers import DistMuonBest, distmuon, distmuon_best, dtensor_muon_step, fsdp2_muon
-from .steptime import StepTime, Workload, ours, stage_work
 
 
 @dataclass
@@ -241,8 +241,8 @@ def cost_path(shapes: ModelShapes, replicate: int, shard: int, tp: int = 1, pp: 
               tp_ownership: str = "auto", tp_rates: TPRates | None = None
               ) -> list[tuple[Stage, Plan, StageCosts]]:
     """The search's costs of one layout, stage by stage (each stage's plan and
-    :class:`~matrixfsdp.advisor.layout_costs.StageCosts`, its units' collectives with them:
-    :func:`~matrixfsdp.advisor.passes.rank_counts` reads them rank by rank).
+    :class:`~matrixfsdp.costs.layout_costs.StageCosts`, its units' collectives with them:
+    :func:`~matrixfsdp.costs.passes.rank_counts` reads them rank by rank).
     ``tp_ownership`` / ``tp_rates``: as ``fully_shard`` is told (default: its own, "auto"
     at its default rates)."""
     specs = tp_specs(shapes, tp)

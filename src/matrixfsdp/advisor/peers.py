@@ -46,10 +46,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .layout_costs import StageCosts
-from .links import GroupCost, Mesh, MeshCost
-from .ns_costs import NSLoads
-from .steptime import ONE_STAGE, PipelineSchedule, StageWork, StepTime, Workload, assemble
+from ..costs.layout_costs import StageCosts
+from ..costs.links import GroupCost, Mesh, MeshCost
+from ..costs.ns_costs import NSLoads
+from ..costs.steptime import ONE_STAGE, PipelineSchedule, StageWork, StepTime, Workload, assemble
 
 BF16 = 2  # torch's NS runs in bf16
 

@@ -2,7 +2,7 @@
 of a world size (tp inside a node, activation checkpointing on and off), each planned by
 the planner the runtime uses (per pipeline stage, the planner's own owners), costed
 (memory per rank, critical-path bytes against FSDP2's, NS against its bound) and timed
-(:mod:`~matrixfsdp.advisor.steptime`). The advice is the layout with the lowest modelled
+(:mod:`~matrixfsdp.costs.steptime`). The advice is the layout with the lowest modelled
 step time among those whose largest rank fits the device; none is chosen that does not fit
 while one fits.
 """
@@ -14,12 +14,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from ..costs.links import Links, Mesh
+from ..costs.steptime import ONE_STAGE, SCHEDULES, PipelineSchedule, Workload
 from ..layout.traffic import Dtypes
 from .evaluated import SYSTEMS, Evaluated, Layout, ac_mode
 from .layout_eval import evaluate, plan_stages, tp_rates
-from .links import Links, Mesh
 from .model_shapes import ModelShapes, stages, tp_specs
-from .steptime import ONE_STAGE, SCHEDULES, PipelineSchedule, Workload
 
 LLAMA3_TOKENS = 2 ** 24  # Llama 3's global batch at its final stage: 16M tokens per step
 H100_BF16_DENSE = 989e12  # H100 SXM's dense bf16 tensor-core peak, FLOP/s (NVIDIA datasheet)

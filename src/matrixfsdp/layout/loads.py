@@ -1,6 +1,6 @@
 """What one collective moves, by NCCL's algorithms: one arithmetic for the runtime's counters
 (:class:`~matrixfsdp.runtime.collectives.CommStats`), the planner's predictions
-(:mod:`~matrixfsdp.layout.traffic`, :mod:`~matrixfsdp.advisor.comm_costs`) and the test
+(:mod:`~matrixfsdp.layout.traffic`, :mod:`~matrixfsdp.costs.comm_costs`) and the test
 backends (:mod:`matrixfsdp.testing`). A collective ends when its most loaded rank is done,
 so each op is charged to that rank (``critical``), beside this rank's own bytes and the
 mean over ranks."""

@@ -104,7 +104,7 @@ def _replicate(c: _Counts, seg: Segment, R: int, replica: int, itemsize: int, re
 def _walk(plan: Plan, dtypes: Dtypes, micro_batches: int, coalesced: bool) -> list[_Counts]:
     if any(pl.spec.tp > 1 for pl in plan.placements.values()):
         raise NotImplementedError("predict_comm: tensor-parallel plans are costed by the "
-                                  "layout search (matrixfsdp.advisor.layout_costs)")
+                                  "layout search (matrixfsdp.costs.layout_costs)")
     S, R, W = plan.shard_size, plan.replicas, plan.world_size
     layouts = unit_layouts(plan)
     reduces = reduce_layouts(layouts)

@@ -5,9 +5,9 @@ The collectives are the ops the runtime issues (:func:`~matrixfsdp.layout.units.
 unit and direction one even collective and one broadcast / reduce per holder over the shard
 group, one launch where the group coalesces; the tp hop's all-to-all; over the replicate
 group each shard rank's own all-reduce and per-replica reduces / broadcasts), each charged
-its own latency at its group's size (:mod:`~matrixfsdp.advisor.links`). A stage holds its
-units' (:mod:`~matrixfsdp.advisor.layout_costs`); a step's passes count them
-(:mod:`~matrixfsdp.advisor.passes`).
+its own latency at its group's size (:mod:`~matrixfsdp.costs.links`). A stage holds its
+units' (:mod:`~matrixfsdp.costs.layout_costs`); a step's passes count them
+(:mod:`~matrixfsdp.costs.passes`).
 """
 
 from __future__ import annotations

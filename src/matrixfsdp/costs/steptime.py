@@ -26,7 +26,7 @@ activation sends, then every reduce, exposed. Then the optimizer: Newton-Schulz 
 busiest rank's matrices, and the element-wise updates (7 fp32 accesses per AdamW element, 5
 per Muon element).
 
-**Collectives** are the ops the runtime issues (:mod:`~matrixfsdp.advisor.comm_costs`),
+**Collectives** are the ops the runtime issues (:mod:`~matrixfsdp.costs.comm_costs`),
 each at its own latency. Every rank has its own queues, so a step is timed on the ranks
 whose replicate-dim traffic weighs most (and a rank holding no piece) and the slowest counts.
 """
@@ -361,7 +361,7 @@ def stage_work(block_flops: Sequence[float], head_flops: float, tokens: int, d_m
 
 def pass_flags(n: int, m: int, keep: str = "each") -> list[tuple[bool, Flags, int]]:
     """A step's distinct passes over ``n`` units: (its broadcasts, its :data:`Flags`, how
-    many), as the runtime runs ``keep`` (:data:`~matrixfsdp.advisor.passes.KEEPS`):
+    many), as the runtime runs ``keep`` (:data:`~matrixfsdp.costs.passes.KEEPS`):
     every unit gathered and reduced each micro-batch; or the root (``"root"``), and the
     first block too (``"edges"``), gathered in the first micro-batch and reduced in the last,
     kept gathered between; ``"edges"``: the last block not gathered again in backward."""

@@ -8,7 +8,7 @@ runtime's layout and counters are redone over the plan
 ``matrixfsdp.comm_stats(model).summary()`` reads on each rank after one training step and
 what each rank holds (``tests/advisor/test_plan_model.py`` checks it at 8 ranks, 1-D and HSDP).
 
-:func:`matrixfsdp.advisor.costs.plan_summary` (a :class:`~matrixfsdp.layout.types.Plan`
+:func:`matrixfsdp.costs.summary.plan_summary` (a :class:`~matrixfsdp.layout.types.Plan`
 in, max / mean summaries out: the same plan costed as ``matrixfsdp plan`` costs a layout) is
 where this one's ``summary`` comes from.
 """
@@ -25,7 +25,7 @@ from ..layout.planner import plan_module
 from ..layout.traffic import Dtypes, Held, predict_comm, predict_launches, rank_held
 from ..layout.types import MuonFilter, Plan
 from ..layout.units import unit_layouts
-from .costs import PlanCosts, plan_summary
+from .summary import PlanCosts, plan_summary
 
 
 @dataclass

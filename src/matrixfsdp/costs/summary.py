@@ -3,7 +3,7 @@ the transient buffers, Newton-Schulz FLOPs, and the bytes of a training step on 
 path against FSDP2's (``matrixfsdp.plan_costs(model, mesh_shape).summary``).
 
 No model of its own: the plan is costed as ``matrixfsdp plan`` costs one stage of a layout
-(:mod:`~matrixfsdp.advisor.layout_costs`). The collectives are the ops the runtime issues
+(:mod:`~matrixfsdp.costs.layout_costs`). The collectives are the ops the runtime issues
 (:func:`~matrixfsdp.layout.units.calls`, charged by
 :meth:`~matrixfsdp.layout.units.Call.load`); the model state is
 :func:`~matrixfsdp.layout.traffic.rank_held`'s for every rank (segments with their

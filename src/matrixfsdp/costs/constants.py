@@ -14,7 +14,7 @@ Pure Python over a JSON file (the planning layer imports no torch.distributed):
 * ``collectives[kind]``: ``[ranks, latency s, bytes/s]`` per collective the runtime issues
   (``all_gather``, ``reduce_scatter``, ``broadcast``, ``reduce``, ``all_reduce``,
   ``all_to_all``) at each group size measured: one op's time is ``latency + busiest / bw``,
-  ``busiest`` the most loaded rank's bytes (:mod:`matrixfsdp.advisor.links`' rule);
+  ``busiest`` the most loaded rank's bytes (:mod:`matrixfsdp.costs.links`' rule);
   ``launch``: what one launch costs beyond its ops' own latency (where the group coalesces
   several ops into one launch; 0 where each op is its own launch, its latency holding it);
   ``coalesced``: whether the groups coalesce.

@@ -25,7 +25,7 @@ node, so a group is ``size`` ranks ``stride`` apart (:class:`Group`).
   (``2 ((k-1) NVLink + log2(nodes) network)`` hops, twice the buffer). All-to-all (the tp
   hop, DistMuon's gathers): one hop, then the busiest rank's ``max(sent, received)``
   through its own NIC across nodes. Point-to-point (pipeline stages): one hop.
-* **Measured constants** (``matrixfsdp calibrate``, :mod:`~matrixfsdp.advisor.constants`):
+* **Measured constants** (``matrixfsdp calibrate``, :mod:`~matrixfsdp.costs.constants`):
   a group inside one node no larger than the largest measured takes each op's measured
   latency and bandwidth at its size and the measured launch cost; whether groups coalesce
   comes from the measurement too. Larger groups keep the model above.

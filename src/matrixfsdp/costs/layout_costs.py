@@ -6,8 +6,8 @@ Model state per rank is :func:`~matrixfsdp.layout.traffic.rank_held`'s (segments
 gradient buffers the shards' ``.grad`` keep alive, Muon momentum and AdamW moments), computed
 for all ranks at once from difference arrays over the shard ranks plus the ranks that hold
 pieces, so a 16384-rank plan costs milliseconds. Each unit's collectives are costed in
-:mod:`~matrixfsdp.advisor.comm_costs`, the plan's Newton-Schulz in
-:mod:`~matrixfsdp.advisor.ns_costs`; :mod:`~matrixfsdp.advisor.passes` counts a step's
+:mod:`~matrixfsdp.costs.comm_costs`, the plan's Newton-Schulz in
+:mod:`~matrixfsdp.costs.ns_costs`; :mod:`~matrixfsdp.costs.passes` counts a step's
 passes over the units.
 """
 
