@@ -31,7 +31,7 @@ test-heavy: $(BIN)/.installed
 	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder -m heavy tests
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check src tests benchmarks tools examples
+	$(BIN)/ruff check src tests benchmarks studies tools examples
 
 bench: $(BIN)/.installed
 	OMP_NUM_THREADS=1 $(BIN)/matrixfsdp bench --out runs/bench

@@ -15,7 +15,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the profiler quiet in spa
 # "prepend" import mode: every basename is unique). The rank processes the tests start
 # inherit this path, so they import both.
 sys.path.insert(0, os.path.dirname(__file__))
-# the repository root: benchmarks/ (outside the package) for the tests of the benchmarks
+# the repository root: benchmarks/, studies/ and tools/ (outside the package) for their tests
 sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

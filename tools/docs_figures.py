@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.harness.report import BASELINE, critical_path, render_markdown
-from benchmarks.studies.init_memory import PATHS as INIT_PATHS
-from benchmarks.studies.init_memory import render as render_init_memory
 from matrixfsdp.train.machine import machine_info, machine_line
+from studies.init_memory import PATHS as INIT_PATHS
+from studies.init_memory import render as render_init_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -218,18 +218,18 @@ REGISTRY: dict[str, Figure] = {
                     "--d-model 256 --heads 4 --mlp 1024 --seq 128 --batch 4 --steps 5 --warmup 2 "
                     "--out {out}",),
                    _bench(".")),
-    "init_memory": Figure(("python -m benchmarks.studies.init_memory --ranks 4 --out {out}/4",
-                           "python -m benchmarks.studies.init_memory --ranks 2 --out {out}/2"), _init_memory),
-    "async_save": Figure(("python -m benchmarks.studies.async_save --repeats 3 --out {out}",),
+    "init_memory": Figure(("python -m studies.init_memory --ranks 4 --out {out}/4",
+                           "python -m studies.init_memory --ranks 2 --out {out}/2"), _init_memory),
+    "async_save": Figure(("python -m studies.async_save --repeats 3 --out {out}",),
                          _files("results.md")),
-    "step_ops": Figure(("python -m benchmarks.studies.step_ops --ranks 4",), _stdout(0)),
-    "heads_ns": Figure(("python -m benchmarks.studies.heads --out {out}/bf16",
-                        "python -m benchmarks.studies.heads --dtype fp32 --out {out}/fp32"), _heads),
-    "batched_ns": Figure(("python -m benchmarks.studies.batched_ns --out {out}/bf16",
-                          "python -m benchmarks.studies.batched_ns --dtype fp32 --out {out}/fp32"),
+    "step_ops": Figure(("python -m studies.step_ops --ranks 4",), _stdout(0)),
+    "heads_ns": Figure(("python -m studies.heads --out {out}/bf16",
+                        "python -m studies.heads --dtype fp32 --out {out}/fp32"), _heads),
+    "batched_ns": Figure(("python -m studies.batched_ns --out {out}/bf16",
+                          "python -m studies.batched_ns --dtype fp32 --out {out}/fp32"),
                          _files("bf16/batched_ns.md", "fp32/batched_ns.md")),
     "heads_qk_clip": Figure(
-        (*HEADS_RUNS, 'python -m benchmarks.studies.compare_runs "whole-matrix Muon={out}/full" '
+        (*HEADS_RUNS, 'python -m studies.compare_runs "whole-matrix Muon={out}/full" '
          '"per-head Muon={out}/per_head" "per-head + QK-clip (tau 6)={out}/per_head_clip" '
          "--out {out}/heads_qk_clip.png"), _stdout(3), {"heads_qk_clip.png": "heads_qk_clip.png"}),
     "debug_cost": Figure(("matrixfsdp train --ranks 4 --steps 40 --out {out}/plain",

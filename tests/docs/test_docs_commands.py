@@ -1,8 +1,8 @@
 """The commands the docs show are the commands' own: every flag that README.md and docs/
 give ``matrixfsdp train``, ``plan``, ``calibrate``, ``bench`` (and its ``--link``, ``--tp``,
-``--ep`` modes) or a ``python -m benchmarks.<tool>`` appears in that command's ``--help``,
-each option there with its default; and the messages the pages quote for the rough edges
-are the ones the command prints. No rank is started."""
+``--ep`` modes), a ``python -m benchmarks.<tool>`` or a ``python -m studies.<study>`` appears
+in that command's ``--help``, each option there with its default; and the messages the pages
+quote for the rough edges are the ones the command prints. No rank is started."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_documented_flags_are_in_help_with_defaults(command):
     options = help_options(help_text(command))
     missing = {f: page for f, page in documented()[command].items() if f not in options}
     assert not missing, f"{command} --help lacks flags the docs use: {missing}"
-    if not command.startswith("benchmarks."):  # the tools' own help is theirs
+    if not command.startswith(("benchmarks.", "studies.")):  # the tools' own help is theirs
         bare = [o for o, h in options.items() if o != "--help" and "default" not in h]
         assert not bare, f"{command} --help shows no default for {bare}"
 

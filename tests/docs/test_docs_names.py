@@ -19,13 +19,14 @@ What counts as a code name (the rule; everything else in backticks is left alone
   reachable by ``getattr`` (inherited).
 * **Files and folders**: a token ending ``.py`` (optionally ``::test``) or a folder ending
   ``/``, inside code, whose first component is ``src``, ``matrixfsdp``, ``benchmarks``,
-  ``tools``, ``examples``, ``tests`` or a room of the package (``runtime/unit.py`` is
-  ``src/matrixfsdp/runtime/unit.py``); a bare file name (``exit.py``) must be a file of
-  ``src/``, ``benchmarks/``, ``tools/`` or ``examples/``, unless it is listed below as
+  ``studies``, ``tools``, ``examples``, ``tests`` or a room of the package (``runtime/unit.py``
+  is ``src/matrixfsdp/runtime/unit.py``); a bare file name (``exit.py``) must be a file of
+  ``src/``, ``benchmarks/``, ``studies/``, ``tools/`` or ``examples/``, unless it is listed below as
   another project's file or an example's placeholder name. Paths of other projects
   (``torch/...``, ``torchtitan/...``) are not checked. A path with a dotted tail
   (``runtime/module.make_unit``) is a module and its attribute.
-* **Modules run as commands**: ``python -m benchmarks.x``, ``tools.x``, ``matrixfsdp.x``.
+* **Modules run as commands**: ``python -m benchmarks.x``, ``studies.x``, ``tools.x``,
+  ``matrixfsdp.x``.
 
 Not read: architecture.md's generated file map (``tests/docs/test_docs_file_map.py`` checks
 it) and the generated figure blocks (``tests/docs/test_docs_figures.py``), HTML comments.
@@ -54,7 +55,8 @@ ROOMS = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
 # from one of them is checked like a room's, so that it fails
 FORMER_ROOMS = {"planning", "shards", "sharding", "bench"}
 DOTTED_ROOMS = (ROOMS - {"optim", "state"}) | {"_compat"} | FORMER_ROOMS
-PATH_ROOTS = {"src", "matrixfsdp", "benchmarks", "tools", "examples", "tests"} | ROOMS | FORMER_ROOMS
+OUTSIDE = ("benchmarks", "studies", "tools")  # beside the package, imported from the repository root
+PATH_ROOTS = {"src", "matrixfsdp", *OUTSIDE, "examples", "tests"} | ROOMS | FORMER_ROOMS
 # bare file names that are not this repository's: other projects' files the pages name, and
 # the placeholder names of the pages' own runnable examples
 FOREIGN_FILES = {"chainable.py", "_optimizer_reshard_runtime.py", "example.py", "recipe.py"}
@@ -66,7 +68,7 @@ _SPAN = re.compile(r"`([^`\n]+(?:\n[^`\n]+)*)`")
 _PY_NAME = re.compile(r"(?<![\w./-])(?:mf|matrixfsdp)(?:\.[A-Za-z_]\w*)+(\*)?")
 _CLASS_ATTR = re.compile(r"^([A-Z]\w*)\.([A-Za-z_]\w*)")
 _PATH = re.compile(r"(?<![\w./-])([A-Za-z_][\w.-]*(?:/[\w.-]+)*/?)(?:::\w+)?(?![\w/])")
-_RUN_MODULE = re.compile(r"-m\s+((?:benchmarks|tools|matrixfsdp)(?:\.\w+)+)")
+_RUN_MODULE = re.compile(r"-m\s+((?:benchmarks|studies|tools|matrixfsdp)(?:\.\w+)+)")
 
 
 def _blank(m: re.Match) -> str:
@@ -152,13 +154,14 @@ def _path_problem(token: str) -> str | None:
     if not slash:
         if not token.endswith(".py") or token in FOREIGN_FILES:
             return None
-        names = {p.name for d in ("src", "benchmarks", "tools", "examples") for p in (ROOT / d).rglob("*.py")}
-        return None if token in names else "no such file in src/, benchmarks/, tools/ or examples/"
+        names = {p.name for d in ("src", *OUTSIDE, "examples") for p in (ROOT / d).rglob("*.py")}
+        return None if token in names else "no such file in src/, benchmarks/, studies/, tools/ or examples/"
     if first not in PATH_ROOTS or (first == "tests" and SKIP_TEST_PATHS) \
             or (first == "src" and not rest.startswith("matrixfsdp")):
         return None
     base = {"src": ROOT / "src", "matrixfsdp": PACKAGE, "benchmarks": ROOT / "benchmarks",
-            "tools": ROOT / "tools", "examples": ROOT / "examples", "tests": ROOT / "tests"}
+            "studies": ROOT / "studies", "tools": ROOT / "tools", "examples": ROOT / "examples",
+            "tests": ROOT / "tests"}
     where = base[first] / rest if first in base else PACKAGE / token
     if token.endswith("/"):
         return None if where.is_dir() else "no such folder"
@@ -168,7 +171,7 @@ def _path_problem(token: str) -> str | None:
     file = (base[first] / module.partition("/")[2] if first in base else PACKAGE / module).with_suffix(".py")
     if not file.exists():
         return f"no module {file.relative_to(ROOT)}"
-    dotted = ".".join(file.relative_to(ROOT / "src" if first not in ("benchmarks", "tools") else ROOT)
+    dotted = ".".join(file.relative_to(ROOT / "src" if first not in OUTSIDE else ROOT)
                       .with_suffix("").parts)
     return None if _resolve(f"{dotted}.{attrs}") else f"{dotted} has no {attrs}"
 
@@ -225,6 +228,7 @@ def test_the_rule_sees_what_it_should():
                  "mf.set_modules_to_*", "Root.finish_grads", "UnitLayout.reduce_layout",
                  "runtime/unit.py", "src/matrixfsdp/fully_shard.py", "layout/", "exit.py",
                  "benchmarks/harness/main.py", "python -m tools.docs_figures", "_compat.coalescing",
+                 "studies/scale.py", "python -m studies.step_ops",
                  "torch/optim/_muon.py", "DTensor.from_local", "fully_shard.state(m)._state_ctx",
                  "chainable.py", "tests/runtime/test_tp_group.py",
                  "RowShard.__reduce_ex__"]
@@ -232,6 +236,7 @@ def test_the_rule_sees_what_it_should():
                  "UnitLayout.subset",
                  "runtime/fully_shard.py", "sharding.py", "shards/", "planning.layout.calls",
                  "runtime/fully_shard.make_unit", "python -m benchmarks.no_such", "Root.no_such",
+                 "benchmarks/studies/scale.py", "python -m benchmarks.studies.step_ops",
                  "matrixfsdp/shards/row_shard.py"]
     assert [c for c in must_pass if problems_in(c, inline=True)] == []
     assert [c for c in must_fail if not problems_in(c, inline=True)] == []

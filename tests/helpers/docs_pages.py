@@ -1,5 +1,5 @@
 """The docs' pages and the commands they show: README.md and docs/*.md, the command lines in
-their code (``matrixfsdp train|plan|calibrate|bench``, ``python -m benchmarks.*|tools.*``),
+their code (``matrixfsdp train|plan|calibrate|bench``, ``python -m benchmarks.*|studies.*|tools.*``),
 the flags each passes, and each command's own ``--help`` read into its options
 (docs/test_docs_commands.py, docs/test_docs_figures.py, docs/test_docs_examples.py)."""
 
@@ -18,7 +18,7 @@ from matrixfsdp.__main__ import main
 ROOT = REPO  # README.md and docs/
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMAND = re.compile(r"(matrixfsdp (?:train|bench|plan|calibrate)"
-                     r"|python -m (?:benchmarks|tools|matrixfsdp)\.[\w.]+)"
+                     r"|python -m (?:benchmarks|studies|tools|matrixfsdp)\.[\w.]+)"
                      r"((?:\s+(?!matrixfsdp\b|python\b|torchrun\b|srun\b|OMP_NUM_THREADS=)[^\s`|;]+)*)")
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # a misspelt flag the pages show refused: "matrixfsdp train: error: unrecognized arguments: --step 5"
@@ -68,7 +68,7 @@ def documented() -> dict[str, dict[str, str]]:
 def help_text(command: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        if command.startswith(("benchmarks.", "tools.", "matrixfsdp.")):
+        if command.startswith(("benchmarks.", "studies.", "tools.", "matrixfsdp.")):
             importlib.import_module(command).main(["--help"])
         elif command.startswith("bench --link"):
             main(["bench", "--link", "1", "--help"])

@@ -108,10 +108,10 @@ def test_the_scan_sees_private_names_behind_aliases_and_in_strings(tmp_path):
 
 
 def test_benchmarks_and_tools_use_torch_privates_only_through_compat():
-    """The repository's own code outside the package (benchmarks/, tools/) reaches torch's
+    """The repository's own code outside the package (benchmarks/, studies/, tools/) reaches torch's
     private API through ``matrixfsdp._compat`` too, so one module says what is private."""
     root = PACKAGE.parent.parent
-    uses = {str(p.relative_to(root)): u for folder in ("benchmarks", "tools")
+    uses = {str(p.relative_to(root)): u for folder in ("benchmarks", "studies", "tools")
             for p in sorted((root / folder).rglob("*.py")) if (u := _private_uses(p))}
     assert not uses, uses
 

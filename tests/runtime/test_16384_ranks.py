@@ -1,7 +1,7 @@
 """Sixteen thousand ranks, proven in one process: the library's own code as rank 16383 of
 16384, against the same at 64 ranks.
 
-One subprocess (a fresh default group each time) runs ``benchmarks.studies.scale``'s
+One subprocess (a fresh default group each time) runs ``studies.scale``'s
 measurement at P = 16384, then at P = 64: one rank of P on a process group that completes
 every collective at once and counts what NCCL would be asked (:mod:`matrixfsdp.testing.hollow`:
 NCCL's coalescing, so the runtime takes its NCCL path), for a transformers Llama with Llama 3
@@ -41,10 +41,10 @@ def _play() -> dict:
     import torch.distributed as dist
 
     import matrixfsdp as mf
-    from benchmarks.studies import scale
     from matrixfsdp.diagnosis import agree
     from matrixfsdp.optim import policy
     from matrixfsdp.runtime import checks, lazy_init
+    from studies import scale
 
     calls: list[tuple[str, int, int]] = []  # (function, bytes sent, longest tensor list handed)
     ran: list[str] = []  # the set-up checks, and any failure path taken

@@ -15,7 +15,7 @@ use. The asynchronous save's group is made with lazy connections instead (gloo c
 pair at its first use; torch's ``TORCH_GLOO_LAZY_INIT``): made in one store write a rank,
 it then holds what DCP's collectives use: every rank on the coordinator (DCP gathers each
 rank's plan there), a few on the others (gloo's trees and rings). Measured in
-``python -m benchmarks.studies.async_save --group``.
+``python -m studies.async_save --group``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ largest input handed to a gather at set-up, and per iteration (forward, backward
 host time (wall and this process's CPU time), NCCL launches and ops, and the longest list
 of tensors handed to one call.
 
-    python -m benchmarks.studies.scale --ranks 16384 [--rank R] [--iterations 3]
+    python -m studies.scale --ranks 16384 [--rank R] [--iterations 3]
 
 prints one JSON line. ``tests/runtime/test_16384_ranks.py`` runs it at P = 64 and P = 16384.
 """
@@ -83,7 +83,7 @@ def measure(world_size: int, rank: int, iterations: int = 3, layers: int = 126,
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        allow_abbrev=False, prog="python -m benchmarks.studies.scale", description=__doc__.split("\n\n")[0])
+        allow_abbrev=False, prog="python -m studies.scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", dest="world_size", type=int, default=16384,
                    help="P, the ranks of the world played (default: 16384; --world-size is "
                         "another name for it)")

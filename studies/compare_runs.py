@@ -1,7 +1,7 @@
 """Training runs side by side: loss and largest attention logit per step, from the
 ``summary.json`` of ``matrixfsdp train`` runs.
 
-``python -m benchmarks.studies.compare_runs LABEL=DIR ... [--out runs/compare.png]``
+``python -m studies.compare_runs LABEL=DIR ... [--out runs/compare.png]``
 prints a table (loss over the first and last 20 steps, held-out loss, largest logit) and
 draws the two curves per run (the loss smoothed over 10 steps). The per-head / QK-clip
 comparison of docs/optimizers.md is three ``matrixfsdp train`` runs compared this way
@@ -59,7 +59,7 @@ def plot(runs: list[tuple[str, dict]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        allow_abbrev=False, prog="python -m benchmarks.studies.compare_runs", description=__doc__,
+        allow_abbrev=False, prog="python -m studies.compare_runs", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="LABEL=DIR", help="a label and a train run's --out")
     ap.add_argument("--out", default="runs/compare.png", help="the plot (default: runs/compare.png)")

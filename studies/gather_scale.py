@@ -12,7 +12,7 @@ before, one all-reduce of 80 bytes now). A call that raises (on this process gro
 every rank looks like this one, the old descriptor check finds the even share's rows
 missing, after its exchange) is timed up to the raise.
 
-    python -m benchmarks.studies.gather_scale [--world-sizes 64 1024 4096 16384] [--calls 100]
+    python -m studies.gather_scale [--world-sizes 64 1024 4096 16384] [--calls 100]
 
 prints one JSON line per P.
 """
@@ -62,7 +62,7 @@ def measure(P: int, calls: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m benchmarks.studies.gather_scale",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m studies.gather_scale",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--world-sizes", type=int, nargs="+", default=[64, 1024, 4096, 16384])
     p.add_argument("--calls", type=int, default=100)

@@ -1,6 +1,6 @@
 """Newton-Schulz cost of per-head Muon against whole-matrix Muon, on one process.
 
-``python -m benchmarks.studies.heads [--dtype bf16|fp32] [--repeats 5] [--out runs/bench_heads]``
+``python -m studies.heads [--dtype bf16|fp32] [--repeats 5] [--out runs/bench_heads]``
 times :func:`matrixfsdp.zeropower_via_newtonschulz` (torch.optim.Muon's NS, 5 steps) on
 attention projections of a few shapes, once on the whole matrix and once batched over its
 head blocks (what ``num_heads`` makes ``mf.Muon`` run), and prints the median time, the
@@ -62,7 +62,7 @@ def measure(dtype: torch.dtype, repeats: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m benchmarks.studies.heads",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m studies.heads",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")

@@ -1,6 +1,6 @@
 """Newton-Schulz one matrix at a time against one batched NS of the same matrices.
 
-``python -m benchmarks.studies.batched_ns`` times ``matrixfsdp.Muon``'s step on many small
+``python -m studies.batched_ns`` times ``matrixfsdp.Muon``'s step on many small
 same-shape matrices (a rank's q/k/v/o of many layers, small experts), with ``batch_ns``
 off (torch.optim.Muon's way: one NS per matrix) and on (one ``bmm``/``baddbmm`` NS per
 shape), and reports the median step, the ratio, and the largest difference between the
@@ -77,7 +77,7 @@ def render(rows: list[dict], dtype: torch.dtype, device: torch.device) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m benchmarks.studies.batched_ns",
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m studies.batched_ns",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the NS dtype")

@@ -1,6 +1,6 @@
 """Training step time with synchronous, asynchronous and no checkpoint saves.
 
-``python -m benchmarks.studies.async_save [--repeats 2] [--ranks 4] [--steps 60]
+``python -m studies.async_save [--repeats 2] [--ranks 4] [--steps 60]
 [--save-every 5] [--out runs/async_save] [-- more matrixfsdp train arguments]``
 
 Runs ``matrixfsdp train`` (the demo's settings unless told otherwise) once per mode and
@@ -20,7 +20,7 @@ mean step; the whole loop; and per save the median time the loop was held
 (``blocking_seconds``) and from the call to the commit (``seconds``). Writes
 ``DIR/results.json`` and ``DIR/results.md``.
 
-``python -m benchmarks.studies.async_save --group [--ranks 4] [--saves 2]`` measures instead
+``python -m studies.async_save --group [--ranks 4] [--saves 2]`` measures instead
 what the asynchronous save's gloo group costs each rank (linux: sockets in
 ``/proc/self/fd``): the peers it connects and the seconds it takes to make, then the peers
 connected after each asynchronous save, made as gloo does by default (every pair at once:
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(
-        allow_abbrev=False, prog="python -m benchmarks.studies.async_save", description=__doc__,
+        allow_abbrev=False, prog="python -m studies.async_save", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=4)

@@ -1,4 +1,4 @@
-"""The per-operation step profile (``python -m benchmarks.studies.step_ops``): its timed step
+"""The per-operation step profile (``python -m studies.step_ops``): its timed step
 is the real Muon step, it checks that itself and raises when they part, and it times every
 operation of every matrix."""
 
@@ -12,7 +12,7 @@ from helpers.cli import captured_fds
 from torch import nn
 
 import matrixfsdp as mf
-from benchmarks.studies import step_ops
+from studies import step_ops
 
 
 def _muon_with_grads(seed: int = 0) -> tuple[mf.Muon, dict]:

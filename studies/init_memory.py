@@ -1,6 +1,6 @@
 """Peak memory per rank of the two ways to get a sharded, initialised model.
 
-``python -m benchmarks.studies.init_memory [--ranks 4] [--d-model 1024 --layers 16 --d-mlp 4096
+``python -m studies.init_memory [--ranks 4] [--d-model 1024 --layers 16 --d-mlp 4096
 --vocab 32000 --seq-len 1024 --heads 16] [--out DIR]``
 
 * ``meta``: build under ``torch.device("meta")``, ``fully_shard`` the blocks and the root,
@@ -162,7 +162,7 @@ def render(results: dict[str, dict]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        allow_abbrev=False, prog="python -m benchmarks.studies.init_memory", description=__doc__,
+        allow_abbrev=False, prog="python -m studies.init_memory", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--path", choices=(*PATHS, "both"), default="both")

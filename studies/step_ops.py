@@ -1,6 +1,6 @@
 """Where MatrixFSDP's optimizer step spends its time, operation by operation.
 
-``python -m benchmarks.studies.step_ops [--ranks 4] [--steps 6] [bench model options]`` (CPU,
+``python -m studies.step_ops [--ranks 4] [--steps 6] [bench model options]`` (CPU,
 gloo) trains the benchmark's default model (``matrixfsdp bench``'s CPU preset, or what the
 ``matrixfsdp bench`` options ``--layers``, ``--d-model``, ... given after it say) on local
 ranks and, in every step, times
@@ -25,12 +25,11 @@ import torch
 import torch.distributed as dist
 
 import matrixfsdp as mf
+from benchmarks.harness.main import parse_args as bench_config
 from matrixfsdp.optim.muon import adjusted_lr, stepped
 from matrixfsdp.optim.newton_schulz import newton_schulz_
 from matrixfsdp.train.launch import launch
 from matrixfsdp.train.models import GPT
-
-from ..harness.main import parse_args as bench_config
 
 ELEMENTWISE = ("lerp_", "lerp_ns_dtype", "mul_", "add_tall", "add_wide")
 
