@@ -107,6 +107,14 @@ def test_a_rank_stopped_in_dcp_is_named_and_the_run_ends_at_the_timeout(tmp_path
     lock_out(out).release()  # the lock went with the run's processes
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]  # 4 never committed
 
+
+@pytest.mark.heavy
+def test_a_rank_stopped_in_the_resume_s_read_is_named_and_the_run_ends_at_the_timeout(tmp_path):
+    """The same in the resume's read (heavy: the suite keeps the save's case above)."""
+    out = tmp_path / "run"
+    run, seconds, pid = _stopped_run(out, "saveplan", 2, 4, "--steps", "6", "--save-every", "2")
+    _check(run, seconds, pid, 2, "DCP's save planning")
+    lock_out(out).release()
     run, seconds, pid = _stopped_run(out, "loadread", 1, 2, "--steps", "4", "--resume")
     line = _check(run, seconds, pid, 1, "reading its part")
     assert f"{out / 'checkpoints' / 'step_00000002'}" in line and "(step 2, resume)" in line, line
