@@ -7,8 +7,11 @@ which then takes the GIL to release the Python object. If the main thread is fin
 interpreter at that moment, CPython ends the worker thread inside a ``noexcept`` destructor
 and the process aborts with "terminate called without an active exception", after all of
 its work is done (core dump: ``ProcessGroupGloo::runLoop`` -> ``~AsyncWork`` ->
-``~ThreadLocalState`` -> ``take_gil`` -> ``pthread_exit``; seen with torch 2.13). Any
-gloo job whose ranks exit shortly after a backward is exposed, FSDP2's included. A rank
+``~ThreadLocalState`` -> ``take_gil`` -> ``pthread_exit``; seen with torch 2.13). A work's
+output tensors do the same when their Python objects outlive it (``~AsyncWork`` ->
+``TensorImpl::decref_pyobject`` -> ``take_gil``: a ``dcp.save``'s broadcast). Any gloo
+job whose group outlives ``dist.destroy_process_group()`` into finalization (a mesh holds
+it) is exposed, FSDP2's included (docs/troubleshooting.md, "A rank aborts at exit"). A rank
 that has finished and flushed its output leaves through :func:`exit_rank`, which skips
 finalization, so the race cannot happen.
 """
