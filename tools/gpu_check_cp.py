@@ -53,7 +53,8 @@ def check_context_parallel(device: torch.device, world: int, out: Path,
     rank = dist.get_rank()
     folder = out / "context-parallel"
     folder.mkdir(parents=True, exist_ok=True)
-    # what torchrun would have set: torchtitan's trainer reads them
+    # what torchrun would have set (gpu-check's ranks are one node's: local = global rank);
+    # torchtitan's trainer reads them. The other checks read none of them.
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world),
                       MF_RANK=str(rank), MF_WORLD=str(world))
     seed = titan_runs.seed(str(folder), lambda: configured(False))
@@ -61,7 +62,7 @@ def check_context_parallel(device: torch.device, world: int, out: Path,
     for name, ours in (("fsdp2", False), ("ours", True)):
         path = folder / f"{name}.json"
         config = titan_cpu.on_cpu(configured(ours), dump_folder=str(folder / name),
-                                  metrics_path=str(path), positions=True)
+                                  metrics_path=str(path), positions=True, steps=CP_STEPS)
         config.parallelism.context_parallel_degree = degree
         config.training.mixed_precision_param = "float32"
         config.training.disable_cuda_graphs = True

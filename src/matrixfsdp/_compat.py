@@ -186,6 +186,36 @@ def compiled_in_place(module: nn.Module) -> bool:
 _STAGE_CALLERS = ("forward_maybe_with_nosync", "_compute_outputs")
 
 
+# torch.distributed.pipelining.PipelineStage's method run after the first step's metadata
+# inference (one real forward and backward): it clears FSDP2's gradients there (torch 2.9 to 2.13)
+_STAGE_METADATA_CLEANUP = "_post_metadata_inference_cleanup"
+
+
+def after_stage_metadata_inference(cls: type, then: Callable[[Any], None]) -> None:
+    """Make ``cls`` (a subclass of torch's ``PipelineStage``) run ``then(stage)`` after torch's
+    cleanup of its first step's metadata inference. Where this torch has no such method,
+    :func:`check_stage_metadata_inference` refuses to build a stage (the cleanup would be
+    skipped silently, and the inference's gradients kept)."""
+    if not callable(getattr(cls, _STAGE_METADATA_CLEANUP, None)):
+        return
+    base = getattr(cls, _STAGE_METADATA_CLEANUP)
+
+    def cleanup(stage: Any) -> None:
+        base(stage)
+        then(stage)
+
+    setattr(cls, _STAGE_METADATA_CLEANUP, cleanup)
+
+
+def check_stage_metadata_inference(cls: type) -> None:
+    """Raise where :func:`after_stage_metadata_inference` could not extend this torch's stage."""
+    if not callable(getattr(cls, _STAGE_METADATA_CLEANUP, None)):
+        raise NotImplementedError(
+            f"matrixfsdp: torch {torch.__version__}'s PipelineStage has no {_STAGE_METADATA_CLEANUP}, "
+            "where matrixfsdp.integrations.pipelining.PipelineStage drops the gradients of the first "
+            "step's shape inference; this torch is not supported by it (matrixfsdp._compat)")
+
+
 def calling_pipeline_stage(module: nn.Module, depth: int = 18) -> Any:
     """The ``torch.distributed.pipelining`` stage whose forward is calling ``module`` now
     (None if none): read from the stack, a few frames up (the module call, its hooks), by

@@ -309,3 +309,25 @@ def test_hf_export_loads_back_into_the_plain_model(reference, tmp_path):
     assert_params_close(dict(plain.named_parameters()), reference, what="HF export: ")
     back = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "hf"))
     assert all(torch.equal(p, res["llama"][n]) for n, p in back.named_parameters())
+
+
+def _unmatched(rank, world, out):
+    from types import SimpleNamespace
+
+    from helpers import titan_cpu
+    titan_cpu.import_torchtitan()
+    from matrixfsdp.integrations.torchtitan_optim import unmatched_anywhere
+    groups = [SimpleNamespace(pattern=p) for p in ("embeddings", "layers", "nowhere")]
+    mine = {0: [groups[0], groups[1]], 1: [groups[1]]}[rank]  # a first and a later pipeline stage
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(repr(unmatched_anywhere(groups, set(map(id, mine)))))
+
+
+def test_a_pattern_matched_on_another_pipeline_rank_is_no_error_anywhere(tmp_path):
+    """torchtitan's "pattern matched no parameters" error, for the whole model: a pattern the
+    first pipeline stage's parts match (the embeddings) is no error on a later stage's rank,
+    and one no rank matches is named on every rank alike (before: raised on the later
+    stage's rank only, while the others went on to wait)."""
+    spawn(_unmatched, 2, str(tmp_path))
+    got = {(tmp_path / f"rank{r}.txt").read_text() for r in range(2)}
+    assert got == {"['nowhere']"}, got

@@ -210,3 +210,25 @@ def test_machine_entries():
 @pytest.mark.parametrize("name", ["run_exit_handlers"])
 def test_exit_entry_exists(name):  # exercised by tests/runtime/test_exit.py in a child process
     assert callable(getattr(_compat, name))
+
+
+def test_pipeline_stage_runs_its_own_after_torch_s_metadata_cleanup():
+    """The library's stage extends torch's cleanup after the first step's shape inference
+    (``_compat.after_stage_metadata_inference``); a torch without that method is refused when
+    a stage is built, never skipped silently."""
+    from torch.distributed import pipelining
+
+    from matrixfsdp.integrations.pipelining import PipelineStage
+    name = _compat._STAGE_METADATA_CLEANUP
+    assert callable(getattr(pipelining.PipelineStage, name))
+    assert getattr(PipelineStage, name) is not getattr(pipelining.PipelineStage, name)
+    seen = []
+
+    class Stage:  # torch's method stands in; the library's runs after it
+        def _post_metadata_inference_cleanup(self):
+            seen.append("torch")
+    _compat.after_stage_metadata_inference(Stage, lambda stage: seen.append("ours"))
+    Stage()._post_metadata_inference_cleanup()
+    assert seen == ["torch", "ours"]
+    with pytest.raises(NotImplementedError, match=name):
+        _compat.check_stage_metadata_inference(type("Other", (), {}))

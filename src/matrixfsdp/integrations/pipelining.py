@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.distributed import pipelining
 
+from .. import _compat
 from ..runtime.module import FSDPModule, get_root
 from ..runtime.unit import ShardedState
 
@@ -60,6 +61,7 @@ class PipelineStage(pipelining.PipelineStage):
                     f"matrixfsdp: pipeline stage {stage_index}: {type(submodule).__name__} is a "
                     f"unit inside the model rooted at {type(self._root.module).__name__}; a stage "
                     "must be its own root: call fully_shard on the stage module last")
+        _compat.check_stage_metadata_inference(type(self))
         super().__init__(submodule, stage_index, num_stages, device, *args, **kwargs)
         self._user_flags: list[tuple[bool, bool]] | None = None  # while gradients are held
 
@@ -107,12 +109,11 @@ class PipelineStage(pipelining.PipelineStage):
                 if u.sharded_state is not ShardedState.PINNED:
                     u.register(u.sharded)
 
-    def _post_metadata_inference_cleanup(self) -> None:
+    def _discard_inference_grads(self) -> None:
         # torch infers the stage's metadata from one real forward and backward at the first
         # step, then clears the gradients of FSDP2's modules: a loss that runs backward
         # passes of its own (torchtitan's ChunkedLossWrapper through lm_head) leaves
         # gradients here too, of inputs that are no micro-batch's
-        super()._post_metadata_inference_cleanup()
         if self._root is not None:
             self._root.discard_grads()
 
@@ -121,3 +122,7 @@ class PipelineStage(pipelining.PipelineStage):
             self._release_grads()
             self._root.finish_grads()  # every gradient of the step to its owner, once
         super().perform_reduce_grad(grad_scale_factor)  # then torch scales the shards' .grad
+
+
+# after torch's cleanup of the first step's metadata inference (a private method of torch's)
+_compat.after_stage_metadata_inference(PipelineStage, PipelineStage._discard_inference_grads)

@@ -11,8 +11,10 @@ import re
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..diagnosis.agree import object_device
 from ..optim.groups import ADAMW_DEFAULTS, MUON_DEFAULTS
 from ..optim.muon import Muon
 from ..optim.plan_stamp import PLAN_KEYS
@@ -101,6 +103,19 @@ _TORCH_KEYS = {True: set(MUON_DEFAULTS) - {"ns_dtype", "num_heads", "batch_ns"},
 _SCHEDULER_KEYS = {"initial_lr"}
 
 
+def unmatched_anywhere(param_groups: list[Any], matched: set[int]) -> list[str]:
+    """The patterns of ``param_groups`` that no rank's model parts have a parameter for
+    (``matched``: the ids of those this rank's parts match). A pipeline rank holds some parts
+    only, so a pattern may match on another rank: one set-up all-reduce (MAX over the world)
+    gives every rank the same answer, and the same error where there is one."""
+    flags = [int(id(g) in matched) for g in param_groups]
+    if flags and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor(flags, dtype=torch.int32, device=object_device(None))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flags = t.tolist()
+    return [g.pattern for g, f in zip(param_groups, flags) if not f]
+
+
 class MatrixOptimizersContainer(OptimizersContainer):
     """torchtitan's ``OptimizersContainer``, building ``matrixfsdp.Muon`` from its param
     groups (one per model part): ``Muon`` / ``DistMuon`` groups as Muon groups (DistMuon's
@@ -142,7 +157,7 @@ class MatrixOptimizersContainer(OptimizersContainer):
                         "mf.matrix_optimizer (docs/optimizers.md)")
             self.optimizers.append(Muon(groups))
             all_params += [p for g in groups for p in g["params"]]
-        unmatched = [g.pattern for g in config.param_groups if id(g) not in matched]
+        unmatched = unmatched_anywhere(config.param_groups, matched)
         if unmatched:  # torchtitan's own error, for a pattern no part has a parameter for
             raise ValueError(f"Optimizer param_groups pattern '{unmatched[0]}' matched no "
                              "parameters")

@@ -28,7 +28,11 @@ def pipeline_llm(model: nn.Module, *, parallel_dims: Any, training: Any, paralle
     through torchtitan's own helpers (its split into parts, the pp rank's stage indices,
     its mesh callback, its schedule), each part ``parallelize_fn``'d before its stage is
     built (a stage takes a sharded part: the part is its root). Returns torchtitan's
-    ``(schedule, model_parts, has_first_stage, has_last_stage)``."""
+    ``(schedule, model_parts, has_first_stage, has_last_stage)``. It follows torchtitan
+    0.3.0's ``pipeline_llm`` step for step through that version's private helpers (the
+    version the Makefile installs): a torchtitan that renames them fails here by name, and
+    ``tests/integrations/test_torchtitan_nd.py`` compares the result with torchtitan's own
+    pipeline run."""
     from torchtitan.distributed import pipeline_parallel as tpp
 
     pp_mesh = parallel_dims.get_mesh("pp")

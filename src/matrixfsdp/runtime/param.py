@@ -276,8 +276,10 @@ def _partial_norms(tensors, ord=2, dtype=None) -> list[torch.Tensor]:
     p = float(ord)
     if not p > 0:
         raise ValueError(f"matrixfsdp: norm_type must be > 0 or inf, got {ord}")
-    # decided from the plan: alike everywhere
-    mesh = [_norm_mesh(r, grads[0].device.type) for r in roots.values()][0]
+    # decided from the plan: alike everywhere. Every root's mesh is made (each checks that
+    # no unit of it reaches outside its ranks); they reduce over the first root's
+    meshes = [_norm_mesh(r, grads[0].device.type) for r in roots.values()]
+    mesh = meshes[0]
     counted = [i for i, g in enumerate(grads) if g.numel() and g.info.steps_here() and (
         g.info.unit.domain.groups.replica == 0 or g.info.placement.owner is not None)]
     with plain_torch_function():

@@ -10,7 +10,9 @@ unsharded parameters to this rank's pieces, averaged, as the shards' ``.grad``.
 
 Each stage starts when the one before it is waited for; when that is, the schedule decides
 (:mod:`~matrixfsdp.runtime.overlap`: FSDP2's bound, one shard-group reduce in flight by
-default, every stage done by the end of backward). A parameter some rank had no gradient for waits for the
+default, every stage done by the end of backward), except that on a device with streams the
+stage after the shard group's is issued at once from the side stream
+(:meth:`~matrixfsdp.runtime.streams.Streams.chain`). A parameter some rank had no gradient for waits for the
 reduced flags, read on the host once at the end of the pass
 (:meth:`~matrixfsdp.runtime.root.Root.attach_unused`), which then attaches it here too.
 """

@@ -199,19 +199,7 @@ class Root:
         earlier micro-batches of that step included). A forward that raised leaves the
         gradients of earlier backward passes as they were, as torch does. Gradients on
         unsharded parameters are dropped; every unit is resharded, its step forgotten."""
-        failed_backward = self.in_backward
-        for unit in self.units:
-            unit.abandon(failed_backward)
-        self.schedule.finish_reduces()
-        self._unused = []
-        for unit in self.units:
-            unit.domain.replication.finish_broadcast(unit.index)
-        if failed_backward:  # after the reduces: what they attached goes too
-            for unit in self.units:
-                for p in unit.sharded:
-                    p.grad = None
-        self.schedule.end_step()
-        self.in_backward = self.forward_open = False
+        self._drop_step(drop_grads=self.in_backward)
         self.registration_check_due = True
 
     def discard_grads(self) -> None:
@@ -220,15 +208,25 @@ class Root:
         them), then the gradients kept without sync, those on unsharded parameters and the
         shards' ``.grad`` all None; every unit resharded. torch's pipeline stage runs one
         real forward and backward to infer its metadata, whose gradients it clears for
-        FSDP2 (:mod:`matrixfsdp.integrations.pipelining`)."""
+        FSDP2 (:mod:`matrixfsdp.integrations.pipelining`). Unlike :meth:`recover`, the
+        pass ended normally: the parameters' registration is as it was."""
+        self._drop_step(drop_grads=True)
+
+    def _drop_step(self, drop_grads: bool) -> None:
+        """End the step in flight on every rank alike: each unit resharded and its step
+        forgotten (with ``drop_grads``, its gradients kept without sync and on unsharded
+        parameters too), the reduces in flight and the replicas' broadcasts waited for, in
+        order; then, with ``drop_grads``, what the reduces attached goes too."""
         for unit in self.units:
-            unit.abandon(True)
+            unit.abandon(drop_grads)
         self.schedule.finish_reduces()
         self._unused = []
         for unit in self.units:
             unit.domain.replication.finish_broadcast(unit.index)
-            for p in unit.sharded:
-                p.grad = None
+        if drop_grads:  # after the reduces: what they attached goes too
+            for unit in self.units:
+                for p in unit.sharded:
+                    p.grad = None
         self.schedule.end_step()
         self.in_backward = self.forward_open = False
 

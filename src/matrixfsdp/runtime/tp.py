@@ -197,9 +197,11 @@ class TPGroups:
     ``gather`` (forward and backward gathers), ``grads`` (the gradients' last hop) and
     ``step`` (the Newton-Schulz of the matrices the tp group owns, in the optimizer step):
     the mesh's own group, its timeout bounded by the world's (no group made). One group serves
-    both: a unit's gradient hop starts where the schedule finishes its reduce,
-    a point the order of the units sets (:meth:`~matrixfsdp.runtime.overlap.Schedule.add_reduce`),
-    so every rank interleaves hops and gathers alike (one communicator, not two, on NCCL)."""
+    both: a unit's gradient hop is issued right after its shard-group reduce (from the side
+    stream, :meth:`~matrixfsdp.runtime.streams.Streams.chain`) or, without streams, where the
+    schedule finishes that reduce (:meth:`~matrixfsdp.runtime.overlap.Schedule.add_reduce`):
+    either way at a point the order of the units sets, so every rank interleaves hops and
+    gathers alike (one communicator, not two, on NCCL)."""
 
     def __init__(self, mesh: DeviceMesh, stats: CommStats):
         self.mesh = mesh
