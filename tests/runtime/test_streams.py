@@ -11,7 +11,11 @@ host; the order is what a GPU would see). On 4 gloo ranks, HSDP 2 x 2, two steps
 * the compute stream waits only by event (``wait_event``), at a unit's ``unshard`` and where
   the schedule finishes a reduce, never for the whole side stream, and each event it
   waits for was recorded on the side stream;
-* the parameters are bit-identical to the run without streams."""
+* the parameters are bit-identical to the run without streams.
+
+The same on 8 ranks, HSDP 2 x 2 x tp 2 (``tp_ownership="rank"``: the gradients' tp hop
+between the shard group's reduce and the replicate-dim reduce): the hop and the
+replicate-dim reduce after it are issued from the side stream too, each chained there."""
 
 from __future__ import annotations
 
@@ -19,11 +23,13 @@ import contextlib
 
 import torch
 from helpers.rank_pool import spawn
+from helpers.tp_models import apply_tp, build_llama
+from helpers.tp_training import PER, tp_data
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
 from matrixfsdp.runtime import collectives, root
-from matrixfsdp.runtime.streams import Streams
+from matrixfsdp.runtime.streams import Ready, Streams
 from matrixfsdp.train.models import GPT, GPTConfig
 
 CFG = GPTConfig(vocab_size=64, d_model=32, n_heads=2, n_layers=3, d_mlp=64, seq_len=8)
@@ -81,19 +87,35 @@ class _Device:
             self.now = before
 
 
-def _train(mesh, device: _Device | None) -> dict[str, torch.Tensor]:
+def _gpt(mesh):
     torch.manual_seed(0)
     model = GPT(CFG)
     for block in model.layers:
         mf.fully_shard(block, mesh=mesh)
     mf.fully_shard(model, mesh=mesh)
-    opt = mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=1e-3))
     g = torch.Generator().manual_seed(mesh.get_rank())
-    for step in range(2):
-        x = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g)
+    data = [torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=g) for _ in range(2)]
+    return model, [(x, x) for x in data]
+
+
+def _tp_llama(mesh):
+    dp = mesh["replicate", "shard"]
+    model = apply_tp(build_llama(), mesh["tp"], True)
+    for block in model.layers:
+        mf.fully_shard(block, mesh=dp)
+    mf.fully_shard(model, mesh=dp, tp_ownership="rank")
+    rank = dp._flatten().get_local_rank()
+    return model, [(x[rank * PER:(rank + 1) * PER, :-1], x[rank * PER:(rank + 1) * PER, 1:])
+                   for x in tp_data(4)[:2]]
+
+
+def _train(mesh, build, device: _Device | None) -> dict[str, torch.Tensor]:
+    model, data = build(mesh)
+    opt = mf.Muon(mf.muon_param_groups(model, lr=0.02, adamw_lr=1e-3))
+    for step, (x, y) in enumerate(data):
         if device is not None:  # the second, steady step (the first one also sets up)
             device.recording = step == 1
-        model.loss(x, x).backward()
+        model.loss(x, y).backward()
         opt.step()
         opt.zero_grad()
     if device is not None:
@@ -102,28 +124,37 @@ def _train(mesh, device: _Device | None) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank, world):
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    plain = _train(mesh, None)
+    shape, build = ((2, 2), _gpt) if world == 4 else ((2, 2, 2), _tp_llama)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard", "tp")[:len(shape)])
+    plain = _train(mesh, build, None)
     device = _Device()
     issue, wait = collectives.Comm._issue, collectives.Pending.wait
+    all_to_all = collectives.Comm.all_to_all  # tensor parallelism's, which counts itself
 
     def issued(comm, kind, *args, **kwargs):
         if device.recording:
             device.log.append(("issue", device.now.name, comm.prefix + kind))
         return issue(comm, kind, *args, **kwargs)
 
-    def waited(pending):
-        if pending.label and device.recording:
+    def issued_all_to_all(comm, *args, **kwargs):
+        if device.recording:
+            device.log.append(("issue", device.now.name, comm.prefix + "all_to_all"))
+        return all_to_all(comm, *args, **kwargs)
+
+    def waited(pending):  # a collective's own wait (not a chain's event, which stands in for it)
+        if pending.label and device.recording and not isinstance(pending._work, Ready):
             device.log.append(("wait", device.now.name, pending.label))
         return wait(pending)
     made = root.Streams
     root.Streams = lambda dev: Streams(dev, module=device)
     collectives.Comm._issue, collectives.Pending.wait = issued, waited
+    collectives.Comm.all_to_all = issued_all_to_all
     try:
-        ours = _train(mesh, device)
+        ours = _train(mesh, build, device)
     finally:
         root.Streams = made
         collectives.Comm._issue, collectives.Pending.wait = issue, wait
+        collectives.Comm.all_to_all = all_to_all
     assert all(torch.equal(plain[k], ours[k]) for k in plain)  # the same numbers
     log = device.log
     on = {}
@@ -145,7 +176,17 @@ def _worker(rank, world):
     assert compute_waits and set(compute_waits) <= recorded
     side_waits = [e for e in log if e[0] == "wait_stream" and e[1] == "side"]
     assert side_waits and all(e[2] == "compute" for e in side_waits)
+    if world == 8:  # the gradients' hop, then the replicate-dim reduce: both from the side stream
+        hops = [w for w in on if w[0] == "issue" and w[1].startswith("tp_grad_")]
+        assert hops and all(on[w] == {"side"} for w in hops), {w: on[w] for w in hops}
+        assert all(on.get(("wait", w[1]), {"side"}) == {"side"} for w in hops)
+        reps = [w for w in on if w[0] == "issue" and w[1].startswith("replicate_")]
+        assert reps and all(on[w] == {"side"} for w in reps), {w: on[w] for w in reps}
 
 
 def test_communication_waits_on_the_side_stream_and_compute_waits_only_by_event():
     spawn(_worker, 4)
+
+
+def test_under_tensor_parallelism_the_hop_and_the_replicate_reduce_chain_on_the_side_stream():
+    spawn(_worker, 8)

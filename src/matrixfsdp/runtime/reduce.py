@@ -11,8 +11,8 @@ unsharded parameters to this rank's pieces, averaged, as the shards' ``.grad``.
 Each stage starts when the one before it is waited for; when that is, the schedule decides
 (:mod:`~matrixfsdp.runtime.overlap`: FSDP2's bound, one shard-group reduce in flight by
 default, every stage done by the end of backward), except that on a device with streams the
-stage after the shard group's is issued at once from the side stream
-(:meth:`~matrixfsdp.runtime.streams.Streams.chain`). A parameter some rank had no gradient for waits for the
+stages after the shard group's are issued at once from the side stream, each as soon as the
+one before it is done there (:meth:`~matrixfsdp.runtime.streams.Streams.chain`). A parameter some rank had no gradient for waits for the
 reduced flags, read on the host once at the end of the pass
 (:meth:`~matrixfsdp.runtime.root.Root.attach_unused`), which then attaches it here too.
 """
@@ -60,8 +60,11 @@ class _Reduce:
     def after_shard_group(self) -> None:
         if self.shard.hop is None:
             self.after_tp()
-        else:  # TP: the slices of split matrices to the tp ranks holding them whole
-            self.unit.root.schedule.add_follow_up(self.shard.hop().then(self.after_tp))
+        else:  # TP: the slices of split matrices to the tp ranks holding them whole; on a
+            # device with streams, HSDP's replicate-dim reduce then starts from the side
+            # stream as soon as the hop is done there (the hop's buffers held till then)
+            root = self.unit.root
+            root.schedule.add_follow_up(root.streams.chain(self.shard.hop().then(self.after_tp)))
 
     def after_tp(self) -> None:
         unit, lay = self.unit, self.shard.layout

@@ -12,12 +12,11 @@ side stream, FSDP2's all-gather stream:
   (the shards it reads were written there; a buffer the compute stream freed is not reused
   before the compute stream is done with it), then the enclosed code issues and waits on
   it: a unit's prefetch (the replicas' broadcast it waits for, its gather, the tp hop);
-* :meth:`Streams.chain`: a shard-group reduce whose follow-up (the gradients' tp hop under
-  TP, else HSDP's replicate-dim reduce) is issued at once from the side stream, as soon as
-  the reduce is done on the device, not when the schedule next waits for it; its buffers
-  stay referenced until the compute stream has waited for the side stream. Under TP and
-  HSDP together the replicate-dim reduce follows the hop, and is issued where the schedule
-  waits for the hop (on the compute stream, as without streams);
+* :meth:`Streams.chain`: a shard-group reduce whose follow-ups (the gradients' tp hop,
+  HSDP's replicate-dim reduce; under both, the hop and then the replicate-dim reduce, the
+  hop chained in turn) are issued at once from the side stream, each as soon as the one
+  before it is done on the device, not when the schedule next waits for it; their buffers
+  stay referenced until the compute stream has waited for the side stream;
 * :class:`Ready`: the point (an event) on the side stream after such a chain, which the
   compute stream waits for, at a unit's ``unshard`` (before it reads the gathered
   parameters) and where the schedule finishes a reduce (before the compute stream reads a
