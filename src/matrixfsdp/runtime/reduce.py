@@ -12,9 +12,10 @@ Each stage starts when the one before it is waited for; when that is, the schedu
 (:mod:`~matrixfsdp.runtime.overlap`: FSDP2's bound, one shard-group reduce in flight by
 default, every stage done by the end of backward), except that on a device with streams the
 stages after the shard group's are issued at once from the side stream, each as soon as the
-one before it is done there (:meth:`~matrixfsdp.runtime.streams.Streams.chain`). A parameter some rank had no gradient for waits for the
-reduced flags, read on the host once at the end of the pass
-(:meth:`~matrixfsdp.runtime.root.Root.attach_unused`), which then attaches it here too.
+one before it is done there (:meth:`~matrixfsdp.runtime.streams.Streams.chain`). A
+parameter some rank had no gradient for waits for the reduced flags, read on the host once
+at the end of the pass (:meth:`~matrixfsdp.runtime.root.Root.attach_unused`), which then
+attaches it here too.
 """
 
 from __future__ import annotations
