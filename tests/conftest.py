@@ -39,17 +39,20 @@ def pytest_collection_finish(session):
 
 # The files that take longest (seconds each under `make test`'s two workers, measured on 2
 # cores with `--durations=0` on a fresh clone with a cold inductor cache, as CI runs,
-# 2026-12-06: 39 s down to 5 s), run first: `make test` hands whole files to two workers in
-# collection order (`--dist loadfile --no-loadscope-reorder`), so that longest-first leaves
-# only short files for the end, where one worker would otherwise run a long one alone. The
+# 2026-12-06; torchtitan's N-D and gpu-check files added 2026-12-07: 39 s down to 5 s), run
+# first: `make test` hands whole files to two workers in collection order (`--dist loadfile
+# --no-loadscope-reorder`), so that longest-first leaves only short files for the end, where
+# one worker would otherwise run a long one alone. The
 # first two pair the torchtitan trainer's two busy ranks with the hang tests' waiting;
 # test_compile comes early for its cold C++ build (30 s of one core on a fresh machine).
 LONGEST_FIRST = ("test_torchtitan_full_trainer.py", "test_run_failures_named.py", "test_compile.py",
-                 "test_cli_launch.py", "test_cli_hangs.py", "test_docs_examples.py",
+                 "test_torchtitan_nd.py", "test_cli_launch.py", "test_gpu_check.py",
+                 "test_cli_hangs.py", "test_docs_examples.py",
                  "test_pipelining.py", "test_tp_compose.py", "test_bench.py", "test_cli_run_lock.py",
                  "test_16384_ranks.py", "test_pip_install.py", "test_parity.py",
                  "test_torchtitan_pieces.py", "test_plan_search.py", "test_matrix_optimizers.py",
-                 "test_hsdp.py", "test_tp_group.py", "test_device_memory.py", "test_checkpoint.py",
+                 "test_hsdp.py", "test_tp_group.py", "test_device_memory.py", "test_plan_placements.py",
+                 "test_checkpoint.py", "test_plan_at_16384.py",
                  "test_imports.py",
                  "test_training_features.py", "test_cli_train.py", "test_plan_model.py",
                  "test_cli_never_destroys_work.py")
