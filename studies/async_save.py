@@ -113,7 +113,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _peers() -> int:
+def open_sockets() -> int:
     """Sockets this process holds (gloo: one per connected peer and group, one listening)."""
     n = 0
     for fd in os.listdir("/proc/self/fd"):
@@ -129,14 +129,15 @@ def _group_rank(args) -> None:
     does, then save; each rank's numbers into ``args.out_rank``."""
     rank = dist.get_rank()
     dist.barrier()
-    base = _peers()
+    base = open_sockets()
     t = time.perf_counter()
     twin_group(dist.group.WORLD, backend="gloo")  # what save_checkpoint(async_save=True) makes
-    row = {"rank": rank, "make_s": time.perf_counter() - t, "made": _peers() - base - 1}  # less its listener
+    # less its listener
+    row = {"rank": rank, "make_s": time.perf_counter() - t, "made": open_sockets() - base - 1}
     for i in range(args.saves):
         save_checkpoint({"x": torch.full((4,), float(rank))}, os.path.join(args.ckpt, f"step_{i}"),
                         async_save=True).result()
-        row[f"after_save_{i + 1}"] = _peers() - base - 1
+        row[f"after_save_{i + 1}"] = open_sockets() - base - 1
     with open(os.path.join(args.out_rank, f"rank{rank}.json"), "w") as f:
         json.dump(row, f)
     dist.barrier()

@@ -15,13 +15,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from . import tests_on_path
 from .gpu_check_judges import CP_STEPS, CP_TOL
 
 
@@ -36,7 +36,7 @@ def check_context_parallel(device: torch.device, world: int, out: Path,
         import torchtitan  # noqa: F401
     except ImportError:
         return {"skipped": "torchtitan is not installed (pip install -e '.[test]')"}
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    tests_on_path()
     from helpers import titan_cpu, titan_reference, titan_runs
     from helpers.reference import reference_ns_fp32
 

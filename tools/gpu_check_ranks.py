@@ -33,13 +33,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import matrixfsdp as mf
-from matrixfsdp._compat import torch_muon_newton_schulz
 from matrixfsdp.optim.muon import zeropower_via_newtonschulz
 from matrixfsdp.runtime.exit import exit_rank
 from matrixfsdp.train.launch import device_for
 from matrixfsdp.train.machine import barrier
 from matrixfsdp.train.models import GPT, GPTConfig
 
+from . import tests_on_path
 from .gpu_check_cp import check_context_parallel
 from .gpu_check_judges import (
     NS_SHAPES,
@@ -119,22 +119,6 @@ def sharded(device: torch.device, world: int, overlap: bool = True, model: nn.Mo
 
 # ---- parity ------------------------------------------------------------------------------------
 
-def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
-    """torch.optim.Muon's Newton-Schulz, in float32 in place of bfloat16 (the reference)."""
-    a, b, c = ns_coefficients
-    x = grad.float().clone()
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(ns_steps):
-        gram = x @ x.T
-        upd = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, upd, x, beta=a)
-    if grad.size(0) > grad.size(1):
-        x = x.T
-    return x
-
-
 def _worst(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
     return max(((ours[n].float() - p.float()).abs() / (1 + p.float().abs())).max().item()
                for n, p in ref.items() if p.numel())
@@ -154,7 +138,10 @@ def check_parity(device: torch.device, world: int, out: Path) -> dict[str, Any]:
     for x in data:
         step(model, [opt], x)
     behind = {}
-    with torch_muon_newton_schulz(_ns_fp32):
+    tests_on_path()
+    from helpers.reference import reference_ns_fp32
+
+    with reference_ns_fp32():
         for i, x in enumerate(data):
             if i == len(data) - 1:
                 behind = {n: p.detach().clone() for n, p in named}

@@ -6,27 +6,26 @@ the table names."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import plan_shapes
 from torch import nn
 
 from matrixfsdp.__main__ import main
 from matrixfsdp.advisor.advice import explain, peers_best
-from matrixfsdp.advisor.model_shapes import shapes_of
 from matrixfsdp.advisor.peers import bucket_sizes, dtensor_ns_ops
 from matrixfsdp.advisor.search import default_global_batch, search
 from matrixfsdp.costs.constants import OP_KINDS, Constants
 from matrixfsdp.costs.links import Group, GroupCost, Links
 from matrixfsdp.costs.steptime import SCHEDULES, Workload
 from matrixfsdp.layout.traffic import Dtypes
-from matrixfsdp.train.models import GPT, GPTConfig
 
-CFG = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=8, d_mlp=48,
-                gated_mlp=True, seq_len=8)
+CFG = dataclasses.replace(plan_shapes.CFG, n_layers=8)
 
 
 @pytest.fixture
@@ -99,9 +98,7 @@ def test_torch_muon_on_dtensor_issues_what_the_model_charges(fake_world, monkeyp
 
 
 def _shapes():
-    with torch.device("meta"):
-        model = GPT(CFG)
-    return shapes_of(model, list(model.layers))
+    return plan_shapes.gpt_shapes(CFG)
 
 
 def test_distmuon_runs_where_torchtitan_does_with_its_best_bucket_and_its_buffers():

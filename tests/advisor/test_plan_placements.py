@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import pytest
 import torch
+from helpers.plan_shapes import GiB, gpt_shapes
 
 from matrixfsdp.__main__ import main
 from matrixfsdp.advisor.evaluated import KEYS
@@ -32,17 +33,7 @@ from matrixfsdp.layout.assign import DEFAULT_RATES, ns_flops, ns_flops_split, tp
 from matrixfsdp.layout.planner import make_plan
 from matrixfsdp.layout.traffic import Dtypes
 from matrixfsdp.layout.units import unit_layouts
-from matrixfsdp.train.models import GPT, PRESETS, GPTConfig
-
-GiB = 2**30
-CFG = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=6, d_mlp=48,
-                gated_mlp=True, seq_len=8)
-
-
-def _shapes(cfg=CFG):
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return shapes_of(model, list(model.layers))
+from matrixfsdp.train.models import GPT, PRESETS
 
 
 def test_search_rates_are_the_runtimes_defaults_at_one_micro_batch():
@@ -62,7 +53,7 @@ def test_group_owned_matrices_cost_the_runtimes_arithmetic(ownership):
     per iteration and one for the norm per batch of same-shaped slices; a group-owned
     matrix travels as one slice per tp rank, never hopping; each tp rank holds its slice."""
     T, S = 4, 4
-    shapes = _shapes()
+    shapes = gpt_shapes()
     plan = make_plan(tp_specs(shapes, T), S, shapes.unit_names, tp_ownership=ownership)
     mats = [pl for pl in plan.placements.values() if pl.spec.muon]
     group = [pl for pl in mats if pl.tp_group]
@@ -136,7 +127,7 @@ def test_tp_ownership_flag_and_placement_counts(capsys):
 def test_fewest_checkpointed_blocks_that_fit():
     """The fewest of a stage's blocks whose checkpointing fits a budget: it fits, one fewer
     does not; none where every block checkpointed does not fit; 0 where none is needed."""
-    shapes = _shapes(PRESETS["llama3-70b"])
+    shapes = gpt_shapes(PRESETS["llama3-70b"])
     blocks, tokens = range(shapes.blocks), 8192
     need = [activation_bytes(shapes, blocks, tokens, 4, k, 1, True) for k in range(81)]
     assert all(a >= b for a, b in zip(need[1:], need[2:]))  # more checkpointed, less held

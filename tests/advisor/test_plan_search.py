@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from helpers.plan_shapes import GiB, gpt_shapes
 
 from matrixfsdp.__main__ import main
 from matrixfsdp.advisor.evaluated import KEYS
-from matrixfsdp.advisor.model_shapes import shapes_of, stage_blocks, stages, tp_specs
+from matrixfsdp.advisor.model_shapes import stage_blocks, stages, tp_specs
 from matrixfsdp.advisor.search import search
 from matrixfsdp.costs.comm_costs import UnitComm
 from matrixfsdp.costs.links import Group, GroupCost, Links, Mesh
@@ -20,17 +20,7 @@ from matrixfsdp.costs.steptime import simulate_pass
 from matrixfsdp.layout.planner import make_plan, with_even_params
 from matrixfsdp.layout.traffic import Dtypes, rank_held
 from matrixfsdp.layout.units import unit_layouts
-from matrixfsdp.train.models import GPT, GPTConfig
-
-GiB = 2**30
-CFG = GPTConfig(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, n_layers=6, d_mlp=48,
-                gated_mlp=True, seq_len=8)
-
-
-def _shapes(cfg=CFG):
-    with torch.device("meta"):
-        model = GPT(cfg)
-    return shapes_of(model, list(model.layers))
+from matrixfsdp.train.models import GPTConfig
 
 
 @pytest.mark.parametrize("world, shard, tp", [(8, 8, 1), (8, 4, 1), (16, 2, 1), (64, 64, 1),
@@ -39,7 +29,7 @@ def test_state_spread_is_the_per_rank_model(world, shard, tp):
     """The search's model state (difference arrays, all ranks at once) equals max and mean
     of :func:`traffic.rank_held`, rank by rank, the model tests/advisor/test_plan_model.py checks
     against 8 gloo ranks."""
-    shapes = _shapes()
+    shapes = gpt_shapes()
     plan = make_plan(tp_specs(shapes, tp), world, shapes.unit_names, shard_size=shard)
     units = unit_layouts(plan, tp)
     every = [rank_held(units, w, t).total for w in range(world) for t in range(tp)]
@@ -52,7 +42,7 @@ def test_a_stage_planned_from_its_blocks_is_the_stage_planned_whole(world, shard
     """The search plans a stage's blocks once and adds each stage's root parameters: the
     same owners, ranges and bytes as planning each stage whole (the root's rows add the same
     bytes to every rank, so the assignment cannot change)."""
-    shapes = _shapes()
+    shapes = gpt_shapes()
     for st in stages(shapes.specs, shapes.unit_names, 2):
         whole = make_plan(st.specs, world, st.unit_names, shard_size=shard)
         blocks = make_plan([s for s in st.specs if s.unit], world, st.unit_names,
@@ -65,7 +55,7 @@ def test_a_stage_planned_from_its_blocks_is_the_stage_planned_whole(world, shard
 
 
 def test_model_as_tensor_parallelism_and_stages_see_it():
-    shapes = _shapes()
+    shapes = gpt_shapes()
     specs = {s.name: s for s in tp_specs(shapes, 2)}
     assert specs["layers.0.attn.k.weight"].tp == 2 and specs["layers.0.mlp.proj.weight"].tp == 2
     assert specs["embed.weight"].shape == (32, 32) and specs["head.weight"].shape == (32, 32)
@@ -125,7 +115,7 @@ def test_a_pass_prefetches_one_unit_ahead():
 def _search(device_memory, **kw):
     cfg = GPTConfig(vocab_size=4096, d_model=1024, n_heads=16, n_kv_heads=8, n_layers=8,
                     d_mlp=2816, gated_mlp=True, seq_len=2048)
-    return search(_shapes(cfg), 32, device_memory, dtypes=Dtypes(4, 2, 4), **kw)
+    return search(gpt_shapes(cfg), 32, device_memory, dtypes=Dtypes(4, 2, 4), **kw)
 
 
 def test_the_advice_is_the_fastest_layout_that_fits():

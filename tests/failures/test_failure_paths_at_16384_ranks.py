@@ -167,14 +167,7 @@ def _fake_world(world: int) -> dict:
         check(unit, debug.FORWARD_GATHER, 4096, 0x1234abcd)
     out = {"check_bytes": sum(moved) / 3, "check_store_writes": store.writes - before}
 
-    def sockets() -> int:
-        n = 0
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
-            except OSError:
-                pass
-        return n
+    from studies.async_save import open_sockets as sockets
     reads, writes, fds, t = store.reads, store.writes, sockets(), time.monotonic()
     twin = twin_group(dist.group.WORLD, backend="gloo")
     out.update(twin_s=time.monotonic() - t, twin_reads=store.reads - reads, twin_writes=store.writes - writes,

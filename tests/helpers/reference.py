@@ -7,9 +7,9 @@ import os
 
 import torch
 import torch.nn.functional as F
-import torch.optim._muon as torch_muon
 from torch import nn
 
+from matrixfsdp._compat import torch_muon_newton_schulz
 from matrixfsdp.train.models import GPT, GPTConfig
 
 
@@ -75,14 +75,10 @@ def _ns_fp32(grad, ns_coefficients, ns_steps, eps):
     return x
 
 
-@contextlib.contextmanager
 def reference_ns_fp32():
-    original = torch_muon._zeropower_via_newtonschulz
-    torch_muon._zeropower_via_newtonschulz = _ns_fp32
-    try:
-        yield
-    finally:
-        torch_muon._zeropower_via_newtonschulz = original
+    """``torch.optim.Muon`` with its Newton-Schulz in float32 while entered (the references'
+    NS; torch's runs in bf16 and has no option)."""
+    return torch_muon_newton_schulz(_ns_fp32)
 
 
 BLOCK_LISTS = ("layers", "h")  # the block lists: GPT, MHAModel, Llama, Qwen ("layers"); GPT-2 ("h")

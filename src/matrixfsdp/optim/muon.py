@@ -272,13 +272,7 @@ class Muon(torch.optim.Optimizer):
             update = newton_schulz_(x, group["ns_coefficients"], group["ns_steps"], group["eps"])
             _apply(p, update.reshape(p.shape), lr, group, x.shape)
         for (shape, _), items in batches.items():
-            per = max(1, BATCH_NS_NUMEL // math.prod(shape))
-            for at in range(0, len(items), per):
-                chunk = items[at:at + per]
-                xs = self._ns_input(torch.empty((len(chunk), *shape), device="meta"),
-                                    group["ns_dtype"], chunk[0][1].device)
-                for x, (p, grad) in zip(xs, chunk):
-                    self._nesterov(x, grad, self.state[p]["momentum_buffer"], group)
+            for chunk, xs in self._batched_inputs(items, shape, group):
                 update = newton_schulz_(xs, group["ns_coefficients"], group["ns_steps"],
                                          group["eps"])
                 for u, (p, _) in zip(update, chunk):
@@ -303,13 +297,7 @@ class Muon(torch.optim.Optimizer):
                     f"matrixfsdp.Muon: per-head Muon of '{_name(items[0][0])}' {split.shape} "
                     f"({heads} heads of {rows} rows) whose tp slices of {shape[0]} rows split a "
                     "head; use tp_ownership=\"rank\" for it, or a tp size that divides the heads")
-        per = max(1, BATCH_NS_NUMEL // math.prod(shape))
-        for at in range(0, len(items), per):
-            chunk = items[at:at + per]
-            xs = self._ns_input(torch.empty((len(chunk), *shape), device="meta"),
-                                group["ns_dtype"], chunk[0][1].device)
-            for x, (p, grad) in zip(xs, chunk):
-                self._nesterov(x, grad, self.state[p]["momentum_buffer"], group)
+        for chunk, xs in self._batched_inputs(items, shape, group):
             if not heads:
                 update = newton_schulz_split_(xs, *ns, split.shape, split.dim, split.all_reduce)
                 for u, (p, _) in zip(update, chunk):
@@ -322,6 +310,20 @@ class Muon(torch.optim.Optimizer):
                 else:
                     u = newton_schulz_split_(h, *ns, (rows, split.shape[1]), 1, split.all_reduce)
                 _apply(p, u.reshape(p.shape), lr, group, (rows, split.shape[1]))
+
+    def _batched_inputs(self, items: list[tuple[torch.Tensor, torch.Tensor]], shape: tuple[int, ...],
+                        group: dict) -> Iterator[tuple[list, torch.Tensor]]:
+        """Same-shaped ``(param, grad)`` pairs in chunks of at most ``BATCH_NS_NUMEL``
+        elements, each with its batched NS input (the Nesterov lerp of every pair, in the
+        group's NS dtype)."""
+        per = max(1, BATCH_NS_NUMEL // math.prod(shape))
+        for at in range(0, len(items), per):
+            chunk = items[at:at + per]
+            xs = self._ns_input(torch.empty((len(chunk), *shape), device="meta"),
+                                group["ns_dtype"], chunk[0][1].device)
+            for x, (p, grad) in zip(xs, chunk):
+                self._nesterov(x, grad, self.state[p]["momentum_buffer"], group)
+            yield chunk, xs
 
     @staticmethod
     def _nesterov(x: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, group: dict) -> None:
